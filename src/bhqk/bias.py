@@ -1,0 +1,140 @@
+"""Additive biases on the scores, a separate argument from the bool mask: ``S = S + bias``.
+
+A bias is evaluated per tile like a mask, so fast paths never build [B, H, Q, K] for ALiBi.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import MaskError
+from .masks.base import Extent, causal_offset
+from .shapes import Sizes, check_broadcast
+
+
+class Bias:
+    """Base of every bias: :meth:`block` gives a float tile broadcastable to [B, H, q, k]."""
+
+    def check(self, ext: Extent) -> None:
+        """Raise MaskError if this bias cannot live in ``ext``."""
+
+    def block(self, ext: Extent, q0: int, q1: int, k0: int, k1: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def materialize(self, B: int, H: int, Q: int, K: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        ext = Extent(B, H, Q, K)
+        self.check(ext)
+        out = self.block(ext, 0, Q, 0, K, device, dtype)
+        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # [#B, #H, #Q, #K]
+
+    def __add__(self, other: Bias) -> Bias:
+        return Sum(self, as_bias(other))
+
+
+class Sum(Bias):
+    def __init__(self, a: Bias, b: Bias) -> None:
+        self.a, self.b = a, b
+
+    def check(self, ext):
+        self.a.check(ext)
+        self.b.check(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
+        return self.a.block(ext, q0, q1, k0, k1, device, dtype) + self.b.block(ext, q0, q1, k0, k1, device, dtype)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} + {self.b!r})"
+
+
+class Dense(Bias):
+    """A float tensor broadcastable to [B, H, Q, K]."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            hint = " A bool tensor is a mask: pass it as mask=." if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool else ""
+            raise MaskError(f"bias must be a floating-point tensor, got {got}.{hint}")
+        if tensor.dim() > 4:
+            raise MaskError(f"bias has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
+        if bool(torch.isnan(tensor).any()):
+            raise MaskError("bias contains NaN; use -inf (or a bool mask) for positions that may not be attended.")
+        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
+
+    def check(self, ext):
+        check_broadcast("bias", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
+
+    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
+        t = self.tensor
+        t = t[:, :, q0:q1] if t.shape[2] != 1 else t
+        t = t[:, :, :, k0:k1] if t.shape[3] != 1 else t
+        return t.to(device=device, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"bias.dense(<{list(self.tensor.shape)}>)"
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi head slopes (Press et al.): a geometric sequence from 2^(-8/n) for a power of two n,
+    with the interleaved extra slopes of the reference implementation otherwise."""
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if num_heads <= 0:
+        raise MaskError(f"alibi needs num_heads >= 1, got {num_heads}.")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest != num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(Bias):
+    """``bias[h, i, j] = -slope[h] · |pos(i) − j|``; under a causal mask this equals the usual
+    ``slope · (j − i)`` and, up to a per-row constant that softmax ignores, BLOOM's ``slope · j``."""
+
+    def __init__(self, num_heads: int, align: str | None = None) -> None:
+        self.slopes = alibi_slopes(num_heads)
+        self.num_heads, self.align = num_heads, align
+
+    def check(self, ext):
+        if ext.H != self.num_heads:
+            raise MaskError(f"alibi was built for {self.num_heads} heads but H={ext.H}.")
+        causal_offset(self.align, ext.Q, ext.K, "alibi")
+
+    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
+        off = causal_offset(self.align, ext.Q, ext.K, "alibi")
+        qi = torch.arange(q0, q1, device=device)[:, None] + off  # [q, 1]
+        ki = torch.arange(k0, k1, device=device)[None, :]  # [1, k]
+        dist = (qi - ki).abs().to(dtype)  # [q, k]
+        return -self.slopes.to(device=device, dtype=dtype)[:, None, None] * dist  # [H, q, k]
+
+    def __repr__(self) -> str:
+        return f"alibi({self.num_heads})"
+
+
+def alibi(num_heads: int, align: str | None = None) -> ALiBi:
+    """ALiBi linear biases with the standard slopes; ``align`` as for causal masks when Q ≠ K."""
+    return ALiBi(num_heads, align)
+
+
+def dense(tensor: torch.Tensor) -> Dense:
+    """Any float tensor broadcastable to [B, H, Q, K], added to the scores."""
+    return Dense(tensor)
+
+
+def from_torch_mha(attn_mask: torch.Tensor, *, num_heads: int) -> Dense:
+    """A float ``nn.MultiheadAttention`` attn_mask ([Q, K] or [B·H, Q, K]) as an additive bias."""
+    if attn_mask.dim() == 3:
+        bh, Q, K = attn_mask.shape
+        attn_mask = attn_mask.reshape(bh // num_heads, num_heads, Q, K)  # [B·H, Q, K] -> [B, H, Q, K]
+    return Dense(attn_mask)
+
+
+def as_bias(bias: Bias | torch.Tensor | None) -> Bias | None:
+    """Accept a bhqk bias, a float tensor (wrapped by ``dense``) or None."""
+    if bias is None or isinstance(bias, Bias):
+        return bias
+    return Dense(bias)

@@ -1,0 +1,63 @@
+"""``bhqk demo``: the first seed's worked example, then a multi-head forward with its trace."""
+
+from __future__ import annotations
+
+import torch
+
+from .functional import attention, attention_weights
+from .inspect import trace
+from .nn import MultiHeadAttention
+from .text import number_grid
+
+# The first seed's matrices: n = 4 tokens, d = 3.
+SEED_Q = [[1.1, 2.2, 3.3], [4.4, 5.5, 6.6], [7.7, 8.8, 9.9], [1.2, 2.3, 3.4]]
+SEED_K = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9], [1.0, 1.1, 1.2]]
+
+
+def seed_example() -> str:
+    """S = Q·Kᵀ, P = softmax(S), O = P·V for the seed's 4×3 matrices (scale 1, as the seed writes it)."""
+    q = torch.tensor(SEED_Q, dtype=torch.float64)[None, None]  # [B=1, H=1, Q=4, d=3]
+    k = torch.tensor(SEED_K, dtype=torch.float64)[None, None]  # [B=1, H=1, K=4, d=3]
+    v = k.clone()  # the seed gives no V; use V = K so O has the seed's d = 3
+    S = (q @ k.transpose(-2, -1))[0, 0]  # [Q, K], exactly the seed's `score = Q @ K.t()`
+    P = attention_weights(q, k, scale=1.0)[0, 0]  # [Q, K]
+    O = attention(q, k, v, scale=1.0, backend="reference")[0, 0]  # [Q, dv]
+    lines = [
+        "1. The first seed's example, one batch element and one head (B=1, H=1):",
+        f"   Q: {list(q.shape[2:])} = [Q=4, d=3]   K: {list(k.shape[2:])} = [K=4, d=3]",
+        f"   S = Q·Kᵀ: [Q, d] @ [d, K] -> [Q, K] = {list(S.shape)}  (row = query, column = key)",
+        number_grid(S.tolist(), "{:9.4f}"),
+        "   P = softmax(S) row by row (scale 1 as in the seed; bhqk's default is 1/√d):",
+        number_grid(P.tolist(), "{:9.4f}"),
+        f"   row sums: {[round(x, 6) for x in P.sum(-1).tolist()]}",
+        f"   O = P·V with V = K: [Q, K] @ [K, dv] -> [Q, dv] = {list(O.shape)}  (each token keeps width 3)",
+        number_grid(O.tolist(), "{:9.4f}"),
+    ]
+    return "\n".join(lines)
+
+
+def multihead_example() -> str:
+    """A cross-attention forward (Q ≠ K, GQA) with the trace of what flowed."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2)
+    x, ctx = torch.randn(2, 5, 64), torch.randn(2, 7, 64)
+    with trace(mha) as t:
+        out = mha(x, ctx)
+    return "\n".join([
+        "2. MultiHeadAttention(D=64, H=8, Hkv=2): x [B=2, Q=5, D=64] attends to a context [B=2, K=7, D=64]",
+        f"   output: {list(out.shape)} = [B, Q, D]; the trace of the call:",
+        str(t),
+    ])
+
+
+def run() -> str:
+    return "\n\n".join([seed_example(), multihead_example(), next_steps()])
+
+
+def next_steps() -> str:
+    return "\n".join([
+        "Try next:",
+        "  bhqk explain --batch 2 --heads 8 --q-len 5 --k-len 7 --head-dim 64 --kv-heads 2 [--lang zh]",
+        "  bhqk mask causal --q-len 4 --k-len 6 --align bottom_right",
+        "  bhqk mask sliding_window --q-len 8 --left 2",
+    ])

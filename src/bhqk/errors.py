@@ -1,0 +1,17 @@
+"""The library's error types. A user's mistake is a ValueError subclass that names what is wrong."""
+
+
+class ShapeError(ValueError):
+    """A tensor's shape does not fit the named sizes bound so far (B, H, Hkv, Q, K, d, dv, D)."""
+
+
+class MaskError(ValueError):
+    """A mask or bias cannot be used as given: wrong dtype, does not broadcast, ambiguous alignment."""
+
+
+class BackendError(ValueError):
+    """A backend was asked for a call it cannot take; the message says why (see ``why_not``)."""
+
+
+class LoadError(ValueError):
+    """A checkpoint does not fit the model: missing, unexpected or mis-shaped keys, unknown architecture."""

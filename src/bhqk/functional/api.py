@@ -1,0 +1,59 @@
+"""The public functions: ``attention`` and ``attention_weights``. Pure: no state, no side effects
+beyond handing data to active observers (trace, capture)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import observe
+from . import reference
+from .problem import Problem, prepare
+from .registry import resolve
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    layout: str = "bhnd",
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
+    """Multi-head attention ``softmax(Q·Kᵀ·scale + bias, masked) · V``.
+
+    q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv] → out [B, H, Q, dv] (``layout="bnhd"``:
+    [B, N, H, ·] in and out). ``H % Hkv == 0`` (GQA/MQA). ``mask``: bool broadcastable to
+    [B, H, Q, K], True = may attend, or a ``bhqk.masks`` mask. ``bias``: float, added to the scores.
+    ``softcap``: scores become ``softcap·tanh(S/softcap)`` before the bias. ``scale`` defaults to
+    1/√d. Fully masked rows give 0. ``return_lse=True`` returns ``(out, lse [B, H, Q])``.
+    """
+    options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
+    p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options)
+    be = resolve(backend, p, return_lse)
+    out, lse = be.run(p, return_lse)  # out [B, H, Q, dv]
+    if observe.active():
+        observe.emit("attention", problem=p, backend=be.name, out=out, lse=lse)
+    if layout == "bnhd":
+        out = out.transpose(1, 2)  # [B, H, Q, dv] -> [B, Q, H, dv]
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(q, k, mask=None, *, bias=None, scale=None, softcap=None, layout="bhnd") -> torch.Tensor:
+    """P [B, H, Q, K] (rows sum to 1; 0 for fully masked rows), in q's dtype."""
+    v = k.new_empty(k.shape[:-1] + (0,))  # binds shapes only: k's layout with dv = 0
+    p = prepare(q, k, v, mask, bias, scale, softcap, 0.0, layout)
+    P, _ = reference.weights(p)
+    return P.to(q.dtype)
+
+
+def problem(q, k, v, mask=None, **kw) -> Problem:
+    """The checked call that backends receive (for tools and tests)."""
+    return prepare(q, k, v, mask, **kw)

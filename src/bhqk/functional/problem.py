@@ -1,0 +1,73 @@
+"""One attention call, checked and in the bhnd layout: what every backend receives."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..bias import Bias, as_bias
+from ..errors import MaskError, ShapeError
+from ..masks import Extent, Mask, as_mask
+from ..shapes import Sizes, check_qkv
+
+
+@dataclass
+class Problem:
+    """q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv] (views of the caller's tensors)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sizes: Sizes
+    mask: Mask | None = None
+    bias: Bias | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+    dropout_p: float = 0.0
+    options: dict = field(default_factory=dict)  # backend tuning, e.g. block_q / block_k for "tiled"
+
+    @property
+    def ext(self) -> Extent:
+        s = self.sizes
+        return Extent(s["B"], s["H"], s["Q"], s["K"])
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 = plain multi-head, H = multi-query)."""
+        return self.sizes["H"] // self.sizes["Hkv"]
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    layout: str = "bhnd",
+    options: dict | None = None,
+) -> Problem:
+    """Check everything about a call once, bind the named sizes, and bring q, k, v to bhnd."""
+    sizes = check_qkv(q, k, v, layout)
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, H, d] -> [B, H, N, d] (a view)
+    mask = as_mask(mask)
+    bias = as_bias(bias)
+    ext = Extent(sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
+    for value in (mask, bias):
+        if value is not None:
+            try:
+                value.check(ext)
+            except MaskError as e:
+                raise MaskError(f"{e}\n{sizes.table()}") from None
+    if scale is None:
+        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0
+    if softcap is not None and not softcap > 0:
+        raise ShapeError(f"softcap must be a positive number, got {softcap}.")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}.")
+    return Problem(q, k, v, sizes, mask, bias, float(scale), softcap, float(dropout_p), dict(options or {}))

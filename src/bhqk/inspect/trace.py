@@ -1,0 +1,76 @@
+"""``with bhqk.trace() as t: model(x)`` records the named shapes that actually flowed through each
+attention call; ``print(t)`` shows the table. Nothing is stored on modules."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .. import observe
+from ..text import named_shape, table
+
+
+@dataclass
+class Call:
+    """One attention call: the backend that ran it and the named shapes of its tensors."""
+
+    index: int
+    backend: str
+    sizes: dict[str, int]
+    shapes: dict[str, str]
+    mask: str
+    module: str = ""
+    steps: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Trace:
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.calls: list[Call] = []
+        self._names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else {}
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        if event == "attention":
+            p = data["problem"]
+            s = p.sizes.size
+            shapes = {
+                "q": named_shape(("B", "H", "Q", "d"), p.q.shape),
+                "k": named_shape(("B", "Hkv", "K", "d"), p.k.shape),
+                "v": named_shape(("B", "Hkv", "K", "dv"), p.v.shape),
+                "S, P": named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"])),
+                "out": named_shape(("B", "H", "Q", "dv"), data["out"].shape),
+            }
+            mask = repr(p.mask) if p.mask is not None else "none"
+            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask))
+        elif event == "mha" and self.calls:
+            m = data["module"]
+            call = self.calls[-1]
+            call.module = self._names.get(id(m), f"{type(m).__name__}")
+            x, out = data["x"], data["out"]
+            if x is not None:
+                call.steps.append(("x", named_shape(("B", "Q", "D"), x.shape)))
+            call.steps.append(("merge heads", named_shape(("B", "Q", "H·dv"), data["merged"].shape)))
+            call.steps.append(("out", named_shape(("B", "Q", "D"), out.shape)))
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __str__(self) -> str:
+        if not self.calls:
+            return "trace: no attention calls recorded"
+        rows = []
+        for c in self.calls:
+            steps = "  ".join(f"{k} {v}" for k, v in c.steps)
+            rows.append([c.index, c.module or "-", c.backend, c.shapes["q"], c.shapes["k"], c.shapes["v"],
+                         c.shapes["S, P"], c.shapes["out"], c.mask, steps])
+        return table(["#", "module", "backend", "q", "k", "v", "S, P (virtual)", "out", "mask", "module steps"], rows)
+
+
+@contextlib.contextmanager
+def trace(model: nn.Module | None = None):
+    """Record every attention call inside the block; pass ``model`` to name calls by module path."""
+    t = Trace(model)
+    with observe.observing(t):
+        yield t

@@ -1,0 +1,22 @@
+"""Masks as values. ``True`` = may attend, in the [B, H, Q, K] layout.
+
+Combine with ``&``, ``|``, ``~``; ``materialize(B, H, Q, K)`` gives a bool tensor; ``str(mask)``
+draws it; ``classify(extent, q0, q1, k0, k1)`` says whether a tile is empty, full or partial.
+"""
+
+from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks
+from .causal import Causal, causal
+from .convert import as_mask, from_hf, from_torch_mha, to_sdpa
+from .dense import Dense, dense
+from .document import Document, document
+from .padding import KeyPadding, KeysBelow, key_padding, padding
+from .predicate import Predicate, predicate
+from .prefix import PrefixLM, prefix_lm
+from .window import SlidingWindow, sliding_window
+
+__all__ = [
+    "Mask", "Tile", "Extent", "And", "Or", "Not", "and_masks", "or_masks",
+    "causal", "padding", "key_padding", "sliding_window", "document", "prefix_lm", "predicate", "dense",
+    "from_torch_mha", "from_hf", "to_sdpa", "as_mask",
+    "Causal", "KeysBelow", "KeyPadding", "SlidingWindow", "Document", "PrefixLM", "Predicate", "Dense",
+]

@@ -1,0 +1,218 @@
+"""Mask values: what each query may attend to, in the [B, H, Q, K] layout. ``True`` = may attend.
+
+A mask is evaluated on a tile ``[q0:q1, k0:k1]`` of the full extent (B, H, Q, K) and can say
+whether a tile is empty, full or partial without evaluating it, so fast paths can skip work.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MaskError
+from ..text import grid
+
+
+class Tile(enum.Enum):
+    EMPTY = "empty"  # no query in the tile may attend to any key in it: skip
+    FULL = "full"  # every query may attend to every key: no mask to evaluate
+    PARTIAL = "partial"  # evaluate the mask on this tile
+
+
+@dataclass(frozen=True)
+class Extent:
+    """The full sizes a mask lives in: scores are [B, H, Q, K]."""
+
+    B: int
+    H: int
+    Q: int
+    K: int
+
+
+def causal_offset(align: str | None, Q: int, K: int, who: str) -> int:
+    """Query i sits at key position ``i + offset``: 0 for top_left, ``K - Q`` for bottom_right."""
+    if align is None:
+        if Q != K:
+            raise MaskError(
+                f"{who} needs an alignment because Q={Q} ≠ K={K}: pass align='top_left' (query i is key "
+                f"position i, as PyTorch's is_causal) or align='bottom_right' (the last query is the last "
+                f"key, as FlashAttention ≥ 2.1 and decoding with a KV cache)."
+            )
+        return 0
+    if align == "top_left":
+        return 0
+    if align == "bottom_right":
+        return K - Q
+    raise MaskError(f"{who}: align must be 'top_left' or 'bottom_right', got {align!r}.")
+
+
+class Mask:
+    """Base of every mask. Subclasses implement :meth:`block` and, where they can, :meth:`classify`."""
+
+    def check(self, ext: Extent) -> None:
+        """Raise MaskError if this mask cannot live in ``ext`` (wrong batch size, missing alignment...)."""
+
+    def block(self, ext: Extent, q0: int, q1: int, k0: int, k1: int, device: torch.device | None = None) -> torch.Tensor:
+        """Bool tensor broadcastable to [B, H, q1-q0, k1-k0]: the tile's entries of the mask."""
+        raise NotImplementedError
+
+    def classify(self, ext: Extent, q0: int, q1: int, k0: int, k1: int) -> Tile:
+        """Empty, full or partial for the tile, over every batch element and head. Never wrong;
+        PARTIAL is always safe. The default evaluates the tile."""
+        t = self.block(ext, q0, q1, k0, k1)
+        if not bool(t.any()):
+            return Tile.EMPTY
+        if bool(t.all()):
+            return Tile.FULL
+        return Tile.PARTIAL
+
+    def materialize(self, B: int, H: int, Q: int, K: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole mask as a bool tensor broadcastable to [B, H, Q, K]."""
+        ext = Extent(B, H, Q, K)
+        self.check(ext)
+        out = self.block(ext, 0, Q, 0, K, None if device is None else torch.device(device))
+        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # [#B, #H, #Q, #K]
+
+    def __and__(self, other: Mask) -> Mask:
+        return And(self, _as_mask(other))
+
+    def __or__(self, other: Mask) -> Mask:
+        return Or(self, _as_mask(other))
+
+    def __invert__(self) -> Mask:
+        return Not(self)
+
+    def natural_size(self) -> tuple[int, int] | None:
+        """(Q, K) this mask implies on its own, if any (a dense mask does); used by ``str``."""
+        return None
+
+    def draw(self, Q: int | None = None, K: int | None = None, *, b: int = 0, h: int = 0, B: int | None = None, H: int | None = None) -> str:
+        """The mask of one (batch, head) as rows of ■ (may attend) and · (masked), one row per query."""
+        nat = self.natural_size() or (8, 8)
+        Q = nat[0] if Q is None else Q
+        K = nat[1] if K is None else K
+        full = self.materialize(B if B is not None else b + 1, H if H is not None else h + 1, Q, K)
+        tile = full[min(b, full.shape[0] - 1), min(h, full.shape[1] - 1)].expand(Q, K)
+        return grid(tile.tolist())
+
+    def __str__(self) -> str:
+        try:
+            return f"{self!r}\n{self.draw()}"
+        except MaskError as e:  # e.g. a causal mask with Q ≠ K and no alignment
+            return f"{self!r} (cannot draw: {e})"
+
+
+def _as_mask(m: object) -> Mask:
+    if isinstance(m, Mask):
+        return m
+    if isinstance(m, torch.Tensor):
+        from .dense import dense
+
+        return dense(m)
+    raise MaskError(f"cannot combine a mask with {type(m).__name__}; use bhqk.masks.dense(tensor) for tensors.")
+
+
+class And(Mask):
+    """May attend where both may attend."""
+
+    def __init__(self, a: Mask, b: Mask) -> None:
+        self.a, self.b = a, b
+
+    def check(self, ext: Extent) -> None:
+        self.a.check(ext)
+        self.b.check(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return self.a.block(ext, q0, q1, k0, k1, device) & self.b.block(ext, q0, q1, k0, k1, device)
+
+    def classify(self, ext, q0, q1, k0, k1):
+        ta = self.a.classify(ext, q0, q1, k0, k1)
+        if ta is Tile.EMPTY:
+            return Tile.EMPTY
+        tb = self.b.classify(ext, q0, q1, k0, k1)
+        if tb is Tile.EMPTY:
+            return Tile.EMPTY
+        return Tile.FULL if ta is tb is Tile.FULL else Tile.PARTIAL
+
+    def natural_size(self):
+        return self.a.natural_size() or self.b.natural_size()
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+class Or(Mask):
+    """May attend where either may attend."""
+
+    def __init__(self, a: Mask, b: Mask) -> None:
+        self.a, self.b = a, b
+
+    def check(self, ext: Extent) -> None:
+        self.a.check(ext)
+        self.b.check(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return self.a.block(ext, q0, q1, k0, k1, device) | self.b.block(ext, q0, q1, k0, k1, device)
+
+    def classify(self, ext, q0, q1, k0, k1):
+        ta = self.a.classify(ext, q0, q1, k0, k1)
+        if ta is Tile.FULL:
+            return Tile.FULL
+        tb = self.b.classify(ext, q0, q1, k0, k1)
+        if tb is Tile.FULL:
+            return Tile.FULL
+        return Tile.EMPTY if ta is tb is Tile.EMPTY else Tile.PARTIAL
+
+    def natural_size(self):
+        return self.a.natural_size() or self.b.natural_size()
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+class Not(Mask):
+    """May attend exactly where the inner mask may not."""
+
+    def __init__(self, a: Mask) -> None:
+        self.a = a
+
+    def check(self, ext: Extent) -> None:
+        self.a.check(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return ~self.a.block(ext, q0, q1, k0, k1, device)
+
+    def classify(self, ext, q0, q1, k0, k1):
+        t = self.a.classify(ext, q0, q1, k0, k1)
+        return {Tile.EMPTY: Tile.FULL, Tile.FULL: Tile.EMPTY}.get(t, Tile.PARTIAL)
+
+    def natural_size(self):
+        return self.a.natural_size()
+
+    def __repr__(self) -> str:
+        return f"~{self.a!r}"
+
+
+def and_masks(*masks: Mask) -> Mask:
+    """All of ``masks`` (like FlexAttention's ``and_masks``)."""
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m
+    return out
+
+
+def or_masks(*masks: Mask) -> Mask:
+    """Any of ``masks``."""
+    out = masks[0]
+    for m in masks[1:]:
+        out = out | m
+    return out
+
+
+def positions(q0: int, q1: int, k0: int, k1: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query indices [q, 1] and key indices [1, k] of a tile."""
+    qi = torch.arange(q0, q1, device=device)[:, None]  # [q, 1]
+    ki = torch.arange(k0, k1, device=device)[None, :]  # [1, k]
+    return qi, ki

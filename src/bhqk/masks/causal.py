@@ -1,0 +1,54 @@
+"""Causal masks, with the alignment explicit when Q ≠ K.
+
+Q=3, K=5, ``top_left`` (query i sees keys 0..i; PyTorch ``is_causal``)::
+
+    ■ · · · ·
+    ■ ■ · · ·
+    ■ ■ ■ · ·
+
+Q=3, K=5, ``bottom_right`` (the last query sees every key; FlashAttention ≥ 2.1, KV-cache decoding)::
+
+    ■ ■ ■ · ·
+    ■ ■ ■ ■ ·
+    ■ ■ ■ ■ ■
+"""
+
+from __future__ import annotations
+
+from .base import Extent, Mask, Tile, causal_offset, positions
+
+
+class Causal(Mask):
+    """Query i may attend to key j when ``j <= i + offset`` (offset from the alignment)."""
+
+    def __init__(self, align: str | None = None) -> None:
+        if align not in (None, "top_left", "bottom_right"):
+            causal_offset(align, 1, 1, "causal")  # raises the MaskError with the two choices
+        self.align = align
+
+    def offset(self, ext: Extent) -> int:
+        return causal_offset(self.align, ext.Q, ext.K, "causal")
+
+    def check(self, ext: Extent) -> None:
+        self.offset(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        qi, ki = positions(q0, q1, k0, k1, device)
+        return ki <= qi + self.offset(ext)  # [q, k]
+
+    def classify(self, ext, q0, q1, k0, k1):
+        off = self.offset(ext)
+        if k1 - 1 <= q0 + off:
+            return Tile.FULL
+        if k0 > q1 - 1 + off:
+            return Tile.EMPTY
+        return Tile.PARTIAL
+
+    def __repr__(self) -> str:
+        return "causal()" if self.align is None else f"causal(align={self.align!r})"
+
+
+def causal(align: str | None = None) -> Causal:
+    """Each query attends to its own position and earlier keys. ``align`` is required when Q ≠ K:
+    ``"top_left"`` (PyTorch ``is_causal``) or ``"bottom_right"`` (FlashAttention ≥ 2.1, KV cache)."""
+    return Causal(align)

@@ -1,0 +1,45 @@
+"""A mask given as a bool tensor broadcastable to [B, H, Q, K] (True = may attend)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MaskError
+from ..shapes import Sizes, check_broadcast
+from .base import Extent, Mask
+
+
+class Dense(Mask):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise MaskError(f"mask must be a bool tensor or a bhqk.masks mask, got {type(tensor).__name__}.")
+        if tensor.dtype != torch.bool:
+            hint = (
+                " A float tensor is an additive bias: pass it as bias= (bhqk.bias.dense), not as mask."
+                if tensor.is_floating_point()
+                else " Convert 0/1 masks with .bool() (True = may attend), or use bhqk.masks.from_hf."
+            )
+            raise MaskError(f"mask must have dtype torch.bool (True = may attend), got {tensor.dtype}.{hint}")
+        if tensor.dim() > 4:
+            raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
+        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
+
+    def check(self, ext: Extent) -> None:
+        check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        t = self.tensor
+        t = t[:, :, q0:q1] if t.shape[2] != 1 else t  # a size-1 axis broadcasts: keep it whole
+        t = t[:, :, :, k0:k1] if t.shape[3] != 1 else t
+        return t if device is None else t.to(device)
+
+    def natural_size(self):
+        return (self.tensor.shape[2], self.tensor.shape[3])
+
+    def __repr__(self) -> str:
+        return f"dense(<bool {list(self.tensor.shape)}>)"
+
+
+def dense(tensor: torch.Tensor) -> Dense:
+    """A bool tensor that broadcasts to [B, H, Q, K]; True = may attend."""
+    return Dense(tensor)

@@ -1,0 +1,72 @@
+"""Document masks for packed sequences: a query attends only to keys of its own document.
+
+``document(torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 1, 1]))``::
+
+    ■ ■ · · ·
+    ■ ■ · · ·
+    · · ■ ■ ■
+    · · ■ ■ ■
+    · · ■ ■ ■
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MaskError
+from .base import Extent, Mask, Tile
+
+
+def _ids(name: str, ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() not in (1, 2):
+        got = f"dtype {ids.dtype} shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise MaskError(f"document: {name} must be an integer tensor [Q] / [B, Q] of document ids, got {got}.")
+    return ids if ids.dim() == 2 else ids[None]  # [#B, N]
+
+
+class Document(Mask):
+    def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> None:
+        self.q_ids = _ids("q_ids", q_ids)
+        self.k_ids = self.q_ids if k_ids is None else _ids("k_ids", k_ids)
+        self._range: dict[tuple[str, int, int], tuple[int, int]] = {}
+
+    def check(self, ext: Extent) -> None:
+        for name, ids, n, N in (("q_ids", self.q_ids, ext.Q, "Q"), ("k_ids", self.k_ids, ext.K, "K")):
+            if ids.shape[0] not in (1, ext.B):
+                raise MaskError(f"document: {name} has B={ids.shape[0]} but B={ext.B}.")
+            if ids.shape[1] != n:
+                raise MaskError(f"document: {name} has length {ids.shape[1]} but {N}={n}; one id per position.")
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        qd = self.q_ids[:, q0:q1, None]  # [#B, q, 1]
+        kd = self.k_ids[:, None, k0:k1]  # [#B, 1, k]
+        out = (qd == kd)[:, None]  # [#B, 1, q, k]
+        return out if device is None else out.to(device)
+
+    def _minmax(self, side: str, a: int, b: int) -> tuple[int, int]:
+        key = (side, a, b)
+        if key not in self._range:
+            ids = (self.q_ids if side == "q" else self.k_ids)[:, a:b]
+            self._range[key] = (int(ids.min()), int(ids.max()))
+        return self._range[key]
+
+    def classify(self, ext, q0, q1, k0, k1):
+        qlo, qhi = self._minmax("q", q0, q1)
+        klo, khi = self._minmax("k", k0, k1)
+        if qhi < klo or khi < qlo:
+            return Tile.EMPTY
+        if qlo == qhi == klo == khi:
+            return Tile.FULL
+        return Tile.PARTIAL
+
+    def natural_size(self):
+        return (self.q_ids.shape[1], self.k_ids.shape[1])
+
+    def __repr__(self) -> str:
+        return f"document(<ids {list(self.q_ids.shape)}>, <ids {list(self.k_ids.shape)}>)"
+
+
+def document(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Document:
+    """Packed sequences: query i may attend to key j when ``q_ids[b, i] == k_ids[b, j]``.
+    Ids are ``[Q]`` (shared by the batch) or ``[B, Q]``; ``k_ids`` defaults to ``q_ids``."""
+    return Document(q_ids, k_ids)

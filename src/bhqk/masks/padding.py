@@ -1,0 +1,105 @@
+"""Key padding: batch element b may attend to its first ``lengths[b]`` keys (or where a bool [B, K] says).
+
+``padding(torch.tensor([3, 5]))`` at Q=2, K=5, batch 0::
+
+    ■ ■ ■ · ·
+    ■ ■ ■ · ·
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MaskError
+from .base import Extent, Mask, Tile, positions
+
+
+class KeysBelow(Mask):
+    """Key j is visible to batch element b when ``j < limit[b]`` (an int applies to every element)."""
+
+    def __init__(self, limit: int | torch.Tensor, name: str = "padding") -> None:
+        self.name = name
+        if isinstance(limit, torch.Tensor):
+            if limit.dim() != 1 or limit.is_floating_point() or limit.dtype == torch.bool:
+                raise MaskError(f"{name}: lengths must be a 1-D integer tensor [B], got dtype {limit.dtype} shape {list(limit.shape)}.")
+            values = limit.tolist()
+        else:
+            values = [int(limit)]
+        if any(x < 0 for x in values):
+            raise MaskError(f"{name}: lengths must be >= 0, got {values}.")
+        self.limit = limit
+        self.lo, self.hi = min(values), max(values)  # for tile classification across the batch
+
+    def check(self, ext: Extent) -> None:
+        if isinstance(self.limit, torch.Tensor) and self.limit.numel() not in (1, ext.B):
+            raise MaskError(f"{self.name}: lengths has {self.limit.numel()} entries but B={ext.B}; give one length per batch element.")
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        _, ki = positions(q0, q1, k0, k1, device)
+        if isinstance(self.limit, torch.Tensor):
+            lim = self.limit.to(device=ki.device)[:, None, None, None]  # [B, 1, 1, 1]
+            return (ki < lim).expand(-1, 1, q1 - q0, -1)  # [B, 1, q, k]
+        return (ki < self.limit).expand(q1 - q0, -1)  # [q, k]
+
+    def classify(self, ext, q0, q1, k0, k1):
+        if k1 <= self.lo:
+            return Tile.FULL
+        if k0 >= self.hi:
+            return Tile.EMPTY
+        return Tile.PARTIAL
+
+    def natural_size(self):
+        return (4, max(self.hi, 1) + 2)
+
+    def __repr__(self) -> str:
+        lim = self.limit.tolist() if isinstance(self.limit, torch.Tensor) else self.limit
+        return f"{self.name}({lim})"
+
+
+def padding(lengths: int | torch.Tensor) -> KeysBelow:
+    """Per-batch valid key lengths ``[B]``: batch element b attends to keys ``0 … lengths[b]-1``."""
+    return KeysBelow(lengths, "padding")
+
+
+class KeyPadding(Mask):
+    """A bool ``[B, K]`` with True = a real key that may be attended."""
+
+    def __init__(self, valid: torch.Tensor) -> None:
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+            got = f"dtype {valid.dtype} shape {list(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+            raise MaskError(f"key_padding needs a bool tensor [B, K] (True = real key), got {got}.")
+        self.valid = valid
+        self._all = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
+        self._any = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere
+
+    def check(self, ext: Extent) -> None:
+        B, K = self.valid.shape
+        if B not in (1, ext.B):
+            raise MaskError(f"key_padding has B={B} but B={ext.B}; it must be [B, K].")
+        if K != ext.K:
+            raise MaskError(f"key_padding has K={K} but the keys have K={ext.K}; it must be [B, K].")
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        v = self.valid[:, k0:k1]
+        if device is not None:
+            v = v.to(device)
+        return v[:, None, None, :].expand(-1, 1, q1 - q0, -1)  # [B, 1, q, k]
+
+    def classify(self, ext, q0, q1, k0, k1):
+        n = k1 - k0
+        if int(self._all[k1] - self._all[k0]) == n:
+            return Tile.FULL
+        if int(self._any[k1] - self._any[k0]) == 0:
+            return Tile.EMPTY
+        return Tile.PARTIAL
+
+    def natural_size(self):
+        return (4, self.valid.shape[1])
+
+    def __repr__(self) -> str:
+        return f"key_padding(<bool {list(self.valid.shape)}>)"
+
+
+def key_padding(valid: torch.Tensor) -> KeyPadding:
+    """Bool ``[B, K]``, True = a real key (Hugging Face's attention_mask polarity)."""
+    return KeyPadding(valid)

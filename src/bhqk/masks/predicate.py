@@ -1,0 +1,44 @@
+"""A mask from a function of indices, like FlexAttention's ``mask_mod``.
+
+``predicate(lambda b, h, q, k: (q - k) % 2 == 0)`` at Q = K = 4::
+
+    ■ · ■ ·
+    · ■ · ■
+    ■ · ■ ·
+    · ■ · ■
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import MaskError
+from .base import Mask
+
+
+class Predicate(Mask):
+    def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None) -> None:
+        if not callable(fn):
+            raise MaskError(f"predicate needs a function fn(b, h, q_idx, k_idx) -> bool tensor, got {type(fn).__name__}.")
+        self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        b = torch.arange(ext.B, device=device)[:, None, None, None]  # [B, 1, 1, 1]
+        h = torch.arange(ext.H, device=device)[None, :, None, None]  # [1, H, 1, 1]
+        qi = torch.arange(q0, q1, device=device)[None, None, :, None]  # [1, 1, q, 1]
+        ki = torch.arange(k0, k1, device=device)[None, None, None, :]  # [1, 1, 1, k]
+        out = self.fn(b, h, qi, ki)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise MaskError(f"predicate {self.name} must return a bool tensor, got {got}.")
+        return out
+
+    def __repr__(self) -> str:
+        return f"predicate({self.name})"
+
+
+def predicate(fn: Callable[..., torch.Tensor], name: str | None = None) -> Predicate:
+    """``fn(b, h, q_idx, k_idx)`` gets broadcastable index tensors and returns bool (True = may attend)."""
+    return Predicate(fn, name)

@@ -1,0 +1,52 @@
+"""Sliding-window (local) attention: query i sees keys from ``i - left`` to ``i + right``.
+
+``sliding_window(2)`` at Q = K = 5::
+
+    ■ · · · ·
+    ■ ■ · · ·
+    ■ ■ ■ · ·
+    · ■ ■ ■ ·
+    · · ■ ■ ■
+"""
+
+from __future__ import annotations
+
+from ..errors import MaskError
+from .base import Extent, Mask, Tile, causal_offset, positions
+
+
+class SlidingWindow(Mask):
+    def __init__(self, left: int, right: int = 0, align: str | None = None) -> None:
+        if left < 0 or right < 0:
+            raise MaskError(f"sliding_window needs left >= 0 and right >= 0, got left={left}, right={right}.")
+        causal_offset(align, 1, 1, "sliding_window")  # validates the spelling early
+        self.left, self.right, self.align = int(left), int(right), align
+
+    def offset(self, ext: Extent) -> int:
+        return causal_offset(self.align, ext.Q, ext.K, "sliding_window")
+
+    def check(self, ext: Extent) -> None:
+        self.offset(ext)
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        qi, ki = positions(q0, q1, k0, k1, device)
+        pos = qi + self.offset(ext)  # [q, 1] query position in key coordinates
+        return (ki >= pos - self.left) & (ki <= pos + self.right)  # [q, k]
+
+    def classify(self, ext, q0, q1, k0, k1):
+        off = self.offset(ext)
+        first, last = q0 + off, q1 - 1 + off  # query positions at the tile's edges
+        if k1 - 1 < first - self.left or k0 > last + self.right:
+            return Tile.EMPTY
+        if k0 >= last - self.left and k1 - 1 <= first + self.right:
+            return Tile.FULL
+        return Tile.PARTIAL
+
+    def __repr__(self) -> str:
+        a = "" if self.align is None else f", align={self.align!r}"
+        return f"sliding_window({self.left}, right={self.right}{a})"
+
+
+def sliding_window(left: int, right: int = 0, align: str | None = None) -> SlidingWindow:
+    """Query i may attend to keys ``i - left … i + right`` (``right=0``: causal local attention)."""
+    return SlidingWindow(left, right, align)

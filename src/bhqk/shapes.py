@@ -1,0 +1,118 @@
+"""Named-size binding: every check binds B, H, Hkv, Q, K, d, dv, D and names the one that is wrong.
+
+A name prefixed with ``#`` (jaxtyping's convention) is a broadcast axis: size 1 or the bound size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .dims import WHY_AGREE, meaning
+from .errors import ShapeError
+from .text import named_shape
+
+LAYOUTS = {
+    # layout name -> axis names of q, k, v in that layout
+    "bhnd": (("B", "H", "Q", "d"), ("B", "Hkv", "K", "d"), ("B", "Hkv", "K", "dv")),
+    "bnhd": (("B", "Q", "H", "d"), ("B", "K", "Hkv", "d"), ("B", "K", "Hkv", "dv")),
+}
+
+
+class Sizes:
+    """Named sizes bound so far, which argument bound each, and the named shape of every argument seen."""
+
+    def __init__(self, **known: int) -> None:
+        self.size: dict[str, int] = dict(known)
+        self.bound_by: dict[str, str] = {n: "given" for n in known}
+        self.seen: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
+
+    def __getitem__(self, name: str) -> int:
+        return self.size[name]
+
+    def get(self, name: str, default: int | None = None) -> int | None:
+        return self.size.get(name, default)
+
+    def table(self) -> str:
+        """The named shapes seen so far, one per line (the tail of every ShapeError)."""
+        return "\n".join(f"  {arg}: {named_shape(names, shape)}" for arg, names, shape in self.seen)
+
+    def fail(self, message: str) -> ShapeError:
+        """A ShapeError whose message ends with the table of bound sizes."""
+        tail = self.table()
+        return ShapeError(message + ("\n" + tail if tail else ""))
+
+    def bind(self, arg: str, shape: Sequence[int], names: Sequence[str], *, what: str = "") -> None:
+        """Check ``shape`` against ``names`` (rank, then each size), binding new names."""
+        shape = tuple(int(s) for s in shape)
+        names = tuple(names)
+        clean = tuple(n.lstrip("#") for n in names)
+        if len(shape) != len(names):
+            axes = ", ".join(f"{n} ({meaning(n)})" for n in clean)
+            raise self.fail(
+                f"{arg} must be {len(names)}-D [{', '.join(clean)}]{what}, got {len(shape)}-D shape "
+                f"{list(shape)}; its axes are: {axes}."
+            )
+        for name, raw, size in zip(clean, names, shape):
+            broadcast = raw.startswith("#")
+            if name in self.size:
+                bound = self.size[name]
+                if size == bound or (broadcast and size == 1):
+                    continue
+                self.seen.append((arg, clean, shape))
+                why = WHY_AGREE.get(name, f"{name} must agree")
+                raise self.fail(
+                    f"{arg} has {meaning(name)} {name}={size} but {self.bound_by[name]} has {name}={bound}; {why}."
+                )
+            if not (broadcast and size == 1):
+                self.size[name] = size
+                self.bound_by[name] = arg
+        self.seen.append((arg, clean, shape))
+
+    def need_divisible(self, big: str, small: str, why: str) -> None:
+        """``big % small == 0`` or a ShapeError that says ``why``."""
+        b, s = self.size[big], self.size[small]
+        if s <= 0 or b % s:
+            raise self.fail(f"{big}={b} is not divisible by {small}={s}; {why}.")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhnd") -> Sizes:
+    """Bind B, H, Hkv, Q, K, d, dv from q, k, v and check dtype, device and the head grouping."""
+    if layout not in LAYOUTS:
+        raise ShapeError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}.")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}.")
+    sizes = Sizes()
+    qn, kn, vn = LAYOUTS[layout]
+    what = f" (layout={layout!r})"
+    sizes.bind("q", q.shape, qn, what=what)
+    sizes.bind("k", k.shape, kn, what=what)
+    sizes.bind("v", v.shape, vn, what=what)
+    sizes.need_divisible("H", "Hkv", "each key/value head serves H/Hkv query heads (GQA/MQA)")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():
+            raise sizes.fail(f"{arg} must be a floating-point tensor, got dtype {t.dtype}.")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise sizes.fail(f"{arg} has dtype {t.dtype} but q has {q.dtype}; q, k and v need one dtype.")
+        if t.device != q.device:
+            raise sizes.fail(f"{arg} is on {t.device} but q is on {q.device}; q, k and v need one device.")
+    return sizes
+
+
+def check_broadcast(arg: str, shape: Sequence[int], sizes: Sizes, error: type[ValueError]) -> None:
+    """``shape`` must broadcast to [B, H, Q, K]; otherwise ``error`` naming the axis that does not."""
+    target = ("B", "H", "Q", "K")
+    want = tuple(sizes[n] for n in target)
+    full = named_shape(target, want)
+    if len(shape) > 4:
+        raise error(f"{arg} has {len(shape)} axes {list(shape)}; it must broadcast to {full}.")
+    for offset, size in enumerate(reversed(tuple(shape))):
+        name = target[3 - offset]
+        if size not in (1, want[3 - offset]):
+            raise error(
+                f"{arg} axis {name} ({meaning(name)}) has size {size} but {name}={want[3 - offset]}; "
+                f"{arg} of shape {list(shape)} must broadcast to {full}."
+            )
