@@ -16,6 +16,7 @@ class Observer(Protocol):
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar("bhqk_observers", default=())
+_MODULE: contextvars.ContextVar[object | None] = contextvars.ContextVar("bhqk_module", default=None)
 
 
 def active() -> tuple[Observer, ...]:
@@ -24,9 +25,20 @@ def active() -> tuple[Observer, ...]:
 
 
 def emit(event: str, **data: Any) -> None:
-    """Hand one event to every active observer."""
+    """Hand one event to every active observer; ``module`` is the attention module running, if any."""
+    data.setdefault("module", _MODULE.get())
     for obs in _ACTIVE.get():
         obs.on_event(event, data)
+
+
+@contextlib.contextmanager
+def scope(module: object) -> Iterator[None]:
+    """Mark ``module`` as the one whose attention calls follow (observers see it as ``module``)."""
+    token = _MODULE.set(module)
+    try:
+        yield
+    finally:
+        _MODULE.reset(token)
 
 
 @contextlib.contextmanager

@@ -88,7 +88,11 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, x=None):
         """Heads in, model width out: attention [B, H, Q, dv] → merge [B, Q, H·dv] → W_O [B, Q, D]."""
         dropout_p = self.dropout if self.training else 0.0
-        o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=self.backend)  # [B, H, Q, dv]
+        if observe.active():
+            with observe.scope(self):
+                o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=self.backend)  # [B, H, Q, dv]
+        else:
+            o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=self.backend)  # [B, H, Q, dv]
         merged = merge_heads(o)  # [B, Q, H·dv]
         out = self.out_proj(merged)  # [B, Q, D]
         if observe.active():
