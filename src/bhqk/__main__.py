@@ -1,0 +1,7 @@
+"""``python -m bhqk`` is the ``bhqk`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""explain, trace and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bhqk
+from bhqk import masks
+from bhqk.cli import main
+
+
+def test_explain_walks_every_step_with_named_shapes():
+    text = bhqk.explain(B=2, H=8, Q=5, K=7, d=64, Hkv=2)
+    assert "[B, H, Q, K]     = [2, 8, 5, 7]" in text
+    assert "[B, Hkv, K, d]   = [2, 2, 7, 64]" in text
+    assert "[B, Q, H·dv]     = [2, 5, 512]" in text
+    assert "cross-attention" in text and "4 query heads per key/value head" in text
+    assert text.index("S = Q·Kᵀ") < text.index("softmax") < text.index("O = P·V") < text.index("W_O")
+
+
+def test_explain_in_chinese_uses_the_seed_names():
+    text = bhqk.explain(B=1, H=2, Q=4, K=4, d=3, lang="zh")
+    for word in ("批次维度", "注意力头数维度", "查询序列长度", "键序列长度", "自注意力"):
+        assert word in text
+
+
+def test_explain_flags_d_model_mismatch_and_bad_heads():
+    assert "✗" in bhqk.explain(B=1, H=2, Q=4, K=4, d=3, D=8)
+    with pytest.raises(bhqk.ShapeError, match="H=6 is not divisible by Hkv=4"):
+        bhqk.explain(B=1, H=6, Hkv=4, Q=1, K=1, d=1)
+
+
+def test_trace_records_named_shapes_and_module_path():
+    model = torch.nn.ModuleDict({"enc": bhqk.MultiHeadAttention(16, 4, num_kv_heads=2)})
+    x, ctx = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    with bhqk.trace(model) as t:
+        model["enc"](x, ctx, mask=masks.padding(torch.tensor([5, 2])))
+    assert len(t) == 1
+    call = t.calls[0]
+    assert call.module == "enc"
+    assert call.shapes["k"] == "[B=2, Hkv=2, K=5, d=4]" and call.shapes["S, P"] == "[B=2, H=4, Q=3, K=5]"
+    assert "padding([5, 2])" in str(t)
+    with bhqk.trace() as t2:
+        pass
+    assert len(t2) == 0  # nothing recorded outside the block
+
+
+def test_cli_explain_mask_demo(capsys):
+    assert main(["explain", "--batch", "2", "--heads", "8", "--q-len", "5", "--k-len", "7", "--head-dim", "64",
+                 "--kv-heads", "2"]) == 0
+    assert "[2, 8, 5, 7]" in capsys.readouterr().out
+    assert main(["explain", "-H", "2", "-Q", "3", "-d", "4", "--lang", "zh"]) == 0
+    assert "查询序列长度" in capsys.readouterr().out
+    assert main(["mask", "causal", "--q-len", "4", "--k-len", "6", "--align", "bottom_right"]) == 0
+    assert "■ ■ ■ · · ·\n■ ■ ■ ■ · ·" in capsys.readouterr().out
+    for kind in ("sliding_window", "padding", "document", "prefix_lm", "full"):
+        assert main(["mask", kind]) == 0
+        assert "■" in capsys.readouterr().out
+
+
+def test_cli_demo_prints_the_seed_scores(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    for value in ("1.5400", "3.5200", "5.5000", "7.4800", "18.3700", "29.2600", "7.8100"):
+        assert value in out  # the first seed's Q·Kᵀ table
+    assert "[B=2, H=8, Q=5, K=7]" in out  # the traced multi-head call
+
+
+def test_cli_errors_are_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "bhqk.cli", "mask", "causal", "-Q", "3", "-K", "5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "align" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "bhqk.cli", "explain", "-H", "6", "--kv-heads", "4", "-Q", "1", "-d", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "not divisible" in r.stderr
+
+
+def test_cli_help_everywhere():
+    for args in (["--help"], ["explain", "--help"], ["mask", "--help"], ["demo", "--help"]):
+        r = subprocess.run([sys.executable, "-m", "bhqk.cli", *args], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage" in r.stdout

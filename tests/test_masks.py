@@ -1,0 +1,124 @@
+"""Masks are values: materialize vs the definition, combinators, drawing, tile classification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bhqk import MaskError, masks
+from bhqk.masks import Extent, Tile
+from conftest import mask_kinds
+
+
+def test_causal_alignments_drawn():
+    assert masks.causal("top_left").draw(3, 5) == "■ · · · ·\n■ ■ · · ·\n■ ■ ■ · ·"
+    assert masks.causal("bottom_right").draw(3, 5) == "■ ■ ■ · ·\n■ ■ ■ ■ ·\n■ ■ ■ ■ ■"
+    assert masks.causal().draw(3, 3) == masks.causal("top_left").draw(3, 3)
+    assert "■" in str(masks.causal()) and "causal()" in str(masks.causal())
+
+
+def test_definitions_by_index():
+    B, H, Q, K = 2, 3, 6, 9
+    b = torch.arange(B)[:, None, None, None]  # [B, 1, 1, 1]
+    q = torch.arange(Q)[None, None, :, None]  # [1, 1, Q, 1]
+    k = torch.arange(K)[None, None, None, :]  # [1, 1, 1, K]
+    off = K - Q
+    lengths = torch.tensor([4, 9])
+    ids_q, ids_k = torch.tensor([0, 0, 1, 1, 1, 2]), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    cases = {
+        masks.causal("top_left"): k <= q,
+        masks.causal("bottom_right"): k <= q + off,
+        masks.sliding_window(2, 1, align="bottom_right"): (k >= q + off - 2) & (k <= q + off + 1),
+        masks.padding(lengths): k < lengths[b],
+        masks.prefix_lm(3, align="top_left"): (k < 3) | (k <= q),
+        masks.document(ids_q, ids_k): ids_q[None, None, :, None] == ids_k[None, None, None, :],
+        masks.key_padding(torch.arange(K)[None] < lengths[:, None]): k < lengths[b],
+    }
+    for m, want in cases.items():
+        got = m.materialize(B, H, Q, K)
+        assert got.dim() == 4, m
+        assert torch.equal(got.expand(B, H, Q, K), want.expand(B, H, Q, K)), m
+
+
+@st.composite
+def extents(draw):
+    return Extent(draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 20)), draw(st.integers(1, 20)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ext=extents(), names=st.lists(st.sampled_from(list(mask_kinds(1, 1, 1, 1))), min_size=1, max_size=3),
+       ops=st.lists(st.sampled_from(["&", "|", "~"]), min_size=2, max_size=2), seed=st.integers(0, 1000))
+def test_combinators_equal_boolean_algebra_of_materialized(ext, names, ops, seed):
+    kinds = mask_kinds(ext.B, ext.H, ext.Q, ext.K, seed)
+    ms = [kinds[n] for n in names]
+    dense = [m.materialize(ext.B, ext.H, ext.Q, ext.K).expand(ext.B, ext.H, ext.Q, ext.K) for m in ms]
+    combined, want = ms[0], dense[0]
+    for op, m, d in zip(ops, ms[1:] + ms[:1], dense[1:] + dense[:1]):
+        if op == "&":
+            combined, want = combined & m, want & d
+        elif op == "|":
+            combined, want = combined | m, want | d
+        else:
+            combined, want = ~combined, ~want
+    got = combined.materialize(ext.B, ext.H, ext.Q, ext.K).expand(ext.B, ext.H, ext.Q, ext.K)
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ext=extents(), name=st.sampled_from(list(mask_kinds(1, 1, 1, 1))), negate=st.booleans(),
+       seed=st.integers(0, 1000), data=st.data())
+def test_tile_classification_is_never_wrong(ext, name, negate, seed, data):
+    m = mask_kinds(ext.B, ext.H, ext.Q, ext.K, seed)[name]
+    m = ~m if negate else m
+    full = m.materialize(ext.B, ext.H, ext.Q, ext.K).expand(ext.B, ext.H, ext.Q, ext.K)
+    q0 = data.draw(st.integers(0, ext.Q - 1))
+    q1 = data.draw(st.integers(q0 + 1, ext.Q))
+    k0 = data.draw(st.integers(0, ext.K - 1))
+    k1 = data.draw(st.integers(k0 + 1, ext.K))
+    tile = full[:, :, q0:q1, k0:k1]
+    kind = m.classify(ext, q0, q1, k0, k1)
+    if kind is Tile.EMPTY:
+        assert not tile.any()
+    elif kind is Tile.FULL:
+        assert tile.all()
+    block = m.block(ext, q0, q1, k0, k1)
+    assert torch.equal(block.expand_as(tile) if block.dim() == 4 else block.expand(tile.shape), tile)
+
+
+def test_classification_is_exact_for_structured_masks_on_simple_tiles():
+    ext = Extent(1, 1, 64, 64)
+    c = masks.causal()
+    assert c.classify(ext, 32, 48, 0, 16) is Tile.FULL
+    assert c.classify(ext, 0, 16, 32, 48) is Tile.EMPTY
+    assert c.classify(ext, 16, 32, 16, 32) is Tile.PARTIAL
+    w = masks.sliding_window(8)
+    assert w.classify(ext, 48, 64, 0, 16) is Tile.EMPTY
+    p = masks.padding(torch.tensor([40]))
+    assert p.classify(ext, 0, 64, 48, 64) is Tile.EMPTY and p.classify(ext, 0, 64, 0, 32) is Tile.FULL
+    d = masks.document(torch.arange(64) // 16)
+    assert d.classify(ext, 0, 16, 16, 32) is Tile.EMPTY and d.classify(ext, 16, 32, 16, 32) is Tile.FULL
+
+
+def test_converters():
+    hf = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert torch.equal(masks.from_hf(hf).materialize(2, 1, 2, 3)[:, 0, 0], hf.bool())
+    kpm = torch.tensor([[False, True, False]])  # torch MHA: True = padding
+    assert torch.equal(masks.from_torch_mha(key_padding_mask=kpm, num_heads=2).materialize(1, 2, 1, 3)[0, 0, 0],
+                       torch.tensor([True, False, True]))
+    kw = masks.to_sdpa(masks.causal("top_left"), 1, 1, 3, 5)
+    assert kw == {"attn_mask": None, "is_causal": True}
+    kw = masks.to_sdpa(masks.causal("bottom_right"), 1, 1, 3, 5)
+    assert kw["is_causal"] is False and kw["attn_mask"][0, 0, 0].tolist() == [True, True, True, False, False]
+
+
+def test_bad_masks_are_errors():
+    with pytest.raises(MaskError, match="top_left"):
+        masks.causal("middle")
+    with pytest.raises(ValueError, match="left >= 0"):
+        masks.sliding_window(-1)
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        masks.key_padding(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool tensor"):
+        masks.predicate(lambda b, h, q, k: q - k).materialize(1, 1, 2, 2)
