@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bhqk {args.command}: error: {first}", file=sys.stderr)
         return 2
     if text:
-        print(text)
+        try:
+            print(text)
+        except BrokenPipeError:  # e.g. `bhqk demo | head`
+            sys.stdout = None
     return 0
 
 
