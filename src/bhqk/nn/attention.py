@@ -74,25 +74,38 @@ class MultiHeadAttention(nn.Module):
         mask=None,
         bias=None,
         return_weights: bool = False,
+        cache=None,
+        backend: str | None = None,
     ):
         """x [B, Q, D]; key [B, K, kdim], value [B, K, vdim] (value defaults to key) → [B, Q, D],
-        or ``(out, weights [B, H, Q, K])`` with ``return_weights=True`` (weights before dropout)."""
+        or ``(out, weights [B, H, Q, K])`` with ``return_weights=True`` (weights before dropout).
+
+        ``cache``: a ``KVCache`` layer (``kv[i]``, or a one-layer ``KVCache``), self-attention only.
+        This call's keys and values are appended to it in place and the Q new queries attend to
+        all K it returns, themselves last: mask with ``causal(align="bottom_right")`` and give
+        masks/biases for [Q, K]. ``backend`` overrides the module's backend for this call."""
+        if cache is not None and key is not None:
+            raise ValueError("cache= is for self-attention: the cached keys and values are projections of x; "
+                             "for cross-attention project the context once and call attend().")
         key = x if key is None else key
         value = key if value is None else value
         self.check_inputs(x, key, value)
         q = split_heads(self.q_proj(x), self.num_heads, "q_proj(x)")  # [B, H, Q, d]
         k = split_heads(self.k_proj(key), self.num_kv_heads, "k_proj(key)")  # [B, Hkv, K, d]
         v = split_heads(self.v_proj(value), self.num_kv_heads, "v_proj(value)")  # [B, Hkv, K, dv]
-        return self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, x=x)
+        if cache is not None:
+            k, v = cache.update(k, v)  # [B, Hkv, K_past + Q, d], [B, Hkv, K_past + Q, dv]
+        return self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, x=x, backend=backend)
 
-    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, x=None):
+    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, x=None, backend=None):
         """Heads in, model width out: attention [B, H, Q, dv] → merge [B, Q, H·dv] → W_O [B, Q, D]."""
         dropout_p = self.dropout if self.training else 0.0
+        backend = self.backend if backend is None else backend
         if observe.active():
             with observe.scope(self):
-                o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=self.backend)  # [B, H, Q, dv]
+                o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
         else:
-            o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=self.backend)  # [B, H, Q, dv]
+            o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
         merged = merge_heads(o)  # [B, Q, H·dv]
         out = self.out_proj(merged)  # [B, Q, D]
         if observe.active():

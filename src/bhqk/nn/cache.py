@@ -1,0 +1,207 @@
+"""KVCache: the keys and values of past positions, per layer, for incremental decoding.
+
+Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated once and written in place
+(no ``torch.cat`` per step). Each step appends Q new positions; the queries are the *last* Q
+positions of the keys, so mask with ``causal(align="bottom_right")``::
+
+    step 1 (prefill, Q=K=3)      step 2 (Q=1, K=4)
+    ■ · ·                        ■ ■ ■ ■     ← the new query sees every cached key and itself
+    ■ ■ ·
+    ■ ■ ■
+
+``window=W`` evicts keys no future query can see under ``sliding_window(W - 1, align="bottom_right")``
+(each query sees W keys ending at itself). ``crop(n)`` rolls back to n positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ShapeError
+
+
+class LayerCache:
+    """One layer's keys and values. Absolute positions ``start … end-1`` are stored at buffer
+    indices ``0 … end-start-1``; ``end`` is how many positions this layer has seen."""
+
+    def __init__(self, capacity: int | None = None, window: int | None = None, index: int = 0) -> None:
+        self.capacity, self.window, self.index = capacity, window, index
+        self.k: torch.Tensor | None = None  # [B, Hkv, capacity, d]
+        self.v: torch.Tensor | None = None  # [B, Hkv, capacity, dv]
+        self.start = 0
+        self.end = 0
+
+    @property
+    def length(self) -> int:
+        """Positions seen so far: the position of the next token."""
+        return self.end
+
+    @property
+    def kept(self) -> int:
+        """Positions stored now (``length`` unless the window evicted some)."""
+        return self.end - self.start
+
+    def span(self, new: int) -> tuple[int, int]:
+        """Absolute positions ``[first, last + 1)`` of the keys that ``update`` returns after
+        appending ``new`` positions: build padding masks for exactly these keys."""
+        if self.window is None:
+            return self.start, self.end + new
+        return max(self.start, self.end - (self.window - 1)), self.end + new
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys [B, Hkv, kept, d] (a view)."""
+        return None if self.k is None else self.k[:, :, : self.kept]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values [B, Hkv, kept, dv] (a view)."""
+        return None if self.v is None else self.v[:, :, : self.kept]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k [B, Hkv, Q, d], v [B, Hkv, Q, dv] in place; return the keys and values the new
+        queries attend to: [B, Hkv, K, d], [B, Hkv, K, dv] (views), the new ones last."""
+        self._check(k, v)
+        new = k.shape[2]
+        first, last = self.span(new)
+        self._make_room(k, v)
+        i = self.end - self.start
+        self.k[:, :, i : i + new].copy_(k)  # [B, Hkv, Q, d] into the buffer
+        self.v[:, :, i : i + new].copy_(v)  # [B, Hkv, Q, dv] into the buffer
+        self.end += new
+        lo, hi = first - self.start, last - self.start
+        return self.k[:, :, lo:hi], self.v[:, :, lo:hi]  # [B, Hkv, K, d], [B, Hkv, K, dv]
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (roll back a draft, retry a step)."""
+        if not 0 <= length <= self.end:
+            raise ValueError(f"KVCache layer {self.index}: cannot crop to {length}; it holds positions 0…{self.end - 1}.")
+        need = length if self.window is None else max(0, length - (self.window - 1))
+        if need < self.start:
+            raise ValueError(
+                f"KVCache layer {self.index}: cannot crop to {length}; the sliding window (W={self.window}) "
+                f"already evicted positions before {self.start} that the next query would need."
+            )
+        self.end = length
+
+    def reset(self) -> None:
+        """Empty the layer; the buffers are kept for the next sequence."""
+        self.start = self.end = 0
+
+    def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(
+                f"KVCache layer {self.index}: k must be [B, Hkv, Q, d] and v [B, Hkv, Q, dv] with the same B, Hkv, Q; "
+                f"got k {list(k.shape)}, v {list(v.shape)}."
+            )
+        if self.k is None:
+            return
+        if self.kept == 0 and (k.shape[:2] + k.shape[3:] != self.k.shape[:2] + self.k.shape[3:]
+                               or v.shape[3] != self.v.shape[3] or k.dtype != self.k.dtype or k.device != self.k.device):
+            self.k = self.v = None  # an empty (reset) cache takes new sizes: allocate afresh
+            return
+        B, Hkv, _, d = self.k.shape
+        dv = self.v.shape[-1]
+        for name, got, want in (("B", k.shape[0], B), ("Hkv", k.shape[1], Hkv), ("d", k.shape[3], d), ("dv", v.shape[3], dv)):
+            if got != want:
+                raise ShapeError(f"KVCache layer {self.index} holds {name}={want} but the new keys/values have {name}={got}.")
+        if k.dtype != self.k.dtype or k.device != self.k.device:
+            raise ShapeError(
+                f"KVCache layer {self.index} holds {self.k.dtype} on {self.k.device}; got {k.dtype} on {k.device}."
+            )
+
+    def _make_room(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        new, kept = k_new.shape[2], self.end - self.start
+        cap = 0 if self.k is None else self.k.shape[2]
+        if kept + new <= cap:
+            return
+        if self.window is not None and kept > self.window - 1:  # evict what no future query can see
+            keep = self.window - 1
+            src = slice(kept - keep, kept)
+            self.k[:, :, :keep] = self.k[:, :, src].clone()  # [B, Hkv, W-1, d]: move the window to the front
+            self.v[:, :, :keep] = self.v[:, :, src].clone()
+            self.start = self.end - keep
+            kept = keep
+            if kept + new <= cap:
+                return
+        if cap == 0:  # first allocation: as asked, else room to compact only every ~W steps
+            first = self.capacity or (2 * self.window if self.window is not None else 16)
+            capacity = max(first, kept + new)
+        else:
+            capacity = max(kept + new, 2 * cap)  # doubling: amortised O(1) copies per position
+        B, Hkv, _, d = k_new.shape
+        k = k_new.new_empty(B, Hkv, capacity, d)  # [B, Hkv, capacity, d]
+        v = v_new.new_empty(B, Hkv, capacity, v_new.shape[-1])  # [B, Hkv, capacity, dv]
+        if self.k is not None and kept:
+            k[:, :, :kept] = self.k[:, :, :kept]
+            v[:, :, :kept] = self.v[:, :, :kept]
+        self.k, self.v = k, v
+
+    def state(self) -> dict:
+        shape = None if self.k is None else [*self.k.shape[:2], self.kept, self.k.shape[3]]
+        vshape = None if self.v is None else [*self.v.shape[:2], self.kept, self.v.shape[3]]
+        cap = 0 if self.k is None else self.k.shape[2]
+        return {"length": self.end, "kept": self.kept, "capacity": cap, "keys": shape, "values": vshape}
+
+
+class KVCache:
+    """Keys and values of past positions for ``num_layers`` attention layers.
+
+    ``capacity``: positions to preallocate (e.g. prompt + new tokens; grows by doubling when
+    exceeded). ``window``: keep only what ``sliding_window(window - 1, align="bottom_right")`` can
+    still see. Pass ``cache[i]`` to layer i: ``mha(x, mask=causal("bottom_right"), cache=cache[i])``.
+    """
+
+    def __init__(self, num_layers: int = 1, *, capacity: int | None = None, window: int | None = None) -> None:
+        if num_layers < 1:
+            raise ValueError(f"KVCache needs num_layers >= 1, got {num_layers}.")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"KVCache capacity must be >= 1, got {capacity}.")
+        if window is not None and window < 1:
+            raise ValueError(f"KVCache window must be >= 1 (keys each query sees, itself included), got {window}.")
+        self.capacity, self.window = capacity, window
+        self.layers = [LayerCache(capacity, window, i) for i in range(num_layers)]
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Positions seen (the first layer's count; every layer agrees between steps)."""
+        return self.layers[0].length
+
+    def span(self, new: int) -> tuple[int, int]:
+        """Absolute positions ``[first, last + 1)`` of the keys each layer attends to after
+        appending ``new`` positions (slice a [B, K_total] padding mask with it)."""
+        return self.layers[0].span(new)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-layer cache can stand in for its layer."""
+        if len(self.layers) != 1:
+            raise ValueError(f"this KVCache has {len(self.layers)} layers; pass cache[i] to layer i.")
+        return self.layers[0].update(k, v)
+
+    def crop(self, length: int) -> None:
+        """Roll every layer back to ``length`` positions."""
+        for layer in self.layers:
+            layer.crop(length)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def state(self) -> dict:
+        """Length, window and per-layer stored shapes [B, Hkv, kept, d] — plain data to print or log."""
+        return {"length": self.length, "window": self.window, "layers": [layer.state() for layer in self.layers]}
+
+    def __repr__(self) -> str:
+        first = self.layers[0].state()
+        w = "" if self.window is None else f", window={self.window}"
+        return (f"KVCache(layers={len(self.layers)}, length={self.length}{w}, keys={first['keys']}, "
+                f"values={first['values']}, capacity={first['capacity']})")

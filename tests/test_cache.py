@@ -1,0 +1,217 @@
+"""KVCache: incremental attention equals a full recompute; windows, rollback, in-place writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bhqk import masks
+from bhqk.errors import MaskError, ShapeError
+from bhqk.nn import KVCache, MultiHeadAttention
+
+
+def make_mha(D=32, H=4, Hkv=None, seed=0):
+    torch.manual_seed(seed)
+    return MultiHeadAttention(D, H, num_kv_heads=Hkv).eval()
+
+
+def run_chunks(m, x, chunks, cache, mask_fn):
+    """Feed x [B, N, D] in chunks through the cache; the outputs side by side [B, N, D]."""
+    outs, s = [], 0
+    for n in chunks:
+        outs.append(m(x[:, s : s + n], mask=mask_fn(s, s + n), cache=cache))
+        s += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("Hkv", [None, 2, 1])
+def test_incremental_equals_full_recompute(Hkv):
+    m = make_mha(Hkv=Hkv)
+    x = torch.randn(2, 23, 32)
+    full = m(x, mask=masks.causal())
+    cache = KVCache(1, capacity=23)
+    inc = run_chunks(m, x, [9, 1, 1, 5, 1, 1, 1, 4], cache, lambda s, e: masks.causal("bottom_right"))
+    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+    assert cache.length == 23
+    assert cache.state()["layers"][0]["keys"] == [2, Hkv or 4, 23, 8]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    capacity=st.one_of(st.none(), st.integers(1, 40)),
+    B=st.integers(1, 3),
+)
+def test_any_chunking_any_capacity(chunks, capacity, B):
+    m = make_mha(D=16, H=2)
+    N = sum(chunks)
+    x = torch.randn(B, N, 16)
+    full = m(x, mask=masks.causal())
+    inc = run_chunks(m, x, chunks, KVCache(1, capacity=capacity), lambda s, e: masks.causal("bottom_right"))
+    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+
+
+def test_writes_in_place_into_preallocated_buffers():
+    m = make_mha()
+    cache = KVCache(1, capacity=16)
+    x = torch.randn(1, 16, 32)
+    m(x[:, :4], mask=masks.causal(), cache=cache)
+    ptr = cache[0].k.data_ptr()
+    for i in range(4, 16):
+        m(x[:, i : i + 1], cache=cache)
+    assert cache[0].k.data_ptr() == ptr, "the buffer was reallocated although capacity sufficed"
+    assert cache[0].k.shape[2] == 16
+
+
+def test_grows_past_capacity_and_keeps_values():
+    m = make_mha()
+    x = torch.randn(1, 30, 32)
+    cache = KVCache(1, capacity=4)
+    inc = run_chunks(m, x, [3] + [1] * 27, cache, lambda s, e: masks.causal("bottom_right"))
+    torch.testing.assert_close(inc, m(x, mask=masks.causal()), atol=1e-6, rtol=1e-5)
+    assert cache[0].k.shape[2] >= 30
+
+
+def test_key_padding_with_cache():
+    """A left-padded batch: the mask covers cached + new keys, [B, K_total]."""
+    m = make_mha()
+    x = torch.randn(2, 12, 32)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :3] = False
+    full = m(x, mask=masks.causal() & masks.key_padding(valid))
+    cache = KVCache(1)
+
+    def mask(s, e):
+        return masks.causal("bottom_right") & masks.key_padding(valid[:, :e])
+
+    inc = run_chunks(m, x, [5, 1, 2, 1, 3], cache, mask)
+    torch.testing.assert_close(inc[1, 3:], full[1, 3:], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(inc[0], full[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("W", [1, 3, 6])
+def test_sliding_window_eviction_equals_windowed_recompute(W):
+    m = make_mha()
+    x = torch.randn(2, 40, 32)
+    window_mask = masks.sliding_window(W - 1, align="bottom_right")
+    full = m(x, mask=masks.sliding_window(W - 1))
+    cache = KVCache(1, window=W)
+    chunks = [5, 1, 1, 7] + [1] * 26
+    inc = run_chunks(m, x, chunks, cache, lambda s, e: window_mask)
+    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+    assert cache.length == 40
+    assert cache[0].kept < 40 and cache[0].k.shape[2] <= max(2 * W, 16, 7 + W)
+
+
+def test_window_decoding_needs_no_mask_after_eviction():
+    """With Q=1 the cache returns exactly the W keys the query may see."""
+    m = make_mha()
+    W = 4
+    x = torch.randn(1, 20, 32)
+    full = m(x, mask=masks.sliding_window(W - 1))
+    cache = KVCache(1, window=W)
+    outs = [m(x[:, i : i + 1], cache=cache) for i in range(20)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-5)
+    assert cache.span(1) == (20 - (W - 1), 21)
+
+
+def test_span_matches_the_returned_keys():
+    m = make_mha()
+    x = torch.randn(1, 10, 32)
+    for window in (None, 3):
+        cache = KVCache(1, window=window)
+        m(x[:, :6], mask=masks.causal(), cache=cache)
+        first, last = cache.span(2)
+        _, w = m(x[:, 6:8], mask=masks.causal("bottom_right"), cache=cache, return_weights=True)
+        assert w.shape == (1, 4, 2, last - first)
+
+
+def test_crop_rolls_back_and_recomputes_the_same():
+    m = make_mha()
+    x = torch.randn(1, 12, 32)
+    draft = torch.randn(1, 4, 32)
+    cache = KVCache(1)
+    m(x[:, :8], mask=masks.causal(), cache=cache)
+    m(draft, mask=masks.causal("bottom_right"), cache=cache)  # a rejected draft of 4 positions
+    assert cache.length == 12
+    cache.crop(8)
+    assert cache.length == 8
+    out = m(x[:, 8:], mask=masks.causal("bottom_right"), cache=cache)
+    torch.testing.assert_close(out, m(x, mask=masks.causal())[:, 8:], atol=1e-6, rtol=1e-5)
+
+
+def test_crop_errors():
+    m = make_mha()
+    cache = KVCache(1, window=3)
+    m(torch.randn(1, 40, 32), mask=masks.sliding_window(2), cache=cache)
+    for _ in range(20):
+        m(torch.randn(1, 1, 32), cache=cache)
+    with pytest.raises(ValueError, match="cannot crop to 61"):
+        cache.crop(61)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.crop(5)
+    cache.crop(59)  # still within the stored window
+    assert cache.length == 59
+
+
+def test_multi_layer_state_and_repr():
+    cache = KVCache(3, capacity=8)
+    ms = [make_mha(seed=i) for i in range(3)]
+    x = torch.randn(2, 5, 32)
+    for i, m in enumerate(ms):
+        m(x, mask=masks.causal(), cache=cache[i])
+    st_ = cache.state()
+    assert st_["length"] == 5 and len(st_["layers"]) == 3
+    assert all(layer["keys"] == [2, 4, 5, 8] and layer["capacity"] == 8 for layer in st_["layers"])
+    assert "length=5" in repr(cache) and "[2, 4, 5, 8]" in repr(cache)
+    with pytest.raises(ValueError, match=r"pass cache\[i\]"):
+        ms[0](x, cache=cache)
+
+
+def test_errors_name_what_is_wrong():
+    m = make_mha()
+    cache = KVCache(1)
+    m(torch.randn(2, 3, 32), mask=masks.causal(), cache=cache)
+    with pytest.raises(ShapeError, match="B=2"):
+        m(torch.randn(3, 1, 32), cache=cache)
+    with pytest.raises(MaskError, match="align"):
+        m(torch.randn(2, 2, 32), mask=masks.causal(), cache=cache)  # Q=2 ≠ K=5 needs an explicit alignment
+    with pytest.raises(ValueError, match="self-attention"):
+        m(torch.randn(2, 1, 32), torch.randn(2, 4, 32), cache=cache)
+    with pytest.raises(ValueError, match="window"):
+        KVCache(1, window=0)
+
+
+def test_reset():
+    m = make_mha()
+    cache = KVCache(1)
+    x = torch.randn(1, 6, 32)
+    m(x, mask=masks.causal(), cache=cache)
+    cache.reset()
+    assert cache.length == 0
+    torch.testing.assert_close(m(x, mask=masks.causal(), cache=cache), m(x, mask=masks.causal()))
+
+
+def test_reset_keeps_buffers_and_accepts_new_sizes():
+    m = make_mha()
+    cache = KVCache(1, capacity=8)
+    m(torch.randn(2, 3, 32), mask=masks.causal(), cache=cache)
+    ptr = cache[0].k.data_ptr()
+    cache.reset()
+    m(torch.randn(2, 2, 32), mask=masks.causal(), cache=cache)
+    assert cache[0].k.data_ptr() == ptr and cache.length == 2
+    cache.reset()
+    x = torch.randn(3, 4, 32)  # another batch size after a reset
+    torch.testing.assert_close(m(x, mask=masks.causal(), cache=cache), m(x, mask=masks.causal()))
+
+
+def test_backend_can_be_chosen_per_call():
+    from bhqk.errors import BackendError
+
+    m = make_mha()
+    x = torch.randn(2, 9, 32)
+    torch.testing.assert_close(m(x, mask=masks.causal(), backend="reference"), m(x, mask=masks.causal(), backend="torch"))
+    with pytest.raises(BackendError, match="unknown backend"):
+        m(x, backend="nope")
