@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BackendError
-from . import reference, torch_sdpa
+from . import reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
 
 Run = Callable[[Problem, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -50,27 +50,120 @@ register(Backend("reference", reference.run, lambda p, need_lse: None,
                  "the executable spec: builds S and P [B, H, Q, K]", quadratic_memory=True))
 register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not,
                  "F.scaled_dot_product_attention (PyTorch's fused kernels)"))
+register(Backend("tiled", tiled.run, tiled.why_not,
+                 "online softmax over tiles (FlashAttention-2 in PyTorch): O(Q + K) memory, skips masked tiles"))
 
 
-def choose(p: Problem, need_lse: bool) -> Backend:
-    """The ``auto`` policy. Order of preference:
+# auto's cost model, measured on the 2-core reference machine (DESIGN.md §7; torch 2.13, B=1, H=8,
+# d = dv = 64, benchmarks/attention.py); only the ratios between backends matter. SDPA: seconds per
+# score entry (one query-key pair of one head) of its flash kernel; its causal kernel does not halve
+# the time; a dense mask / bias costs per [Q, K] entry. The tiled backend's model (per tile, per
+# row group, per entry, per partial tile) is in tiled_plan; it computes fp16/bf16 in float32.
+SDPA_ELEM = {torch.float32: 1.08e-9, torch.bfloat16: 0.45e-9, torch.float16: 1.1e-9, torch.float64: 2.4e-9}
+SDPA_CAUSAL = {torch.bfloat16: 0.75}  # time with is_causal / without; 0.6 for the other dtypes
+SDPA_DENSE_ELEM = 2.5e-9  # per entry of a dense [Q, K] mask or bias handed to SDPA
+TILED_DTYPE = {torch.float64: 2.2, torch.bfloat16: 1.1, torch.float16: 1.1}  # tiled time relative to float32
+BACKWARD = {"torch": 3.6, "tiled": 3.1}  # forward+backward time / forward time
+SDPA_BACKWARD = {torch.bfloat16: 6.0}  # SDPA's bf16 backward gains less from bf16 than its forward
+DENSE_GRAD = 1.8  # the dense mask's cost with a backward / without
+DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` picked, why, and the estimated seconds of every backend it weighed."""
+
+    backend: Backend
+    reason: str
+    estimates: dict[str, float]
+
+
+def _grad(p: Problem) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
+
+
+def _sdpa_time(p: Problem) -> float:
+    """Seconds of SDPA's score work for a forward, without the dense-mask part."""
+    ext = p.ext
+    t = ext.B * ext.H * ext.Q * ext.K * SDPA_ELEM.get(p.q.dtype, SDPA_ELEM[torch.float32])
+    if p.mask is not None and torch_sdpa.structure_free(p):  # causal, aligned as PyTorch's is_causal
+        t *= SDPA_CAUSAL.get(p.q.dtype, 0.6)
+    return t
+
+
+def _dense_entries(p: Problem) -> int:
+    """Entries of the dense mask / bias the torch adapter would build (an upper bound)."""
+    e = p.ext
+    return e.Q * e.K * e.B * (e.H if p.bias is not None else 1)
+
+
+def estimate_torch(p: Problem, grad: bool) -> float:
+    """Estimated seconds of the torch (SDPA) backend for this call (forward, or forward+backward)."""
+    width = (p.sizes["d"] + p.sizes["dv"]) / 128
+    t = _sdpa_time(p) * width * (SDPA_BACKWARD.get(p.q.dtype, BACKWARD["torch"]) if grad else 1.0)
+    if not torch_sdpa.structure_free(p):
+        t += _dense_entries(p) * SDPA_DENSE_ELEM * (DENSE_GRAD if grad else 1.0)
+    return t
+
+
+def estimate_tiled(p: Problem, grad: bool) -> float:
+    """Estimated seconds of the tiled backend for this call, from its tile plan."""
+    width = (p.sizes["d"] + p.sizes["dv"]) / 128
+    plan = tiled_plan.plan_for(p)
+    n = len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers()))
+    t = plan.cost(p.ext.B * p.ext.H, n) * width * TILED_DTYPE.get(p.q.dtype, 1.0)
+    return t * (BACKWARD["tiled"] if grad else 1.0)
+
+
+def decide(p: Problem, need_lse: bool) -> Choice:
+    """The ``auto`` policy, with its reasons:
+
     1. tiny calls (Q·K ≤ TINY): the reference — nothing to gain from tiling;
-    2. PyTorch's fused kernel when it can take the call with no dense mask (no mask, or a causal
-       mask it aligns the same way), no bias, no softcap and no log-sum-exp wanted;
-    3. the tiled backend, which evaluates structured masks and biases tile by tile.
+    2. PyTorch's fused kernel when it takes the call as is (no mask or a causal mask it aligns the
+       same way, no bias, softcap, lse or dropout it cannot do): it skips what the tiled backend
+       would skip, and is faster per score;
+    3. otherwise the cheaper, by the cost model above, of the tiled backend (which skips masked
+       tiles, returns lse, takes softcap) and SDPA handed a dense mask / bias of at most
+       ``DENSE_LIMIT`` entries (never silently O(Q·K) memory beyond that). The reference is never
+       picked for non-tiny calls.
     """
     ext = p.ext
     if ext.Q * ext.K <= TINY:
-        return _REGISTRY["reference"]
+        return Choice(_REGISTRY["reference"], f"tiny call (Q·K = {ext.Q * ext.K} ≤ {TINY}): the reference has no tiling overhead", {})
+    grad = _grad(p)
     if torch_sdpa.structure_free(p) and torch_sdpa.why_not(p, need_lse) is None:
-        return _REGISTRY["torch"]
-    if "tiled" in _REGISTRY and _REGISTRY["tiled"].why_not(p, need_lse) is None:
-        return _REGISTRY["tiled"]
-    reasons = "; ".join(f"{b.name}: {b.why_not(p, need_lse)}" for b in _REGISTRY.values() if not b.quadratic_memory)
-    raise BackendError(
-        "auto found no backend that avoids building [B, H, Q, K] for this call "
-        f"({reasons}); pass backend='reference' to accept O(Q·K) memory."
-    )
+        return Choice(_REGISTRY["torch"], "PyTorch's fused kernel takes this call as is (no mask, or a causal mask it aligns the "
+                      "same way): the tiled backend cannot skip more, and is slower per score", {})
+    estimates: dict[str, float] = {}
+    refused: dict[str, str] = {}
+    reason = torch_sdpa.why_not(p, need_lse)
+    if reason is None and not torch_sdpa.structure_free(p) and _dense_entries(p) > DENSE_LIMIT:
+        reason = (f"it would need a dense mask/bias of {_dense_entries(p)} entries (> {DENSE_LIMIT}); "
+                  "auto does not build O(Q·K) tensors for it")
+    if reason is None:
+        estimates["torch"] = estimate_torch(p, grad)
+    else:
+        refused["torch"] = reason
+    reason = _REGISTRY["tiled"].why_not(p, need_lse)
+    if reason is None:
+        estimates["tiled"] = estimate_tiled(p, grad)
+    else:
+        refused["tiled"] = reason
+    if not estimates:
+        reasons = "; ".join(f"{n}: {r}" for n, r in refused.items())
+        raise BackendError(
+            "auto found no backend that avoids building [B, H, Q, K] for this call "
+            f"({reasons}); pass backend='reference' to accept O(Q·K) memory."
+        )
+    name = min(estimates, key=estimates.get)
+    costs = ", ".join(f"{n} ≈ {1e3 * t:.3g} ms" for n, t in sorted(estimates.items(), key=lambda x: x[1]))
+    why = f"estimated {costs}" + ("".join(f"; {n} cannot: {r}" for n, r in refused.items()))
+    return Choice(_REGISTRY[name], why, estimates)
+
+
+def choose(p: Problem, need_lse: bool) -> Backend:
+    """The backend ``auto`` runs for this call (see :func:`decide` for the policy and its reasons)."""
+    return decide(p, need_lse).backend
 
 
 def resolve(backend: str, p: Problem, need_lse: bool) -> Backend:

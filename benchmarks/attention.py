@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Time and peak memory of attention on the CPU: bhqk (tiled, auto, reference) against
+F.scaled_dot_product_attention (math and flash backends, forced with sdpa_kernel) and FlexAttention
+(compiled; forward only — it has no CPU backward), for several masks, sizes, dtypes, forward and
+forward+backward. B=1, H=8, d=64 unless told otherwise.
+
+One command prints Markdown tables (time: median over repeats, with the spread; peak extra memory,
+each measured once in a fresh subprocess) and the targets of the tiled-attention issue, and writes
+JSON and PNG plots (time and peak memory vs N) to benchmarks/results/.
+
+    python benchmarks/attention.py                 # the full grid (long: an hour or more)
+    python benchmarks/attention.py --quick         # a few minutes
+    python benchmarks/attention.py --n 4096 --masks none causal --dtypes fp32 --modes fwd fwdbwd
+
+SDPA gets masks other than causal as the equivalent dense bool mask (built outside the timed call;
+its memory counts, since a caller must hold it). Implementations whose estimated memory exceeds
+--mem-limit-gib are skipped and marked as such. Timings on a shared machine are noisy: the
+implementations of one configuration are timed interleaved, and the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import bhqk
+from bhqk import masks
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MASKS = ["none", "causal", "window256", "window1024", "document", "padding"]
+IMPLS = ["tiled", "auto", "sdpa_flash", "sdpa_math", "reference", "flex"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ["fwd", "fwdbwd"]
+NS = [1024, 2048, 4096, 8192, 16384]
+
+
+# ---- one configuration -------------------------------------------------------------------------
+
+def bhqk_mask(name: str, N: int):
+    if name == "none":
+        return None
+    if name == "causal":
+        return masks.causal()
+    if name.startswith("window"):
+        return masks.sliding_window(int(name[len("window"):]))  # query i sees keys i-W … i
+    if name == "document":
+        return masks.document(torch.arange(N) // max(1, N // 8))  # 8 equal documents
+    if name == "padding":
+        return masks.padding(N // 2)  # half the keys are padding
+    raise SystemExit(f"unknown mask {name!r}; choose from {MASKS}")
+
+
+def flex_mask_mod(name: str, N: int):
+    if name == "causal":
+        return lambda b, h, q, k: q >= k
+    if name.startswith("window"):
+        W = int(name[len("window"):])
+        return lambda b, h, q, k: (q >= k) & (q - k <= W)
+    if name == "document":
+        doc = torch.arange(N) // max(1, N // 8)
+        return lambda b, h, q, k: doc[q] == doc[k]
+    if name == "padding":
+        return lambda b, h, q, k: k < N // 2
+    return None
+
+
+class Case:
+    """Inputs of one configuration and a callable per implementation (built lazily)."""
+
+    def __init__(self, mask: str, N: int, dtype: str, mode: str, B: int = 1, H: int = 8, d: int = 64):
+        g = torch.Generator().manual_seed(0)
+        self.mask, self.N, self.dtype, self.mode = mask, N, dtype, mode
+        dt = DTYPES[dtype]
+        grad = mode == "fwdbwd"
+        self.q, self.k, self.v = (torch.randn(B, H, N, d, generator=g).to(dt).requires_grad_(grad) for _ in range(3))
+        self.dout = torch.randn(B, H, N, d, generator=g).to(dt) if grad else None
+        self.m = bhqk_mask(mask, N)
+        self.B, self.H = B, H
+
+    def fn(self, impl: str):
+        q, k, v, m = self.q, self.k, self.v, self.m
+        if impl in ("tiled", "auto", "reference"):
+            return lambda: bhqk.attention(q, k, v, m, backend=impl)
+        if impl in ("sdpa_flash", "sdpa_math"):
+            kind = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.MATH
+            causal = self.mask == "causal"
+            dense = None if self.mask in ("none", "causal") else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
+
+            def call():
+                with sdpa_kernel(kind):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=causal)
+            return call
+        if impl == "flex":
+            if self.mode == "fwdbwd":
+                raise NotImplementedError("FlexAttention has no backward on the CPU")
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            mod = flex_mask_mod(self.mask, self.N)
+            bm = None if mod is None else create_block_mask(mod, None, None, self.N, self.N, device="cpu")
+            compiled = torch.compile(flex_attention, dynamic=False)
+            return lambda: compiled(q, k, v, block_mask=bm)
+        raise SystemExit(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+    def step(self, f) -> None:
+        """One forward (no autograd) or one forward+backward."""
+        if self.mode == "fwd":
+            with torch.no_grad():
+                f()
+            return
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        f().backward(self.dout)
+
+
+def estimate_gib(impl: str, mask: str, N: int, mode: str, H: int = 8) -> float:
+    """Rough peak memory, to skip what cannot run here: O(N²) for the reference and the math path,
+    the dense mask for SDPA with masks other than causal, O(N) for the rest."""
+    nn = H * N * N * 4 / 2**30  # one float32 [B, H, Q, K]
+    dense = N * N * 5 / 2**30 if mask not in ("none", "causal") else 0.0  # bool mask + its float copy
+    if impl == "reference":
+        return nn * (3.5 if mode == "fwd" else 7)
+    if impl == "sdpa_math":
+        return nn * (2.5 if mode == "fwd" else 5) + dense
+    if impl == "sdpa_flash":
+        return dense + 0.1
+    return 0.3
+
+
+# ---- timing in this process, memory in a fresh one ----------------------------------------------
+
+def time_case(case: Case, impls: list[str], repeat: int, max_s: float) -> dict[str, dict]:
+    """Median and spread of ``repeat`` runs per implementation, interleaved run by run."""
+    fns, res = {}, {}
+    for impl in impls:
+        try:
+            fns[impl] = case.fn(impl)
+            t0 = time.perf_counter()
+            case.step(fns[impl])  # warm-up (and compile, for flex)
+            res[impl] = {"warmup_s": time.perf_counter() - t0, "times_ms": []}
+        except Exception as e:  # noqa: BLE001 — a refusal is a result
+            res[impl] = {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            fns.pop(impl, None)
+    for _ in range(repeat):
+        for impl, f in list(fns.items()):
+            t0 = time.perf_counter()
+            case.step(f)
+            dt = time.perf_counter() - t0
+            res[impl]["times_ms"].append(1e3 * dt)
+            if dt > max_s:
+                fns.pop(impl)
+    for r in res.values():
+        ts = r.get("times_ms")
+        if ts:
+            r["median_ms"] = statistics.median(ts)
+            r["min_ms"], r["max_ms"] = min(ts), max(ts)
+    return res
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def child(spec: dict) -> None:
+    """Run one call in this (fresh) process and print its peak extra resident memory in MiB."""
+    case = Case(spec["mask"], spec["N"], spec["dtype"], spec["mode"])
+    small = Case(spec["mask"], 256, spec["dtype"], spec["mode"])
+    if spec["impl"] != "flex":
+        small.step(small.fn(spec["impl"]))  # threads and allocator warmed up
+    base = _status_kib("VmRSS")  # inputs (q, k, v, dout) exist: they are not "extra"
+    f = case.fn(spec["impl"])  # SDPA's dense mask is built here, and counts
+    if spec["impl"] == "flex":
+        case.step(f)  # compile first; its memory does not count
+        base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the peak (VmHWM) to the current resident size
+    case.step(f)
+    print(json.dumps({"peak_mib": (_status_kib("VmHWM") - base) / 1024}))
+
+
+def memory(spec: dict, timeout: float) -> dict:
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    try:
+        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                           text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"mem_note": f"memory run timed out after {timeout:.0f} s"}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"mem_note": f"memory run failed: {tail[:160]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+def fmt_time(r: dict | None) -> str:
+    if not r:
+        return "—"
+    if "median_ms" not in r:
+        return "n/a"
+    m = r["median_ms"]
+    spread = 100 * (r["max_ms"] - r["min_ms"]) / (2 * m) if m else 0
+    return f"{m:.1f} ±{spread:.0f}%" if m < 1000 else f"{m / 1e3:.2f} s ±{spread:.0f}%"
+
+
+def fmt_mem(r: dict | None) -> str:
+    if not r or "peak_mib" not in r:
+        return "—"
+    return f"{r['peak_mib']:.0f}"
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    if a and b and "median_ms" in a and "median_ms" in b and b["median_ms"] > 0:
+        return a["median_ms"] / b["median_ms"]
+    return None
+
+
+def tables(records: list[dict], impls: list[str]) -> str:
+    by = {}
+    for r in records:
+        by.setdefault((r["mask"], r["N"], r["dtype"], r["mode"]), {})[r["impl"]] = r
+    head = "| mask | N | dtype | mode | " + " | ".join(impls) + " | tiled/flash | auto/best |"
+    lines = ["Time per call, ms (median ± half the min–max spread):", "", head,
+             "|" + "---|" * (len(impls) + 6)]
+    for key in sorted(by, key=lambda k: (MASKS.index(k[0]) if k[0] in MASKS else 99, k[2], k[3], k[1])):
+        row = by[key]
+        tf = ratio(row.get("tiled"), row.get("sdpa_flash"))
+        best = [row[i]["median_ms"] for i in ("tiled", "sdpa_flash") if i in row and "median_ms" in row[i]]
+        ab = row["auto"]["median_ms"] / min(best) if best and "auto" in row and "median_ms" in row["auto"] else None
+        cells = [fmt_time(row.get(i)) if not (row.get(i) or {}).get("skipped") else "skip" for i in impls]
+        cells += [f"{tf:.2f}×" if tf else "—", f"{ab:.2f}×" if ab else "—"]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    lines += ["", "Peak extra resident memory per call, MiB (fresh subprocess; inputs excluded, SDPA's dense mask included):", "",
+              "| mask | N | dtype | mode | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 4)]
+    for key in sorted(by, key=lambda k: (MASKS.index(k[0]) if k[0] in MASKS else 99, k[2], k[3], k[1])):
+        row = by[key]
+        cells = [fmt_mem(row.get(i)) if not (row.get(i) or {}).get("skipped") else "skip" for i in impls]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    notes = sorted({f"{r['impl']} ({r['mask']}, {r['dtype']}, {r['mode']}): {r.get('note') or r.get('mem_note')}"
+                    for r in records if r.get("note") or r.get("mem_note")})
+    if notes:
+        lines += ["", "Notes:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines)
+
+
+def targets(records: list[dict]) -> str:
+    """The issue's targets, from whatever of them this run measured."""
+    get = {(r["impl"], r["mask"], r["N"], r["dtype"], r["mode"]): r for r in records}
+
+    def t(impl, mask, N, mode, dtype="fp32"):
+        r = get.get((impl, mask, N, dtype, mode))
+        return r.get("median_ms") if r else None
+
+    def mem(impl, mask, N, mode, dtype="fp32"):
+        r = get.get((impl, mask, N, dtype, mode))
+        return r.get("peak_mib") if r else None
+
+    rows = []
+
+    def add(name, value, ok, unit="×"):
+        if value is not None:
+            rows.append(f"| {name} | {value:.2f}{unit} | {'met' if ok else 'NOT met'} |")
+
+    for mode, limit in (("fwd", 1.5), ("fwdbwd", 2.0)):
+        a, b = t("tiled", "none", 4096, mode), t("sdpa_flash", "none", 4096, mode)
+        add(f"no mask, fp32, N=4096, {mode}: tiled / SDPA-flash ≤ {limit}", a / b if a and b else None, a and b and a / b <= limit)
+    a, b = t("tiled", "causal", 4096, "fwd"), t("sdpa_flash", "causal", 4096, "fwd")
+    add("causal, fp32, N=4096, fwd: tiled / SDPA-flash ≤ 1.3", a / b if a and b else None, a and b and a / b <= 1.3)
+    for mode in MODES:
+        a, b = t("auto", "window256", 16384, mode), t("sdpa_flash", "window256", 16384, mode)
+        add(f"window 256, N=16384, {mode}: SDPA-flash / auto ≥ 5", b / a if a and b else None, a and b and b / a >= 5)
+        a, b = mem("auto", "window256", 16384, mode), mem("sdpa_flash", "window256", 16384, mode)
+        add(f"window 256, N=16384, {mode}: memory SDPA-flash / auto ≥ 10", b / a if a and b else None, a and b and b / a >= 10)
+    worst = None
+    for (impl, mask, N, dtype, mode), r in get.items():
+        if impl != "auto" or "median_ms" not in r:
+            continue
+        best = [x for x in (t("tiled", mask, N, mode, dtype), t("sdpa_flash", mask, N, mode, dtype)) if x]
+        if best:
+            q = r["median_ms"] / min(best)
+            if worst is None or q > worst[0]:
+                worst = (q, f"{mask}, N={N}, {dtype}, {mode}")
+    if worst:
+        add(f"auto / min(SDPA-flash, tiled) ≤ 1.10 on every configuration (worst: {worst[1]})", worst[0], worst[0] <= 1.10)
+    for mode in MODES:
+        m = mem("tiled", "none", 16384, mode)
+        add(f"tiled peak extra memory, no mask, N=16384, fp32, {mode} < 256 MiB", m, m is not None and m < 256, unit=" MiB")
+    if not rows:
+        return ""
+    return "\n".join(["Targets (this run):", "", "| target | measured | |", "|---|---|---|", *rows])
+
+
+def plot(records: list[dict], impls: list[str], stem: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for dtype in sorted({r["dtype"] for r in records}):
+        for mode in sorted({r["mode"] for r in records}):
+            sub = [r for r in records if r["dtype"] == dtype and r["mode"] == mode]
+            mks = [m for m in MASKS if any(r["mask"] == m for r in sub)]
+            if not mks:
+                continue
+            fig, axes = plt.subplots(2, len(mks), figsize=(3.6 * len(mks), 6.4), squeeze=False)
+            for j, m in enumerate(mks):
+                for impl in impls:
+                    pts = sorted((r["N"], r.get("median_ms"), r.get("peak_mib")) for r in sub if r["mask"] == m and r["impl"] == impl)
+                    tp = [(n, x) for n, x, _ in pts if x]
+                    mp = [(n, y) for n, _, y in pts if y is not None]
+                    if tp:
+                        axes[0][j].plot(*zip(*tp), marker="o", label=impl)
+                    if mp:
+                        axes[1][j].plot(*zip(*mp), marker="o", label=impl)
+                axes[0][j].set_title(f"{m} ({dtype}, {mode})")
+                for i, lab in enumerate(("time per call [ms]", "peak extra memory [MiB]")):
+                    ax = axes[i][j]
+                    ax.set_xscale("log", base=2)
+                    ax.set_yscale("log")
+                    ax.set_xlabel("N")
+                    ax.grid(True, which="both", alpha=0.3)
+                    if j == 0:
+                        ax.set_ylabel(lab)
+            axes[0][0].legend(fontsize=7)
+            fig.tight_layout()
+            path = RESULTS / f"{stem}-{dtype}-{mode}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            written.append(str(path))
+    return written
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N 1024 and 4096; none, causal, window256; fp32; fwd; 3 repeats")
+    ap.add_argument("--n", type=int, nargs="+", help=f"sequence lengths (default {NS})")
+    ap.add_argument("--masks", nargs="+", choices=MASKS, help="masks (default: all)")
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="dtypes (default: fp32 bf16)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, help="fwd and/or fwdbwd (default: both)")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, help="implementations (default: all)")
+    ap.add_argument("--repeat", type=int, help="timed runs per implementation (default 5; --quick 3)")
+    ap.add_argument("--max-seconds", type=float, default=30.0, help="stop repeating an implementation after a run this long")
+    ap.add_argument("--mem-limit-gib", type=float, default=8.0, help="skip implementations estimated to need more")
+    ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurements")
+    ap.add_argument("--tag", default="attention", help="file stem under benchmarks/results/")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(json.loads(a.child))
+        return
+    ns = a.n or ([1024, 4096] if a.quick else NS)
+    mks = a.masks or (["none", "causal", "window256"] if a.quick else MASKS)
+    dts = a.dtypes or (["fp32"] if a.quick else list(DTYPES))
+    modes = a.modes or (["fwd"] if a.quick else MODES)
+    impls = a.impls or (["tiled", "auto", "sdpa_flash", "sdpa_math", "reference"] if a.quick else IMPLS)
+    repeat = a.repeat or (3 if a.quick else 5)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "B": 1, "H": 8, "d": 64}
+    records = []
+    for dtype in dts:
+        for mode in modes:
+            for mask in mks:
+                for N in ns:
+                    run = [i for i in impls if estimate_gib(i, mask, N, mode) <= a.mem_limit_gib and not (i == "flex" and mode == "fwdbwd")]
+                    case = Case(mask, N, dtype, mode)
+                    res = time_case(case, run, repeat, a.max_seconds)
+                    del case
+                    for impl in impls:
+                        r = {"impl": impl, "mask": mask, "N": N, "dtype": dtype, "mode": mode}
+                        if impl == "flex" and mode == "fwdbwd":
+                            r["note"] = "FlexAttention has no backward on the CPU"
+                        elif impl not in run:
+                            r["skipped"] = True
+                            r["note"] = f"skipped: needs ~{estimate_gib(impl, mask, N, mode):.0f} GiB (> --mem-limit-gib)"
+                        else:
+                            r.update(res[impl])
+                            if not a.no_memory and "median_ms" in r:
+                                r.update(memory({"impl": impl, "mask": mask, "N": N, "dtype": dtype, "mode": mode},
+                                                timeout=max(120.0, 20 * r["median_ms"] / 1e3)))
+                        records.append(r)
+                        shown = fmt_time(r) if "median_ms" in r else (r.get("note") or "")
+                        print(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB", flush=True)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out = RESULTS / f"{a.tag}.json"
+    out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    pngs = plot(records, impls, a.tag)
+    print()
+    print(tables(records, impls))
+    tg = targets(records)
+    if tg:
+        print()
+        print(tg)
+    print()
+    print(f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']} (2 cores; > 2 means other work ran)")
+    print(f"wrote {out}" + "".join(f", {p}" for p in pngs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Tile plans for the tiled backend: which rectangles ``[r0:r1, k0:k1]`` of the [Q, K] score grid
+are computed, and which of them need the mask evaluated (partial).
+
+The grid of ``block_q × block_k`` blocks is classified with the masks' own ``classify``: empty
+blocks are skipped, full ones need no mask, partial ones evaluate it. For the structured masks whose
+classification is arithmetic (causal, window, padding, document, prefix-LM and their ``& | ~``) the
+grid is classified top-down (a quadtree), so planning costs grow with the mask's boundary, not with
+the number of blocks, and full regions come out as large rectangles. Other masks (dense, predicate)
+are classified block by block.
+
+Query rows are processed in *row groups* of ``group_q`` rows that share the online-softmax state.
+Full regions are computed as tall rectangles (up to a worker's ``TILE_ELEMS`` scores each), partial
+blocks one by one: causal attention then runs its full part with the big matmuls of the unmasked
+case and only its diagonal with small tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import BackendError
+from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, SlidingWindow, Tile
+from .problem import Problem
+
+# Score-tile size the heuristic aims for, per worker thread (one core), in elements of its slice
+# [B·Hkv / workers, G·block_q, block_k]: 2^21 (8 MiB fp32). Measured on the 2-core reference
+# machine: tiles of 2^19-2^20 (which fit L2) lost more to per-op overhead than they gained in cache
+# hits; 2^21 ran ~10% faster, 2^23 slower again.
+TILE_ELEMS = 1 << 21
+BLOCK_K = 256  # default block_k; block_q follows from TILE_ELEMS
+
+# Cost model of one forward (seconds), fitted on the 2-core reference machine (torch 2.13, fp32,
+# d = 64): per rectangle and per row group a worker visits (Python and per-op overhead, paid by
+# every worker, and the two workers' contention for the GIL), per score entry (two matmuls, exp2,
+# sum; shared among the workers) and extra per entry and per rectangle that is partial (the mask).
+# Checked against B=1, H=8, N = 512 … 4096, no mask, padding, document: within about 20%.
+COST_CALL = 3e-3  # planning, checks, thread hand-off
+COST_ROW = 1.0e-6  # per query row and head a worker handles: the O(Q·d) passes (copies, output)
+COST_TILE = 400e-6
+COST_BLOCK = 150e-6
+COST_ELEM = 2.3e-9
+COST_PARTIAL_ELEM = 0.5e-9
+COST_PARTIAL_TILE = 40e-6
+
+
+@dataclass
+class Plan:
+    """The computed rectangles, by row group: ``rows[g] = (q0, q1, [(r0, r1, k0, k1, partial), ...])``
+    with ``q0 <= r0 < r1 <= q1``, in the order they are processed."""
+
+    block_q: int
+    block_k: int
+    rows: list[tuple[int, int, list[tuple[int, int, int, int, bool]]]]
+    computed: int = 0  # Σ (r1 - r0)·(k1 - k0) over the computed rectangles
+    tiles: int = 0
+    partial: int = 0  # rectangles where the mask is evaluated
+    partial_elems: int = 0  # Σ (r1 - r0)·(k1 - k0) over the partial ones
+    _cols: list | None = field(default=None, repr=False)
+
+    @property
+    def cols(self) -> list[tuple[int, int, list[tuple[int, int, int, bool]]]]:
+        """The same rectangles by key span: ``cols[j] = (k0, k1, [(g, r0, r1, partial), ...])``."""
+        if self._cols is None:
+            by_key: dict[tuple[int, int], list[tuple[int, int, int, bool]]] = {}
+            for g, (_, _, tiles) in enumerate(self.rows):
+                for r0, r1, k0, k1, part in tiles:
+                    by_key.setdefault((k0, k1), []).append((g, r0, r1, part))
+            self._cols = [(k0, k1, by_key[(k0, k1)]) for k0, k1 in sorted(by_key)]
+        return self._cols
+
+    def fraction(self, ext: Extent) -> float:
+        """Share of the [Q, K] grid that is computed (1.0 = everything)."""
+        return self.computed / max(1, ext.Q * ext.K)
+
+    @property
+    def blocks(self) -> int:
+        """Row groups with at least one rectangle."""
+        return sum(1 for _, _, tiles in self.rows if tiles)
+
+    def cost(self, rows_per_q: int, n_workers: int = 1) -> float:
+        """Estimated seconds of one float32 forward at d = dv = 64 (``rows_per_q`` = B·H), by the
+        cost model above; ``n_workers`` threads share the score entries."""
+        Q = self.rows[-1][1] if self.rows else 0
+        per_worker = (self.computed * COST_ELEM + self.partial_elems * COST_PARTIAL_ELEM + Q * COST_ROW) * rows_per_q / n_workers
+        return COST_CALL + self.tiles * COST_TILE + self.blocks * COST_BLOCK + self.partial * COST_PARTIAL_TILE + per_worker
+
+
+def _cuts(n: int, b: int) -> list[int]:
+    return list(range(0, n, b)) + [n]
+
+
+def _arithmetic(mask: Mask) -> bool:
+    """True when ``mask.classify`` is cheap arithmetic (no tensor evaluation) for any rectangle."""
+    if isinstance(mask, (Causal, SlidingWindow, KeysBelow, KeyPadding, Document)):
+        return True
+    if isinstance(mask, (And, Or)):
+        return _arithmetic(mask.a) and _arithmetic(mask.b)
+    if isinstance(mask, Not):
+        return _arithmetic(mask.a)
+    return False
+
+
+def classify_leaves(mask: Mask | None, ext: Extent, qcuts: list[int], kcuts: list[int]) -> list[tuple[int, int, int, int, Tile]]:
+    """Rectangles of blocks ``(i0, i1, j0, j1, class)`` — rows ``qcuts[i0]:qcuts[i1]``, keys
+    ``kcuts[j0]:kcuts[j1]`` — that together cover the grid once; partial ones are single blocks."""
+    nq, nk = len(qcuts) - 1, len(kcuts) - 1
+    if not nq or not nk:
+        return []
+    if mask is None:
+        return [(0, nq, 0, nk, Tile.FULL)]
+    if not _arithmetic(mask):
+        return [(i, i + 1, j, j + 1, mask.classify(ext, qcuts[i], qcuts[i + 1], kcuts[j], kcuts[j + 1]))
+                for i in range(nq) for j in range(nk)]
+    leaves: list[tuple[int, int, int, int, Tile]] = []
+
+    def visit(i0: int, i1: int, j0: int, j1: int) -> None:  # blocks [i0, i1) × [j0, j1)
+        t = mask.classify(ext, qcuts[i0], qcuts[i1], kcuts[j0], kcuts[j1])
+        if t is not Tile.PARTIAL or (i1 - i0 == 1 and j1 - j0 == 1):
+            leaves.append((i0, i1, j0, j1, t))
+        elif i1 - i0 >= j1 - j0:
+            mid = (i0 + i1) // 2
+            visit(i0, mid, j0, j1)
+            visit(mid, i1, j0, j1)
+        else:
+            mid = (j0 + j1) // 2
+            visit(i0, i1, j0, mid)
+            visit(i0, i1, mid, j1)
+
+    visit(0, nq, 0, nk)
+    return leaves
+
+
+def make_plan(p: Problem, block_q: int, block_k: int, group_q: int | None = None) -> Plan:
+    """Classify the ``block_q × block_k`` grid and lay out the computed rectangles: row groups of
+    ``group_q`` rows (a multiple of block_q; default block_q); partial blocks one by one; full
+    regions merged along the keys and cut into rectangles of at most a worker's ``TILE_ELEMS``."""
+    ext = p.ext
+    group_q = block_q if group_q is None else max(block_q, group_q // block_q * block_q)
+    qcuts, kcuts = _cuts(ext.Q, block_q), _cuts(ext.K, block_k)
+    per_q = max(1, ext.B * ext.H // len(split(ext.B, p.sizes["Hkv"], workers())))  # a worker's rows per query
+    step = group_q // block_q  # blocks per row group
+    groups: list[list[tuple[int, int, int, int, bool]]] = [[] for _ in range(0, max(1, len(qcuts) - 1), step)]
+    for i0, i1, j0, j1, t in classify_leaves(p.mask, ext, qcuts, kcuts):
+        if t is Tile.EMPTY:
+            continue
+        for g in range(i0 // step, (i1 - 1) // step + 1):  # a leaf may straddle row groups
+            a, b = max(i0, g * step), min(i1, (g + 1) * step)
+            groups[g].append((qcuts[a], qcuts[b], kcuts[j0], kcuts[j1], t is Tile.PARTIAL))
+    rows, computed, tiles, partial, partial_elems = [], 0, 0, 0, 0
+    for g, pieces in enumerate(groups):
+        q0, q1 = qcuts[g * step], qcuts[min(len(qcuts) - 1, (g + 1) * step)]
+        out = [x for x in pieces if x[4]]
+        for r0, r1, k0, k1 in _merged_full(pieces):
+            wide = max(block_k, TILE_ELEMS // (per_q * (r1 - r0)) // block_k * block_k)  # widest rectangle
+            n = -(-(k1 - k0) // wide)
+            cuts = [k0 + (k1 - k0) * c // n for c in range(n + 1)]
+            out.extend((r0, r1, a, b, False) for a, b in zip(cuts, cuts[1:]))
+        for r0, r1, k0, k1, part in out:
+            elems = (r1 - r0) * (k1 - k0)
+            computed += elems
+            if part:
+                partial += 1
+                partial_elems += elems
+        tiles += len(out)
+        rows.append((q0, q1, _diagonal_first(out, ext)))
+    return Plan(block_q, block_k, rows, computed, tiles, partial, partial_elems)
+
+
+def _merged_full(pieces: list[tuple[int, int, int, int, bool]]) -> list[tuple[int, int, int, int]]:
+    """Full rectangles with the same rows and touching key ranges, merged."""
+    merged: list[list[int]] = []
+    for r0, r1, k0, k1, _ in sorted(x for x in pieces if not x[4]):
+        last = merged[-1] if merged else None
+        if last and last[0] == r0 and last[1] == r1 and last[3] == k0:
+            last[3] = k1
+        else:
+            merged.append([r0, r1, k0, k1])
+    return [tuple(m) for m in merged]
+
+
+def _diagonal_first(tiles: list[tuple[int, int, int, int, bool]], ext: Extent) -> list[tuple[int, int, int, int, bool]]:
+    """Processing order in a row group: partial rectangles nearest the diagonal (either alignment)
+    first, then the full ones. The online softmax takes keys in any order, but needs a max pass
+    until every row has a max; the diagonal blocks are small and, for causal, window, document and
+    padding masks, give every row some key, so the large full rectangles skip the max pass."""
+    def distance(t: tuple[int, int, int, int, bool]) -> tuple[bool, float, int]:
+        rc, kc = (t[0] + t[1]) / 2, (t[2] + t[3]) / 2
+        return (not t[4], min(abs(kc - rc), abs(kc - rc - (ext.K - ext.Q))), t[0])
+
+    return sorted(tiles, key=distance)
+
+
+def _given(p: Problem, name: str) -> int | None:
+    value = p.options.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BackendError(f"{name} must be a positive integer (a tile size for the tiled backend), got {value!r}.")
+    return value
+
+
+def _pow2_floor(x: float) -> int:
+    n = 1
+    while n * 2 <= x:
+        n *= 2
+    return n
+
+
+def workers() -> int:
+    """Worker threads for one call: PyTorch's intra-op thread count (``torch.set_num_threads``)."""
+    return max(1, torch.get_num_threads())
+
+
+def split(B: int, Hkv: int, n_workers: int) -> list[tuple[slice, slice]]:
+    """How one call is divided among worker threads: ``(batch slice, key/value-head slice)`` per
+    worker — contiguous ranges of the key/value heads, or of the batch when there is one head."""
+    def ranges(n: int, parts: int) -> list[slice]:
+        cuts = [round(i * n / parts) for i in range(parts + 1)]
+        return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+
+    if n_workers > 1 and Hkv > 1:
+        return [(slice(None), h) for h in ranges(Hkv, min(n_workers, Hkv))]
+    if n_workers > 1 and B > 1:
+        return [(b, slice(None)) for b in ranges(B, min(n_workers, B))]
+    return [(slice(None), slice(None))]
+
+
+def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
+    """The heuristic without a mask: ``block_k = 256``; ``block_q`` (and the row group) such that a
+    worker's score tile [B·Hkv/workers, G·block_q, block_k] holds about ``TILE_ELEMS`` elements
+    (16 … 2048)."""
+    ext = p.ext
+    bk = max(1, min(block_k, ext.K))
+    parts = len(split(ext.B, p.sizes["Hkv"], workers()))
+    bq = _pow2_floor(TILE_ELEMS * parts / max(1, ext.B * ext.H * bk))  # B·Hkv·G = B·H rows per query
+    bq = max(16, min(2048, bq))
+    return max(1, min(bq, ext.Q)), bk
+
+
+def plan_for(p: Problem) -> Plan:
+    """The tile plan for a call. ``block_q`` / ``block_k`` from ``p.options`` set the grid (and
+    the row group is block_q rows); otherwise the row group comes from the heuristic and, with a
+    mask, the grid is the candidate (``block_q`` = group/1 … /16, ``block_k`` = 256 or 128) whose
+    estimated cost is lowest, so masks that skip work get blocks small enough to skip it."""
+    cached = p.options.get("_tiled_plan")
+    if cached is not None:
+        return cached
+    p.options["_tiled_plan"] = plan = _plan_for(p)
+    return plan
+
+
+def _plan_for(p: Problem) -> Plan:
+    bq_given, bk_given = _given(p, "block_q"), _given(p, "block_k")
+    group, bk0 = default_blocks(p, bk_given or BLOCK_K)
+    if bq_given:
+        return make_plan(p, bq_given, bk0)
+    if p.mask is None:
+        return make_plan(p, group, bk0, group)
+    candidates = set()
+    for fq in (1, 2, 4, 8, 16):
+        for fk in (1, 2):
+            bk = bk0 if bk_given else max(32, bk0 // fk)
+            candidates.add((max(16, group // fq), min(bk, p.ext.K)))
+    rows_per_q, n = p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers()))
+    plans = [make_plan(p, bq, bk, group) for bq, bk in sorted(candidates, reverse=True)]
+    return min(plans, key=lambda pl: pl.cost(rows_per_q, n))
