@@ -1,0 +1,182 @@
+"""bhqk.viz: PNGs of the right size with tokens on the axes, the layers × heads grid, mask drawings,
+the self-contained HTML page's data, the bertviz export and ``bhqk show``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import bhqk
+from bhqk import masks
+from bhqk.inspect import capture
+
+pytest.importorskip("matplotlib")
+from matplotlib.image import imread  # noqa: E402
+
+from bhqk import viz  # noqa: E402
+from bhqk.viz.heatmap import DPI  # noqa: E402
+
+TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
+
+
+@pytest.fixture(scope="module")
+def cap():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(bhqk.MultiHeadAttention(32, 4) for _ in range(3))
+    x = torch.randn(1, len(TOKENS), 32)
+    with torch.no_grad(), capture(model=layers) as c:
+        for layer in layers:
+            x = x + layer(x)  # [B, N, D]
+    return c
+
+
+def png_size(path) -> tuple[int, int]:
+    h, w = imread(path).shape[:2]
+    return w, h
+
+
+def assert_figure_size(fig, path) -> None:
+    """The PNG is the figure's size in inches × DPI (to a pixel: matplotlib truncates)."""
+    w_in, h_in = fig.get_size_inches()
+    w, h = png_size(path)
+    assert abs(w - w_in * DPI) < 1 and abs(h - h_in * DPI) < 1, (w, h, w_in * DPI, h_in * DPI)
+
+
+def test_heatmap_png_has_the_figure_size_tokens_colour_bar_and_named_shape(cap, tmp_path):
+    fig = viz.heatmap(cap, TOKENS, layer=1, head=2, path=tmp_path / "head.png")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == TOKENS  # keys as columns
+    assert [t.get_text() for t in ax.get_yticklabels()] == TOKENS  # queries as rows
+    assert len(fig.axes) == 2  # the heatmap and its colour bar
+    title = fig._suptitle.get_text()
+    assert "layer 1, head 2" in title and "[B=1, H=4, Q=9, K=9]" in title
+    assert_figure_size(fig, tmp_path / "head.png")
+    w_in, h_in = fig.get_size_inches()
+    assert 700 <= w_in * DPI <= 2400 and 600 <= h_in * DPI <= 2400
+    shown = ax.images[0].get_array()
+    torch.testing.assert_close(torch.tensor(shown.data), cap[1].head(2).float())
+
+
+def test_heatmap_grows_with_the_sentence_and_labels_captured_rows(tmp_path):
+    q, k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    toks = [f"w{i}" for i in range(40)]
+    with capture(rows=[3, 7, 8]) as c:
+        bhqk.attention(q, k, v)
+    small = viz.heatmap(c, toks, head=1)
+    assert [t.get_text() for t in small.axes[0].get_yticklabels()] == ["w3", "w7", "w8"]
+    with capture() as c2:
+        bhqk.attention(q, k, v)
+    big = viz.heatmap(c2, toks, head=1)
+    assert big.get_size_inches()[1] > small.get_size_inches()[1]
+    assert len(big.axes[0].texts) == 0  # too many cells for numbers
+
+
+def test_heatmap_greys_masked_cells(tmp_path):
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    with capture() as c:
+        bhqk.attention(q, k, v, masks.causal(), backend="reference")
+    fig = viz.heatmap(c, ["a", "b", "c", "d"])
+    arr = fig.axes[0].images[0].get_array()
+    assert arr.mask.tolist() == (~torch.ones(4, 4, dtype=torch.bool).tril()).tolist()
+
+
+def test_grid_is_layers_by_heads(cap, tmp_path):
+    fig = viz.grid(cap, path=tmp_path / "grid.png")
+    images = [ax for ax in fig.axes if ax.images]
+    assert len(images) == 3 * 4
+    assert [ax.get_ylabel() for ax in images if ax.get_ylabel()] == ["layer 0", "layer 1", "layer 2"]
+    assert [ax.get_title() for ax in images if ax.get_title()] == [f"head {h}" for h in range(4)]
+    assert_figure_size(fig, tmp_path / "grid.png")
+    w_in, h_in = fig.get_size_inches()
+    assert w_in > h_in  # 4 heads across, 3 layers down
+
+
+def test_mask_drawing_shows_what_may_attend(tmp_path):
+    ms = {"causal bottom_right": masks.causal("bottom_right"), "window": masks.sliding_window(1, align="top_left")}
+    fig = viz.mask(ms, 4, 6, path=tmp_path / "masks.png")
+    drawn = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(drawn) == 2 and "[Q=4, K=6]" in drawn[0].get_xlabel()
+    for ax, m in zip(drawn, ms.values()):
+        want = m.materialize(1, 1, 4, 6)[0, 0].expand(4, 6).int()
+        assert torch.tensor(ax.images[0].get_array()).tolist() == want.tolist()
+    assert png_size(tmp_path / "masks.png")[0] > 400
+
+
+def test_to_bertviz_format(cap):
+    attention, tokens = viz.to_bertviz(cap, TOKENS)
+    assert tokens == TOKENS and len(attention) == 3
+    for a, rec in zip(attention, cap):
+        assert a.shape == (1, 4, 9, 9) and a.dtype == torch.float32
+        torch.testing.assert_close(a.sum(-1), torch.ones(1, 4, 9))
+        torch.testing.assert_close(a, rec.weights.float())
+    # what bertviz's format_attention does with it: squeeze the batch, stack the layers
+    assert torch.stack([a.squeeze(0) for a in attention]).shape == (3, 4, 9, 9)
+    with capture(heads=[0]) as part:
+        bhqk.attention(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4))
+    with pytest.raises(ValueError, match="every head"):
+        viz.to_bertviz(part, TOKENS)
+    with pytest.raises(ValueError, match="K=9 but 8 tokens"):
+        viz.to_bertviz(cap, TOKENS[:8])
+
+
+def test_html_is_self_contained_and_carries_the_weights(cap, tmp_path):
+    tricky = TOKENS[:-1] + ["</script><b>x"]
+    path = viz.html(cap, tricky, tmp_path / "page.html")
+    text = path.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)  # nothing fetched from a network
+    assert "<script src" not in text and "@import" not in text
+    assert text.count("</script>") == 2  # the data block and the code; the token did not end a script
+    blob = re.search(r'<script id="data" type="application/json">(.*?)</script>', text, re.S).group(1)
+    data = json.loads(blob)
+    assert data["tokens"] == tricky and len(data["layers"]) == 3
+    layer = data["layers"][2]
+    assert layer["name"] == "2" and dict(layer["shapes"])["S, P"] == "[B=1, H=4, Q=9, K=9]"
+    w = torch.tensor(layer["heads"][3]["w"])
+    torch.testing.assert_close(w, cap[2].head(3).float(), atol=1e-4, rtol=0)
+    assert set(layer["heads"][0]["stats"]) >= {"entropy", "distance", "first"}
+
+
+def test_viz_imports_no_matplotlib_until_a_picture_is_drawn():
+    code = "import sys, bhqk, bhqk.inspect, bhqk.viz; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# ---- bhqk show on the bundled MiniLM -------------------------------------------------------------
+
+def test_show_command_writes_pictures_and_page(tmp_path):
+    pytest.importorskip("bhqk.models.bert")
+    from bhqk.viz.cli import add_show_parser
+
+    p = argparse.ArgumentParser(prog="bhqk")
+    add_show_parser(p.add_subparsers(dest="command"))
+    a = p.parse_args(["show", "The cat sat on the mat.", "--layer", "2", "--head", "5", "--out", str(tmp_path / "out")])
+    text = a.func(a)
+    paths = [tmp_path / "out" / n for n in ("attention.png", "attention_grid.png", "attention.html")]
+    for path in paths:
+        assert path.is_file() and path.stat().st_size > 1000
+        assert str(path) in text
+    assert "layer 2 (layers.2.attn), head 5" in text and "[B=1, H=12, Q=9, K=9]" in text
+    w, h = png_size(paths[1])
+    assert w > h > 500  # 12 heads across, 6 layers down
+    a = p.parse_args(["show", "The cat sat on the mat.", "--head", "12", "--out", str(tmp_path / "bad")])
+    with pytest.raises(ValueError, match="H=12"):
+        a.func(a)
+
+
+def test_pick_head_prefers_a_focused_head_that_reads_words():
+    from bhqk.inspect.stats import HeadStats
+    from bhqk.viz.cli import pick_head
+
+    parked = HeadStats(0, "a", 0, entropy=0.01, distance=3.0, first=0.9, special={"[CLS]": 0.9, "[SEP]": 0.05})
+    wordy = HeadStats(0, "a", 1, entropy=0.30, distance=1.0, first=0.1, special={"[CLS]": 0.1, "[SEP]": 0.1})
+    vague = HeadStats(1, "b", 0, entropy=1.50, distance=2.0, first=0.1, special={"[CLS]": 0.1, "[SEP]": 0.1})
+    assert pick_head([parked, vague, wordy]) is wordy
+    assert pick_head([parked]) is parked
