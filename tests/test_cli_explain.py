@@ -62,12 +62,13 @@ def test_cli_explain_mask_demo(capsys):
         assert "■" in capsys.readouterr().out
 
 
-def test_cli_demo_prints_the_seed_scores(capsys):
-    assert main(["demo"]) == 0
+def test_cli_demo_prints_the_seed_scores_and_draws(capsys, tmp_path):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for value in ("1.5400", "3.5200", "5.5000", "7.4800", "18.3700", "29.2600", "7.8100"):
         assert value in out  # the first seed's Q·Kᵀ table
     assert "[B=2, H=8, Q=5, K=7]" in out  # the traced multi-head call
+    assert (tmp_path / "attention.html").exists() and (tmp_path / "attention.png").exists()
 
 
 def test_cli_errors_are_one_line_exit_2():

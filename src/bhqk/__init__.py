@@ -3,18 +3,19 @@
 Scores live in [B, H, Q, K]; masks use True = may attend; errors name the dimension that is wrong.
 """
 
-from . import bias, masks
+from . import bias, distributed, masks
 from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
 from .functional import Problem, attention, attention_weights, why_not
-from .inspect import trace
-from .nn import MultiHeadAttention, merge_heads, split_heads
+from .functional.merge import merge
+from .inspect import capture, trace
+from .nn import KVCache, MultiHeadAttention, merge_heads, split_heads
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_weights", "why_not", "Problem",
-    "MultiHeadAttention", "split_heads", "merge_heads",
-    "masks", "bias", "explain", "trace",
+    "attention", "attention_weights", "why_not", "merge", "Problem",
+    "MultiHeadAttention", "KVCache", "split_heads", "merge_heads",
+    "masks", "bias", "distributed", "explain", "trace", "capture",
     "ShapeError", "MaskError", "BackendError", "LoadError",
 ]

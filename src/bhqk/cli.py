@@ -11,7 +11,7 @@ from . import masks
 from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
 
-USER_ERRORS = (ShapeError, MaskError, BackendError, LoadError, ValueError, FileNotFoundError)
+USER_ERRORS = (ShapeError, MaskError, BackendError, LoadError, ValueError, FileNotFoundError, ImportError)
 
 
 def _ints(text: str) -> list[int]:
@@ -59,7 +59,7 @@ def cmd_mask(a: argparse.Namespace) -> str:
 def cmd_demo(a: argparse.Namespace) -> str:
     from .demo import run
 
-    return run()
+    return run(a.out)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,9 +91,15 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--prefix", type=int, default=3, help="prefix_lm: prefix length")
     m.set_defaults(func=cmd_mask)
 
-    d = sub.add_parser("demo", help="the seed's worked example and a traced multi-head forward")
+    d = sub.add_parser("demo", help="the seed's worked example, a traced multi-head forward, pictures of real attention")
+    d.add_argument("--out", default="bhqk-show", help="folder for the attention pictures (default: bhqk-show)")
     d.set_defaults(func=cmd_demo)
-    # Subcommands of higher layers register here (each module defines add_parser(sub)).
+    from .models.cli import add_embed_parser, add_generate_parser
+    from .viz.cli import add_show_parser
+
+    add_embed_parser(sub)
+    add_generate_parser(sub)
+    add_show_parser(sub)
     return p
 
 

@@ -50,8 +50,22 @@ def multihead_example() -> str:
     ])
 
 
-def run() -> str:
-    return "\n\n".join([seed_example(), multihead_example(), next_steps()])
+def attention_pictures(out_dir: str = "bhqk-show") -> str:
+    """3. A real sentence's attention: the bundled MiniLM, captured on the fast path, drawn."""
+    from .errors import LoadError
+    from .viz.cli import show
+
+    report: list[str] = []
+    try:
+        paths = show("The cat sat on the mat.", out_dir, backend="torch", report=report)
+    except (ImportError, LoadError) as e:
+        return f"3. Pictures of attention skipped: {e}"
+    return "\n".join(["3. Attention of a real sentence (bundled all-MiniLM-L6-v2, captured from the SDPA path), as `bhqk show` draws it:",
+                      *(f"   {r}" for r in report), *(f"   wrote {p}" for p in paths)])
+
+
+def run(out_dir: str = "bhqk-show") -> str:
+    return "\n\n".join([seed_example(), multihead_example(), attention_pictures(out_dir), next_steps()])
 
 
 def next_steps() -> str:
@@ -60,4 +74,7 @@ def next_steps() -> str:
         "  bhqk explain --batch 2 --heads 8 --q-len 5 --k-len 7 --head-dim 64 --kv-heads 2 [--lang zh]",
         "  bhqk mask causal --q-len 4 --k-len 6 --align bottom_right",
         "  bhqk mask sliding_window --q-len 8 --left 2",
+        '  bhqk embed "A man is eating food." "A man eats a meal." "The sky is blue."',
+        '  bhqk show "The cat sat on the mat." --out show/',
+        "  torchrun --nproc-per-node 4 -m bhqk.distributed.demo",
     ])
