@@ -462,7 +462,9 @@ def test_auto_policy_choices_and_reasons():
     doc = registry.decide(prepare(q, k, v, masks.document(torch.arange(4096) // 512)), False)
     assert doc.backend.name == "tiled"
     small = torch.empty(1, 2, 16, 8)
-    assert registry.decide(prepare(small, small, small), False).backend.name == "reference"  # tiny
+    assert registry.decide(prepare(small, small, small), False).backend.name == "torch"  # tiny, no mask: one fused op
+    tiny_masked = prepare(small, small, small, masks.padding(torch.tensor([small.shape[2] - 1] * small.shape[0])))
+    assert registry.decide(tiny_masked, False).backend.name == "reference"  # tiny with a dense-only mask
     huge = torch.empty(1, 1, 8192, 8)
     far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
     assert far.backend.name == "tiled" and "dense mask" in far.reason  # SDPA would need a 2^26 dense mask

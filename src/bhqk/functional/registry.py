@@ -118,7 +118,9 @@ def estimate_tiled(p: Problem, grad: bool) -> float:
 def decide(p: Problem, need_lse: bool) -> Choice:
     """The ``auto`` policy, with its reasons:
 
-    1. tiny calls (Q·K ≤ TINY): the reference — nothing to gain from tiling;
+    1. tiny calls (Q·K ≤ TINY, e.g. a decode step): PyTorch's fused kernel when it can take the
+       call without a dense mask (one fused op beats the reference's several), else the reference —
+       nothing to gain from tiling;
     2. PyTorch's fused kernel when it takes the call as is (no mask or a causal mask it aligns the
        same way, no bias, softcap, lse or dropout it cannot do): it skips what the tiled backend
        would skip, and is faster per score;
@@ -129,6 +131,8 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     """
     ext = p.ext
     if ext.Q * ext.K <= TINY:
+        if torch_sdpa.structure_free(p) and torch_sdpa.why_not(p, need_lse) is None:
+            return Choice(_REGISTRY["torch"], f"tiny call (Q·K = {ext.Q * ext.K} ≤ {TINY}) SDPA takes as one fused op", {})
         return Choice(_REGISTRY["reference"], f"tiny call (Q·K = {ext.Q * ext.K} ≤ {TINY}): the reference has no tiling overhead", {})
     grad = _grad(p)
     if torch_sdpa.structure_free(p) and torch_sdpa.why_not(p, need_lse) is None:
