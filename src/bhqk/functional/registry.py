@@ -115,6 +115,14 @@ def estimate_tiled(p: Problem, grad: bool) -> float:
     return t * (BACKWARD["tiled"] if grad else 1.0)
 
 
+def _tiled_floor(p: Problem, grad: bool) -> float:
+    """A lower bound of ``estimate_tiled`` that needs no tile plan (per call and per query row)."""
+    ext = p.ext
+    n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers()))
+    t = tiled_plan.COST_CALL + tiled_plan.COST_ROW * ext.Q * ext.B * ext.H / n
+    return t * TILED_DTYPE.get(p.q.dtype, 1.0) * (BACKWARD["tiled"] if grad else 1.0)
+
+
 def decide(p: Problem, need_lse: bool) -> Choice:
     """The ``auto`` policy, with its reasons:
 
@@ -149,10 +157,12 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     else:
         refused["torch"] = reason
     reason = _REGISTRY["tiled"].why_not(p, need_lse)
-    if reason is None:
-        estimates["tiled"] = estimate_tiled(p, grad)
-    else:
+    if reason is not None:
         refused["tiled"] = reason
+    elif "torch" in estimates and _tiled_floor(p, grad) >= estimates["torch"]:
+        refused["tiled"] = f"its fixed costs alone (≈ {1e3 * _tiled_floor(p, grad):.3g} ms) exceed that"
+    else:
+        estimates["tiled"] = estimate_tiled(p, grad)
     if not estimates:
         reasons = "; ".join(f"{n}: {r}" for n, r in refused.items())
         raise BackendError(
@@ -161,7 +171,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         )
     name = min(estimates, key=estimates.get)
     costs = ", ".join(f"{n} ≈ {1e3 * t:.3g} ms" for n, t in sorted(estimates.items(), key=lambda x: x[1]))
-    why = f"estimated {costs}" + ("".join(f"; {n} cannot: {r}" for n, r in refused.items()))
+    why = f"estimated {costs}" + "".join(f"; not {n}: {r}" for n, r in refused.items())
     return Choice(_REGISTRY[name], why, estimates)
 
 

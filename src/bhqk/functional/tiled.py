@@ -189,16 +189,22 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor) -> tuple[torch.Tenso
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, k, x]
 
 
-def _keys(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K with a column of ones, ``[B·Hkv, K, d+1]`` (a copy), and V ``[B·Hkv, K, dv]`` (a view of v
-    where its dtype and strides allow, else a copy); key spans are views of these."""
-    B, Hkv, K, d = k.shape
-    ka = torch.empty(B * Hkv, K, d + 1, dtype=dt, device=k.device)
-    ka.view(B, Hkv, K, d + 1)[..., :d].copy_(k)  # [B, Hkv, K, d] -> [(B Hkv), K, d]
-    ka[..., d] = 1.0
-    if v.dtype == dt and (B == 1 or Hkv == 1 or v.stride(0) == Hkv * v.stride(1)):
-        return ka, v.flatten(0, 1)  # [B, Hkv, K, dv] -> [(B Hkv), K, dv], a view
-    return ka, v.to(dt).flatten(0, 1)
+def _key_span(k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, KB: "_Buffer", VB: "_Buffer", ones_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``k0:k1`` as ``[B·Hkv, k1-k0, d+1]`` with a column of ones (copied into ``KB``), and the
+    values as ``[B·Hkv, k1-k0, dv]`` (``dv+1`` with ones when ``ones_v``): a view of v where its
+    dtype and strides allow, else copied into ``VB``."""
+    B, Hkv, _, d = k.shape
+    dv, w, dt = v.shape[-1], k1 - k0, KB.flat.dtype
+    kt = KB.take(B * Hkv, w, d + 1)
+    kt.view(B, Hkv, w, d + 1)[..., :d].copy_(k[:, :, k0:k1])  # [B, Hkv, w, d] -> [(B Hkv), w, d]
+    kt[..., d] = 1.0
+    if not ones_v and v.dtype == dt and (B == 1 or Hkv == 1 or v.stride(0) == Hkv * v.stride(1)):
+        return kt, v[:, :, k0:k1].flatten(0, 1)  # [B, Hkv, w, dv] -> [(B Hkv), w, dv], a view
+    vt = VB.take(B * Hkv, w, dv + int(ones_v))
+    vt.view(B, Hkv, w, -1)[..., :dv].copy_(v[:, :, k0:k1])
+    if ones_v:
+        vt[..., dv] = 1.0
+    return kt, vt
 
 
 def forward(p: Problem, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +247,8 @@ def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, 
         return  # every query of these groups is fully masked: out stays 0, lse -inf
     fold = p.softcap is None  # with softcap the offset is subtracted after tanh instead
     qscale = p.scale * LOG2E if fold else p.scale / p.softcap  # scores in base 2 (softcap: tanh's argument)
-    ka, v3 = _keys(k, v, dt)  # [n, K, d+1], [n, K, dv]
+    span = max(k1 - k0 for _, _, k0, k1, _ in tiles_all)
+    KB, VB = _Buffer(n * span * (d + 1), dt, dev), _Buffer(n * span * dv, dt, dev)  # one key span at a time
     R = G * max(q1 - q0 for q0, q1, tiles in rows if tiles)  # most rows of a group
     S = _Buffer(n * G * max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _ in tiles_all), dt, dev)
     Qb, A = _Buffer(n * R * (d + 1), dt, dev), _Buffer(n * R * dv, dt, dev)
@@ -267,9 +274,10 @@ def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, 
             a, b, kw = G * (r0 - q0), G * (r1 - q0), k1 - k0  # this rectangle's rows (q, g) of the group
             qt, acct, lt, mt_, hast = qi[:, a:b], acc[:, a:b], l[:, a:b], m[:, a:b], has[:, a:b]
             s = S.take(n, b - a, kw)
+            kt, vt = _key_span(k, v, k0, k1, KB, VB, ones_v=False)  # [n, kw, d+1], [n, kw, dv]
 
             def scores() -> torch.Tensor:  # (S - m) in base 2 for this rectangle, masked, in s [n, rows, kw]
-                torch.bmm(qt, ka[:, k0:k1].transpose(1, 2), out=s)  # [n, rows, kw]  (S/c with softcap)
+                torch.bmm(qt, kt.transpose(1, 2), out=s)  # [n, rows, kw]  (S/c with softcap)
                 if not fold:
                     s.tanh_().mul_(p.softcap * LOG2E).sub_(mt_[..., None])
                 s5 = s.view(B, Hkv, r1 - r0, G, kw)  # the same tile as [B, Hkv, q, G, k]
@@ -284,7 +292,8 @@ def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, 
                 return s
 
             scores()
-            vt = v3[:, k0:k1] if finite else _reachable_rows(s, v3[:, k0:k1])[0]  # [n, kw, dv]
+            if not finite:
+                vt = _reachable_rows(s, vt)[0]  # [n, kw, dv]
             tmp = T.take(n, r)[:, a:b]
             if all_have:  # optimistic: every row has a real offset m; exp2 without a max pass
                 s.exp2_()
@@ -405,11 +414,7 @@ def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all,
 
     for k0, k1, tiles in plan.cols:
         kw = k1 - k0
-        kj, vj = KB.take(n, kw, d + 1), VB.take(n, kw, dv + 1)
-        kj.view(B, Hkv, kw, d + 1)[..., :d].copy_(k[:, :, k0:k1])  # [B, Hkv, kw, d] -> [(B Hkv), kw, d]
-        kj[..., d] = 1.0
-        vj.view(B, Hkv, kw, dv + 1)[..., :dv].copy_(v[:, :, k0:k1])
-        vj[..., dv] = 1.0
+        kj, vj = _key_span(k, v, k0, k1, KB, VB, ones_v=True)  # [n, kw, d+1], [n, kw, dv+1]
         dkj, dvj = DK.take(n, kw, d).zero_(), DV.take(n, kw, dv).zero_()
         for _, r0, r1, partial_tile in tiles:
             a, b = G * r0, G * r1  # rows (q, g) of this rectangle
