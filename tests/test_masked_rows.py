@@ -65,3 +65,23 @@ def test_auto_never_nan_with_padding():
     v[0, :, 100:] = float("nan")
     out = bhqk.attention(q, k, v, masks.padding(torch.tensor([100, 128])))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", concrete_backends())
+def test_nan_in_unattended_keys_never_reaches_gradients(backend):
+    B, H, Q, K = 2, 4, 66, 70
+    lengths = torch.tensor([50, 70])
+    q, k, v = qkv(B, H, 2, Q, K, 8, requires_grad=True)
+    dout = torch.randn(B, H, Q, 8, dtype=q.dtype)
+    (bhqk.attention(q, k, v, masks.padding(lengths), backend=backend) * dout).sum().backward()
+    clean = [t.grad.clone() for t in (q, k, v)]
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[0, :, 50:] = float("nan")
+    v2[0, :, 50:] = float("nan")
+    q2 = q.detach().clone().requires_grad_(True)
+    k2.requires_grad_(True)
+    v2.requires_grad_(True)
+    (bhqk.attention(q2, k2, v2, masks.padding(lengths), backend=backend) * dout).sum().backward()
+    torch.testing.assert_close(q2.grad, clean[0])
+    torch.testing.assert_close(k2.grad[1], clean[1][1])  # the poisoned rows' own gradient is 0 either way
+    assert torch.isfinite(k2.grad).all() and torch.isfinite(v2.grad).all()

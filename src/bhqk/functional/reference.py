@@ -21,11 +21,24 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def scores(p: Problem) -> torch.Tensor:
+def allowed(p: Problem) -> torch.Tensor | None:
+    """Bool [#B, #H, Q, K]: where the mask permits and the bias is not -inf (None: everywhere)."""
+    B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
+    a = p.mask.materialize(B, H, Q, K, device=p.q.device) if p.mask is not None else None
+    if p.bias is not None:
+        finite = torch.isfinite(p.bias.materialize(B, H, Q, K, device=p.q.device))
+        a = finite if a is None else a & finite
+    return a
+
+
+def scores(p: Problem, where: torch.Tensor | None = None) -> torch.Tensor:
     """S [B, H, Q, K]: scaled, soft-capped, biased, and -inf where the mask forbids."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     dt = _compute_dtype(p.q)
-    S = torch.einsum("bhqd,bhkd->bhqk", p.q.to(dt), _heads(p.k, H).to(dt)) * p.scale  # [B, H, Q, K]
+    k = _heads(p.k, H).to(dt)  # [B, H, K, d]
+    if where is not None:  # keys no query may attend: zero them so NaN/inf there cannot reach any gradient
+        k = k.masked_fill(~where.any(dim=-2)[..., None], 0.0)
+    S = torch.einsum("bhqd,bhkd->bhqk", p.q.to(dt), k) * p.scale  # [B, H, Q, K]
     if p.softcap is not None:
         S = p.softcap * torch.tanh(S / p.softcap)
     if p.bias is not None:
@@ -49,12 +62,12 @@ def softmax_rows(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weights(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(P [B, H, Q, K], lse [B, H, Q]) in the compute dtype."""
-    return softmax_rows(scores(p))
+    return softmax_rows(scores(p, allowed(p)))
 
 
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32/64) when asked."""
-    S = scores(p)
+    S = scores(p, allowed(p))
     P, lse = softmax_rows(S)
     if p.dropout_p > 0:
         P = F.dropout(P, p.dropout_p)
