@@ -17,7 +17,6 @@ import bhqk
 from bhqk import masks
 from bhqk.inspect import capture
 
-pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
 
 from bhqk import viz  # noqa: E402
@@ -152,7 +151,6 @@ def test_viz_imports_no_matplotlib_until_a_picture_is_drawn():
 # ---- bhqk show on the bundled MiniLM -------------------------------------------------------------
 
 def test_show_command_writes_pictures_and_page(tmp_path):
-    pytest.importorskip("bhqk.models.bert")
     from bhqk.viz.cli import add_show_parser
 
     p = argparse.ArgumentParser(prog="bhqk")
