@@ -11,7 +11,7 @@ import torch
 
 from .errors import MaskError
 from .masks.base import Extent, causal_offset
-from .shapes import Sizes, check_broadcast
+from .shapes import Sizes, check_broadcast, tile_of
 
 
 class Bias:
@@ -66,10 +66,7 @@ class Dense(Bias):
         check_broadcast("bias", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
 
     def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
-        t = self.tensor
-        t = t[:, :, q0:q1] if t.shape[2] != 1 else t
-        t = t[:, :, :, k0:k1] if t.shape[3] != 1 else t
-        return t.to(device=device, dtype=dtype)
+        return tile_of(self.tensor, q0, q1, k0, k1).to(device=device, dtype=dtype)  # [#B, #H, #q, #k]
 
     def __repr__(self) -> str:
         return f"bias.dense(<{list(self.tensor.shape)}>)"

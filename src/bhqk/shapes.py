@@ -102,6 +102,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "
     return sizes
 
 
+def tile_of(t: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """The [.., q0:q1, k0:k1] tile of a tensor broadcastable to [B, H, Q, K]; a size-1 Q or K axis
+    broadcasts, so it is kept whole."""
+    t = t[:, :, q0:q1] if t.shape[2] != 1 else t  # [#B, #H, q, #K]
+    return t[:, :, :, k0:k1] if t.shape[3] != 1 else t  # [#B, #H, #q, k]
+
+
 def check_broadcast(arg: str, shape: Sequence[int], sizes: Sizes, error: type[ValueError]) -> None:
     """``shape`` must broadcast to [B, H, Q, K]; otherwise ``error`` naming the axis that does not."""
     target = ("B", "H", "Q", "K")

@@ -14,7 +14,7 @@ from .problem import Problem
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
     """[B, Hkv, K, x] -> [B, H, K, x]: query head h uses key/value head h // (H / Hkv)."""
-    return t.repeat_interleave(H // t.shape[1], dim=1)
+    return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

@@ -44,7 +44,7 @@ from functools import partial
 import torch
 
 from ..bias import Bias, Dense as DenseBias, Sum as BiasSum
-from ..shapes import Sizes
+from ..shapes import Sizes, tile_of
 from .problem import Problem
 from .tiled_plan import Plan, plan_for, split, workers
 
@@ -96,6 +96,23 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: "_Buff
         acc.baddbmm_(a, b)
     else:
         acc.add_(torch.bmm(a, b, out=scratch.take(*acc.shape)))
+
+
+def _bias_and_mask_(s: torch.Tensor, p: Problem, part: tuple[slice, slice], shape: tuple[int, int, int, int, int],
+                    r0: int, r1: int, k0: int, k1: int, partial: bool, finite: bool) -> None:
+    """Add the bias (scaled to base 2) and, on a partial tile, the mask to the score tile ``s``
+    [(B Hkv), (q G), k] in place; ``shape`` = (B, Hkv, q, G, k) is the same tile's grouped view."""
+    B, Hkv, _, G, _ = shape
+    s5 = s.view(shape)  # [(B Hkv), (q G), k] -> [B, Hkv, q, G, k]
+    ext, dev, dt = p.ext, s.device, s.dtype
+    if p.bias is not None:
+        s5.add_(_as5(p.bias.block(ext, r0, r1, k0, k1, dev, dt), part, Hkv, G), alpha=LOG2E)
+    if partial:
+        mask5 = _as5(_mask_tile(p, r0, r1, k0, k1, dev, dt, finite), part, Hkv, G)
+        if finite:
+            s5.add_(mask5)  # 0 / -inf
+        else:
+            s5.masked_fill_(~mask5, _NEG_INF)
 
 
 def _mask_tile(p: Problem, q0: int, q1: int, k0: int, k1: int, dev, dt, additive: bool) -> torch.Tensor:
@@ -201,7 +218,7 @@ def _key_span(k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, KB: "_Buffer",
     if not ones_v and v.dtype == dt and (B == 1 or Hkv == 1 or v.stride(0) == Hkv * v.stride(1)):
         return kt, v[:, :, k0:k1].flatten(0, 1)  # [B, Hkv, w, dv] -> [(B Hkv), w, dv], a view
     vt = VB.take(B * Hkv, w, dv + int(ones_v))
-    vt.view(B, Hkv, w, -1)[..., :dv].copy_(v[:, :, k0:k1])
+    vt.view(B, Hkv, w, -1)[..., :dv].copy_(v[:, :, k0:k1])  # [B, Hkv, w, dv] -> [(B Hkv), w, dv(+1)]
     if ones_v:
         vt[..., dv] = 1.0
     return kt, vt
@@ -236,7 +253,7 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, part: tuple[slice, slice], finite: bool) -> None:
     """The row groups ``rows`` of one (batch, key/value-head) slice, written into out and lse."""
-    G, ext = p.groups, p.ext
+    G = p.groups
     bs, hq = part[0], _query_heads(part[1], p.groups)
     q, k, v = p.q[bs, hq], p.k[part], p.v[part]  # this worker's slice: [B, H, Q, d], [B, Hkv, K, ·]
     B, H, Q, d = q.shape
@@ -264,7 +281,7 @@ def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, 
         bq = q1 - q0
         r = bq * G
         qi = Qb.take(n, r, d + 1)  # rows (q, g) of this group: [q·scale, -m]
-        qv = qi.view(B, Hkv, bq, G, d + 1)[..., :d]
+        qv = qi.view(B, Hkv, bq, G, d + 1)[..., :d]  # [(B Hkv), (bq G), d+1] as [B, Hkv, bq, G, d]
         qv.copy_(q5[:, :, :, q0:q1].transpose(2, 3))  # [B, Hkv, G, bq, d] -> [B, Hkv, bq, G, d]
         qv.mul_(qscale)
         qi[..., d] = 0.0
@@ -280,15 +297,7 @@ def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, 
                 torch.bmm(qt, kt.transpose(1, 2), out=s)  # [n, rows, kw]  (S/c with softcap)
                 if not fold:
                     s.tanh_().mul_(p.softcap * LOG2E).sub_(mt_[..., None])
-                s5 = s.view(B, Hkv, r1 - r0, G, kw)  # the same tile as [B, Hkv, q, G, k]
-                if p.bias is not None:
-                    s5.add_(_as5(p.bias.block(ext, r0, r1, k0, k1, dev, dt), (bs, hq), Hkv, G), alpha=LOG2E)
-                if partial_tile:
-                    mask5 = _as5(_mask_tile(p, r0, r1, k0, k1, dev, dt, finite), (bs, hq), Hkv, G)
-                    if finite:
-                        s5.add_(mask5)
-                    else:
-                        s5.masked_fill_(~mask5, _NEG_INF)
+                _bias_and_mask_(s, p, (bs, hq), (B, Hkv, r1 - r0, G, kw), r0, r1, k0, k1, partial_tile, finite)
                 return s
 
             scores()
@@ -375,7 +384,7 @@ def _backward_ng(p: Problem, out, lse, dout, dlse, plan: Plan, biases):
 def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all, dv_all, biases, part, finite: bool) -> list:
     """One (batch, key/value-head) slice: writes its rows of dq, dk, dv; returns its share of the
     dense bias gradients (shaped as the bias, restricted to the slice)."""
-    G, ext = p.groups, p.ext
+    G = p.groups
     bs, hs = part
     hq = _query_heads(hs, G)
     q, k, v = p.q[bs, hq], p.k[part], p.v[part]  # this worker's slice
@@ -419,7 +428,7 @@ def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all,
         for _, r0, r1, partial_tile in tiles:
             a, b = G * r0, G * r1  # rows (q, g) of this rectangle
             qt, ot = QT.take(n, b - a, d + 1), OT.take(n, b - a, dv + 1)  # [q·scale, -lse], [dO, -D]
-            qv = qt.view(B, Hkv, r1 - r0, G, d + 1)[..., :d]
+            qv = qt.view(B, Hkv, r1 - r0, G, d + 1)[..., :d]  # [(B Hkv), (q G), d+1] as [B, Hkv, q, G, d]
             qv.copy_(q5[:, :, :, r0:r1].transpose(2, 3))  # [B, Hkv, G, q, d] -> [B, Hkv, q, G, d]
             qv.mul_(qscale)
             if fold:
@@ -434,15 +443,7 @@ def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all,
                 th = TH.take(n, b - a, kw)
                 th.copy_(s.tanh_())
                 s.mul_(p.softcap * LOG2E).sub_(lse2[:, a:b, None])
-            s5 = s.view(B, Hkv, r1 - r0, G, kw)
-            if p.bias is not None:
-                s5.add_(_as5(p.bias.block(ext, r0, r1, k0, k1, dev, dt), (bs, hq), Hkv, G), alpha=LOG2E)
-            if partial_tile:
-                mask5 = _as5(_mask_tile(p, r0, r1, k0, k1, dev, dt, finite), (bs, hq), Hkv, G)
-                if finite:
-                    s5.add_(mask5)
-                else:
-                    s5.masked_fill_(~mask5, _NEG_INF)
+            _bias_and_mask_(s, p, (bs, hq), (B, Hkv, r1 - r0, G, kw), r0, r1, k0, k1, partial_tile, finite)
             kt, vt = (kj, vj) if finite else _reachable_rows(s, kj, vj)
             s.exp2_()  # P
             dvj.baddbmm_(s.transpose(1, 2), ot[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
@@ -458,7 +459,7 @@ def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all,
             dkj.baddbmm_(dp.transpose(1, 2), qt[..., :d])  # dK += dSᵀ·(Q·scale)   [n, kw, d]
         dkj.mul_(p.softcap if not fold else LN2)  # qt held q·scale/c, or q·scale·log2(e)
         dk_w[:, :, k0:k1] += dkj.view(B, Hkv, kw, d)  # [(B Hkv), kw, d] -> [B, Hkv, kw, d]; spans may overlap
-        dv_w[:, :, k0:k1] += dvj.view(B, Hkv, kw, dv)
+        dv_w[:, :, k0:k1] += dvj.view(B, Hkv, kw, dv)  # [(B Hkv), kw, dv] -> [B, Hkv, kw, dv]
 
     if direct:
         dq3.mul_(p.scale)
@@ -478,9 +479,7 @@ def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, B: int, Hkv: int, G: int, 
     axes = [a for a in range(4) if g.shape[a] == 1 and t.shape[a] != 1]
     if axes:
         t = t.sum(dim=axes, keepdim=True)  # broadcast axes of the bias get the sum
-    gq = slice(q0, q1) if g.shape[2] != 1 else slice(None)
-    gk = slice(k0, k1) if g.shape[3] != 1 else slice(None)
-    g[:, :, gq, gk] += t
+    tile_of(g, q0, q1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
 
 
 def _dense_parts(bias: Bias | None) -> list[DenseBias]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MaskError
-from ..shapes import Sizes, check_broadcast
+from ..shapes import Sizes, check_broadcast, tile_of
 from .base import Extent, Mask
 
 
@@ -28,9 +28,7 @@ class Dense(Mask):
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
 
     def block(self, ext, q0, q1, k0, k1, device=None):
-        t = self.tensor
-        t = t[:, :, q0:q1] if t.shape[2] != 1 else t  # a size-1 axis broadcasts: keep it whole
-        t = t[:, :, :, k0:k1] if t.shape[3] != 1 else t
+        t = tile_of(self.tensor, q0, q1, k0, k1)  # [#B, #H, #q, #k]
         return t if device is None else t.to(device)
 
     def natural_size(self):
