@@ -1,4 +1,4 @@
-"""``bhqk demo``: the first seed's worked example, then a multi-head forward with its trace."""
+"""``bhqk demo``: a worked example small enough to check by hand, then a multi-head forward with its trace."""
 
 from __future__ import annotations
 
@@ -9,25 +9,25 @@ from .inspect import trace
 from .nn import MultiHeadAttention
 from .text import number_grid
 
-# The first seed's matrices: n = 4 tokens, d = 3.
+# The worked example: n = 4 tokens of width d = 3 (the example the project grew from).
 SEED_Q = [[1.1, 2.2, 3.3], [4.4, 5.5, 6.6], [7.7, 8.8, 9.9], [1.2, 2.3, 3.4]]
 SEED_K = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9], [1.0, 1.1, 1.2]]
 
 
 def seed_example() -> str:
-    """S = Q·Kᵀ, P = softmax(S), O = P·V for the seed's 4×3 matrices (scale 1, as the seed writes it)."""
+    """S = Q·Kᵀ, P = softmax(S), O = P·V for the worked 4×3 matrices (scale 1, so the table is Q·Kᵀ itself)."""
     q = torch.tensor(SEED_Q, dtype=torch.float64)[None, None]  # [B=1, H=1, Q=4, d=3]
     k = torch.tensor(SEED_K, dtype=torch.float64)[None, None]  # [B=1, H=1, K=4, d=3]
-    v = k.clone()  # the seed gives no V; use V = K so O has the seed's d = 3
-    S = (q @ k.transpose(-2, -1))[0, 0]  # [Q, K], exactly the seed's `score = Q @ K.t()`
+    v = k.clone()  # the example gives no V; use V = K so O keeps width d = 3
+    S = (q @ k.transpose(-2, -1))[0, 0]  # [Q, K] = Q @ Kᵀ
     P = attention_weights(q, k, scale=1.0)[0, 0]  # [Q, K]
     O = attention(q, k, v, scale=1.0, backend="reference")[0, 0]  # [Q, dv]
     lines = [
-        "1. The first seed's example, one batch element and one head (B=1, H=1):",
+        "1. A worked example, one batch element and one head (B=1, H=1), small enough to check by hand:",
         f"   Q: {list(q.shape[2:])} = [Q=4, d=3]   K: {list(k.shape[2:])} = [K=4, d=3]",
         f"   S = Q·Kᵀ: [Q, d] @ [d, K] -> [Q, K] = {list(S.shape)}  (row = query, column = key)",
         number_grid(S.tolist(), "{:9.4f}"),
-        "   P = softmax(S) row by row (scale 1 as in the seed; bhqk's default is 1/√d):",
+        "   P = softmax(S) row by row (scale 1 here; bhqk's default is 1/√d):",
         number_grid(P.tolist(), "{:9.4f}"),
         f"   row sums: {[round(x, 6) for x in P.sum(-1).tolist()]}",
         f"   O = P·V with V = K: [Q, K] @ [K, dv] -> [Q, dv] = {list(O.shape)}  (each token keeps width 3)",
