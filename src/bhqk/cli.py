@@ -116,7 +116,7 @@ def with_attention_progress(func, desc: str):
 
 
 def parser() -> Parser:
-    p = Parser(prog="bhqk", description="Multi-head attention with named dimensions [B, H, Q, K].")
+    p = Parser(prog="bhqk", description="Multi-head attention with named dimensions [B, H, Q, K].", allow_abbrev=False)
     p.add_argument("--version", action="version", version=version(), help="print the versions of bhqk, torch and Python")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -168,7 +168,7 @@ def parser() -> Parser:
     s = add_show_parser(sub)
     s.set_defaults(func=with_attention_progress(s.get_default("func"), "attention"))
     for each in sub.choices.values():
-        each.set_defaults(flags_=flags_of(each))
+        each.set_defaults(flags_=flags_of(each), parser_=each)
     return p
 
 
@@ -207,7 +207,9 @@ def error_message(command: str, e: BaseException, flags: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:  # named by the subcommand they were given to, not by the top-level parser
+        args.parser_.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         text = args.func(args)
     except USER_ERRORS as e:
