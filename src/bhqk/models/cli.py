@@ -147,7 +147,7 @@ class _Ticker:
 
 
 @contextlib.contextmanager
-def attention_progress(desc: str, total: int | None = None, per: int = 1, unit: str = "attention call") -> Iterator[None]:
+def attention_progress(desc: str, total: int | None = None, per: int = 1, unit: str = " call") -> Iterator[None]:
     """A bar that advances as attention calls run (one tick per ``per`` calls)."""
     from ..observe import observing
 
@@ -219,7 +219,7 @@ def cmd_embed(a: argparse.Namespace) -> str:
     name = str(a.model) if a.model else "bundled all-MiniLM-L6-v2"
     enc = load_model(lambda: SentenceEncoder.from_pretrained(a.model, backend=a.backend), name, a.model)
     parts = []
-    with progress(total=len(sentences), desc="embedding", unit="sentence") as bar:
+    with progress(total=len(sentences), desc="embedding", unit=" sentence") as bar:
         for i in range(0, len(sentences), enc.batch_size):
             chunk = sentences[i : i + enc.batch_size]
             parts.append(enc.encode(chunk))  # [s, D]
@@ -270,7 +270,7 @@ def cmd_generate(a: argparse.Namespace) -> str:
     vocab = model.config.vocab_size
     if any(not 0 <= i < vocab for i in prompt):
         raise ValueError(f"token ids must be in [0, {vocab}) for this model, got {prompt}.")
-    with attention_progress("generating", total=a.max_new_tokens, per=len(model.blocks), unit="token"):
+    with attention_progress("generating", total=a.max_new_tokens, per=len(model.blocks), unit=" token"):
         out = model.generate(torch.tensor([prompt]), a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                              seed=a.seed, eos_token_id=a.eos_id)[0].tolist()
     new = out[len(prompt):]
