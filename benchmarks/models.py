@@ -20,10 +20,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from bhqk.models import GPT2, BertEncoder, GPT2Config, bundled_model_dir, load_checked, remap_gpt2
 
@@ -32,6 +34,11 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def bar(iterable, desc: str):
+    """A tqdm bar on a terminal; quiet when piped."""
+    return tqdm(iterable, desc=desc, leave=False, disable=not (sys.stderr.isatty() and sys.stdout.isatty()))
 
 
 def paired(times: dict[str, list[float]], name: str, ref: str) -> float:
@@ -63,7 +70,7 @@ def bench_encoder(batch: int, length: int, repeats: int) -> dict:
     with torch.inference_mode():
         for fn in calls.values():
             fn()  # warm-up
-        for _ in range(repeats):
+        for _ in bar(range(repeats), "encoder repeats"):
             for name, fn in calls.items():
                 times[name].append(timed(fn))
     return {name: {"median_s": statistics.median(t), "sentences_per_s": batch / statistics.median(t), "times_s": t,
@@ -97,7 +104,7 @@ def bench_decoder(args) -> dict:
     with torch.inference_mode():
         same = torch.equal(calls["bhqk (KV cache)"](), calls["transformers generate"]())  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in calls}
-        for r in range(args.repeats):
+        for r in bar(range(args.repeats), "decoder repeats"):
             for name, fn in calls.items():
                 if name == "bhqk (recompute)" and r >= args.recompute_repeats:
                     continue
