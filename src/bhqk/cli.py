@@ -106,7 +106,7 @@ def with_attention_progress(func, desc: str):
     """``func`` with a bar that counts the attention calls it runs (a layer each, for a model)."""
 
     def run(a: argparse.Namespace) -> str:
-        with attention_progress(desc):
+        with attention_progress(desc, unit=" attention call"):
             return func(a)
 
     return run
@@ -166,7 +166,7 @@ def parser() -> Parser:
     add_embed_parser(sub)
     add_generate_parser(sub)
     s = add_show_parser(sub)
-    s.set_defaults(func=with_attention_progress(s.get_default("func"), "attention"))
+    s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
     for each in sub.choices.values():
         each.set_defaults(flags_=flags_of(each), parser_=each)
     return p
@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(error_message(args.command, e, args.flags_), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"bhqk {args.command}: interrupted", file=sys.stderr)
+        return 130
     if text:
         try:
             print(text)

@@ -147,7 +147,7 @@ class _Ticker:
 
 
 @contextlib.contextmanager
-def attention_progress(desc: str, total: int | None = None, per: int = 1, unit: str = " call") -> Iterator[None]:
+def attention_progress(desc: str, total: int | None = None, per: int = 1, unit: str = " attention call") -> Iterator[None]:
     """A bar that advances as attention calls run (one tick per ``per`` calls)."""
     from ..observe import observing
 
