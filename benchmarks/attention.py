@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 import bhqk
 from bhqk import masks

@@ -120,7 +120,7 @@ def progress_enabled() -> bool:
 
 def progress(iterable: Any = None, **kwargs: Any):
     """A tqdm bar on stderr, disabled unless :func:`progress_enabled`."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the venv)
 
     return tqdm(iterable, disable=not progress_enabled(), leave=False, dynamic_ncols=True, **kwargs)
 
@@ -167,7 +167,7 @@ def load_model(load: Callable[[], Any], what: str, folder: str | Path | None) ->
             return load()
         except (ValueError, ImportError, FileNotFoundError):
             raise
-        except Exception as e:  # noqa: BLE001 - third-party readers raise their own types
+        except Exception as e:  # third-party readers (safetensors, torch.load) raise their own types
             raise LoadError(f"cannot load {what} from {folder}: {type(e).__name__}: {e}") from e
 
 
