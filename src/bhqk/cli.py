@@ -18,7 +18,7 @@ from . import masks
 from .explain import explain
 from .models.cli import attention_progress, int_at_least, int_list
 
-USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError)
+USER_ERRORS = (ValueError, OSError, ImportError)  # a bad value, a file that cannot be read or written, a missing extra
 MAX_DRAW_CELLS = 2**18  # bhqk mask draws one character per (batch, query, key): at most 512 × 512
 
 
