@@ -187,6 +187,9 @@ def test_sizes_too_large_to_draw_are_refused_before_anything_is_built(monkeypatc
         code, out, err = run(argv)
         assert_one_error(code, out, err, "mask")
         assert f"{cli.MAX_DRAW_CELLS:,}" in err  # the message gives the limit
+    code, out, err = run(["mask", "padding", "-Q", "1", "--lengths", ",".join(["1"] * 10_000)])
+    assert_one_error(code, out, err, "mask")
+    assert f"B=10000 batch elements; bhqk mask draws at most {cli.MAX_DRAW_BATCH}" in err
     monkeypatch.undo()
     code, out, _ = run(["mask", "full", "-Q", "512", "-K", "512"])  # at the limit: drawn
     assert code == 0 and out.count("\n") == 1 + 512  # the title, then one row per query

@@ -115,7 +115,7 @@ def test_bad_argument_vectors_exit_2_with_one_message(argv):
 
 @FUZZ
 @given(kind=st.sampled_from(cli.MASK_KINDS), Q=st.integers(1, 10**6), K=st.integers(1, 10**6) | st.none(),
-       B=st.integers(1, 40), big=st.booleans())
+       B=st.integers(1, 40) | st.integers(1, 1000), big=st.booleans())
 def test_sizes_beyond_the_limit_are_refused_before_anything_is_built(monkeypatch, kind, Q, K, B, big):
     if not big:  # also sizes near and under the limit
         Q, K = max(1, Q % 700), None if K is None else max(1, K % 700)
@@ -131,9 +131,10 @@ def test_sizes_beyond_the_limit_are_refused_before_anything_is_built(monkeypatch
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    if cells > cli.MAX_DRAW_CELLS:
+    too_many = B > cli.MAX_DRAW_BATCH if kind == "padding" else False
+    if cells > cli.MAX_DRAW_CELLS or too_many:
         assert_one_error(code, out, err, "mask")
-        assert f"{cli.MAX_DRAW_CELLS:,}" in err and calls == []
+        assert calls == [] and f"{cli.MAX_DRAW_BATCH if too_many else cli.MAX_DRAW_CELLS:,}" in err  # gives the limit
         assert peak < 2**20  # nothing of the drawing's size was allocated (Python allocations traced)
     else:
         assert code == 0, err

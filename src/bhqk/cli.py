@@ -20,6 +20,7 @@ from .models.cli import attention_progress, int_at_least, int_list
 
 USER_ERRORS = (ValueError, OSError, ImportError)  # a bad value, a file that cannot be read or written, a missing extra
 MAX_DRAW_CELLS = 2**18  # bhqk mask draws one character per (batch, query, key): at most 512 × 512
+MAX_DRAW_BATCH = 64  # and at most this many batch elements (padding: one per --lengths entry)
 
 
 class Parser(argparse.ArgumentParser):
@@ -70,7 +71,10 @@ def build_mask(a: argparse.Namespace) -> masks.Mask | None:
 
 
 def check_drawable(B: int, Q: int, K: int) -> None:
-    """Refuse, before anything is built, a drawing of more than MAX_DRAW_CELLS characters."""
+    """Refuse, before anything is built, a drawing of more than MAX_DRAW_CELLS characters or
+    MAX_DRAW_BATCH batch elements."""
+    if B > MAX_DRAW_BATCH:
+        raise ValueError(f"--lengths gives B={B} batch elements; bhqk mask draws at most {MAX_DRAW_BATCH}.")
     if B * Q * K > MAX_DRAW_CELLS:
         b = f"B={B} × " if B > 1 else ""
         raise ValueError(f"{b}Q={Q} × K={K} = {B * Q * K:,} cells is too many to draw; bhqk mask draws at most "
