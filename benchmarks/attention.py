@@ -6,10 +6,11 @@ forward+backward. B=1, H=8, d=64 unless told otherwise.
 
 One command prints Markdown tables (time: median over repeats, with the spread; peak extra memory,
 each measured once in a fresh subprocess) and the targets of the tiled-attention issue, and writes
-JSON and PNG plots (time and peak memory vs N) to benchmarks/results/.
+JSON and PNG plots (time and peak memory vs N) to benchmarks/results/ (--quick: to the untracked
+benchmarks/results/local/; --out DIR to choose).
 
     python benchmarks/attention.py                 # the full grid (long: an hour or more)
-    python benchmarks/attention.py --quick         # a few minutes
+    python benchmarks/attention.py --quick         # a smoke run: under a minute on 2 quiet cores
     python benchmarks/attention.py --n 4096 --masks none causal --dtypes fp32 --modes fwd fwdbwd
 
 SDPA gets masks other than causal as the equivalent dense bool mask (built outside the timed call;
@@ -34,11 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 import bhqk
 from bhqk import masks
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a developer's machine
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding"]
 IMPLS = ["tiled", "auto", "sdpa_flash", "sdpa_math", "reference", "flex"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -302,7 +305,7 @@ def targets(records: list[dict]) -> str:
     return "\n".join(["Targets (this run):", "", "| target | measured | |", "|---|---|---|", *rows])
 
 
-def plot(records: list[dict], impls: list[str], stem: str) -> list[str]:
+def plot(records: list[dict], impls: list[str], stem: str, folder: Path = RESULTS) -> list[str]:
     try:
         import matplotlib
 
@@ -338,7 +341,7 @@ def plot(records: list[dict], impls: list[str], stem: str) -> list[str]:
                         ax.set_ylabel(lab)
             axes[0][0].legend(fontsize=7)
             fig.tight_layout()
-            path = RESULTS / f"{stem}-{dtype}-{mode}.png"
+            path = folder / f"{stem}-{dtype}-{mode}.png"
             fig.savefig(path, dpi=90)
             plt.close(fig)
             written.append(str(path))
@@ -349,7 +352,9 @@ def plot(records: list[dict], impls: list[str], stem: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N 1024 and 4096; none, causal, window256; fp32; fwd; 3 repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help="N 1024; none, causal, window256; fp32; fwd; tiled, auto, sdpa_flash, reference; 3 repeats; "
+                         "written to benchmarks/results/local/")
     ap.add_argument("--n", type=int, nargs="+", help=f"sequence lengths (default {NS})")
     ap.add_argument("--masks", nargs="+", choices=MASKS, help="masks (default: all)")
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="dtypes (default: fp32 bf16)")
@@ -359,24 +364,29 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=30.0, help="stop repeating an implementation after a run this long")
     ap.add_argument("--mem-limit-gib", type=float, default=8.0, help="skip implementations estimated to need more")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurements")
-    ap.add_argument("--tag", default="attention", help="file stem under benchmarks/results/")
+    ap.add_argument("--tag", default="attention", help="file stem of the JSON and PNGs")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the JSON and PNGs (default benchmarks/results/; --quick: benchmarks/results/local/)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(json.loads(a.child))
         return
-    ns = a.n or ([1024, 4096] if a.quick else NS)
+    ns = a.n or ([1024] if a.quick else NS)
     mks = a.masks or (["none", "causal", "window256"] if a.quick else MASKS)
     dts = a.dtypes or (["fp32"] if a.quick else list(DTYPES))
     modes = a.modes or (["fwd"] if a.quick else MODES)
-    impls = a.impls or (["tiled", "auto", "sdpa_flash", "sdpa_math", "reference"] if a.quick else IMPLS)
+    impls = a.impls or (["tiled", "auto", "sdpa_flash", "reference"] if a.quick else IMPLS)
     repeat = a.repeat or (3 if a.quick else 5)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    folder = a.out or (LOCAL if a.quick else RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "B": 1, "H": 8, "d": 64}
     records = []
+    bar = tqdm(total=len(dts) * len(modes) * len(mks) * len(ns) * len(impls), unit=" result", leave=False,
+               disable=not (sys.stderr.isatty() and sys.stdout.isatty()))  # a terminal only; quiet when piped
     for dtype in dts:
         for mode in modes:
             for mask in mks:
@@ -399,12 +409,14 @@ def main() -> None:
                                                 timeout=max(120.0, 20 * r["median_ms"] / 1e3)))
                         records.append(r)
                         shown = fmt_time(r) if "median_ms" in r else (r.get("note") or "")
-                        print(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB", flush=True)
+                        bar.write(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB", file=sys.stdout)
+                        bar.update(1)
+    bar.close()
     meta["loadavg_end"] = os.getloadavg()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    out = RESULTS / f"{a.tag}.json"
+    out = folder / f"{a.tag}.json"
     out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    pngs = plot(records, impls, a.tag)
+    pngs = plot(records, impls, a.tag, folder)
     print()
     print(tables(records, impls))
     tg = targets(records)

@@ -9,7 +9,8 @@
 Implementations are interleaved within each repeat and medians reported (the machine is shared).
 
     python benchmarks/models.py            # the full configuration (~4 minutes on 2 quiet cores)
-    python benchmarks/models.py --quick    # a smoke run (1–3 minutes)
+    python benchmarks/models.py --quick    # a smoke run on smaller shapes (under a minute on 2 quiet cores),
+                                           # written to the untracked benchmarks/results/local/
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from bhqk.models import GPT2, BertEncoder, GPT2Config, bundled_model_dir, load_checked, remap_gpt2
 
@@ -31,6 +34,11 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def bar(iterable, desc: str):
+    """A tqdm bar on a terminal; quiet when piped."""
+    return tqdm(iterable, desc=desc, leave=False, disable=not (sys.stderr.isatty() and sys.stdout.isatty()))
 
 
 def paired(times: dict[str, list[float]], name: str, ref: str) -> float:
@@ -62,7 +70,7 @@ def bench_encoder(batch: int, length: int, repeats: int) -> dict:
     with torch.inference_mode():
         for fn in calls.values():
             fn()  # warm-up
-        for _ in range(repeats):
+        for _ in bar(range(repeats), "encoder repeats"):
             for name, fn in calls.items():
                 times[name].append(timed(fn))
     return {name: {"median_s": statistics.median(t), "sentences_per_s": batch / statistics.median(t), "times_s": t,
@@ -96,7 +104,7 @@ def bench_decoder(args) -> dict:
     with torch.inference_mode():
         same = torch.equal(calls["bhqk (KV cache)"](), calls["transformers generate"]())  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in calls}
-        for r in range(args.repeats):
+        for r in bar(range(args.repeats), "decoder repeats"):
             for name, fn in calls.items():
                 if name == "bhqk (recompute)" and r >= args.recompute_repeats:
                     continue
@@ -137,7 +145,9 @@ def markdown(cfg: dict, enc: dict | None, dec: dict | None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small run: 3 repeats, 32 new tokens")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 repeats, batch 8, length 64; a 4-layer decoder, prompt 32, 16 new tokens, "
+                        "recompute once; written to benchmarks/results/local/")
     p.add_argument("--only", choices=("encoder", "decoder"), default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
@@ -152,10 +162,13 @@ def main(argv=None) -> int:
     p.add_argument("--recompute-repeats", type=int, default=3, help="runs of the slow no-cache decoder (≤ --repeats)")
     p.add_argument("--skip-recompute", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--json", default=None, help="output path (default benchmarks/results/models[-quick].json)")
+    p.add_argument("--json", default=None,
+                   help="output path (default benchmarks/results/models.json; --quick: benchmarks/results/local/models-quick.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.new_tokens = min(args.repeats, 3), min(args.new_tokens, 32)
+        args.repeats, args.new_tokens = min(args.repeats, 2), min(args.new_tokens, 16)
+        args.batch, args.length, args.layers = min(args.batch, 8), min(args.length, 64), min(args.layers, 4)
+        args.prompt, args.recompute_repeats = min(args.prompt, 32), min(args.recompute_repeats, 1)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = {k: v for k, v in vars(args).items() if k not in ("json", "only")}
@@ -167,7 +180,8 @@ def main(argv=None) -> int:
     table = markdown(cfg, enc, dec) + (f"\n\nLoad average (1 min) before/after: {load_before[0]:.2f} / {load_after[0]:.2f} "
                                        f"on {os.cpu_count()} CPUs (other work on the machine slows every row).")
     print(table)
-    out = Path(args.json) if args.json else Path(__file__).parent / "results" / ("models-quick.json" if args.quick else "models.json")
+    results = Path(__file__).parent / "results"
+    out = Path(args.json) if args.json else (results / "local" / "models-quick.json" if args.quick else results / "models.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -69,20 +66,3 @@ def test_cli_demo_prints_the_seed_scores_and_draws(capsys, tmp_path):
         assert value in out  # the first seed's Q·Kᵀ table
     assert "[B=2, H=8, Q=5, K=7]" in out  # the traced multi-head call
     assert (tmp_path / "attention.html").exists() and (tmp_path / "attention.png").exists()
-
-
-def test_cli_errors_are_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "bhqk.cli", "mask", "causal", "-Q", "3", "-K", "5"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert "align" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "bhqk.cli", "explain", "-H", "6", "--kv-heads", "4", "-Q", "1", "-d", "2"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "not divisible" in r.stderr
-
-
-def test_cli_help_everywhere():
-    for args in (["--help"], ["explain", "--help"], ["mask", "--help"], ["demo", "--help"]):
-        r = subprocess.run([sys.executable, "-m", "bhqk.cli", *args], capture_output=True, text=True)
-        assert r.returncode == 0 and "usage" in r.stdout

@@ -1,27 +1,57 @@
-"""The ``bhqk`` command line. Errors print one clear line and exit 2, without a traceback."""
+"""The ``bhqk`` command line.
+
+Every mistake exits with status 2 and one message, without a traceback: a bad option is refused
+when it is parsed (``bhqk mask: error: argument --q-len/-Q: must be >= 1, got -3``); a library
+error (ShapeError, MaskError, LoadError, any ValueError) is printed whole, every line of it, with
+its hints in flag syntax (``--align top_left``, not the Python ``align='top_left'``)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from typing import NoReturn
 
 import torch
 
 from . import masks
-from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
+from .models.cli import attention_progress, int_at_least, int_list
 
-USER_ERRORS = (ShapeError, MaskError, BackendError, LoadError, ValueError, FileNotFoundError, ImportError)
+USER_ERRORS = (ValueError, OSError, ImportError)  # a bad value, a file that cannot be read or written, a missing extra
+MAX_DRAW_CELLS = 2**18  # bhqk mask draws one character per (batch, query, key): at most 512 × 512
+MAX_DRAW_BATCH = 64  # and at most this many batch elements (padding: one per --lengths entry)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``bhqk mask: error: ...``) and point to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        mine = installed("bhqk")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        mine = "unknown (not installed)"
+    return f"bhqk {mine} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+# --- bhqk explain -------------------------------------------------------------------------------
+
+positive = int_at_least(1)
 
 
 def cmd_explain(a: argparse.Namespace) -> str:
     return explain(B=a.batch, H=a.heads, Q=a.q_len, K=a.k_len if a.k_len else a.q_len, d=a.head_dim,
                    dv=a.value_dim, Hkv=a.kv_heads, D=a.model_dim, lang=a.lang)
 
+
+# --- bhqk mask ----------------------------------------------------------------------------------
 
 MASK_KINDS = ("causal", "sliding_window", "padding", "document", "prefix_lm", "full")
 
@@ -32,22 +62,33 @@ def build_mask(a: argparse.Namespace) -> masks.Mask | None:
     if a.kind == "sliding_window":
         return masks.sliding_window(a.left, a.right, a.align)
     if a.kind == "padding":
-        return masks.padding(torch.tensor(_ints(a.lengths)))
+        return masks.padding(torch.tensor(a.lengths))
     if a.kind == "document":
-        q_ids = torch.tensor(_ints(a.doc_ids))
-        k_ids = torch.tensor(_ints(a.k_doc_ids)) if a.k_doc_ids else None
-        return masks.document(q_ids, k_ids)
+        return masks.document(torch.tensor(a.doc_ids), torch.tensor(a.k_doc_ids) if a.k_doc_ids else None)
     if a.kind == "prefix_lm":
         return masks.prefix_lm(a.prefix, a.align)
     return None
 
 
+def check_drawable(B: int, Q: int, K: int) -> None:
+    """Refuse, before anything is built, a drawing of more than MAX_DRAW_CELLS characters or
+    MAX_DRAW_BATCH batch elements."""
+    if B > MAX_DRAW_BATCH:
+        raise ValueError(f"--lengths gives B={B} batch elements; bhqk mask draws at most {MAX_DRAW_BATCH}.")
+    if B * Q * K > MAX_DRAW_CELLS:
+        b = f"B={B} × " if B > 1 else ""
+        raise ValueError(f"{b}Q={Q} × K={K} = {B * Q * K:,} cells is too many to draw; bhqk mask draws at most "
+                         f"{MAX_DRAW_CELLS:,} (e.g. --q-len 512 --k-len 512). To see a long mask, draw a smaller one "
+                         f"of the same kind: the pattern is the same.")
+
+
 def cmd_mask(a: argparse.Namespace) -> str:
-    m = build_mask(a)
     K = a.k_len if a.k_len else a.q_len
+    B = len(a.lengths) if a.kind == "padding" else 1
+    check_drawable(B, a.q_len, K)
+    m = build_mask(a)
     if m is None:
         return f"full (no mask), Q={a.q_len}, K={K}\n" + "\n".join(" ".join("■" * K) for _ in range(a.q_len))
-    B = len(_ints(a.lengths)) if a.kind == "padding" else 1
     out = [f"{m!r}  [Q={a.q_len} rows = queries, K={K} columns = keys; ■ may attend, · masked]"]
     for b in range(B):
         if B > 1:
@@ -56,62 +97,131 @@ def cmd_mask(a: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+# --- bhqk demo and show -------------------------------------------------------------------------
+
+
 def cmd_demo(a: argparse.Namespace) -> str:
     from .demo import run
 
     return run(a.out)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bhqk", description="Multi-head attention with named dimensions [B, H, Q, K].")
-    sub = p.add_subparsers(dest="command", required=True)
+def with_attention_progress(func, desc: str):
+    """``func`` with a bar that counts the attention calls it runs (a layer each, for a model)."""
 
-    e = sub.add_parser("explain", help="the shape walk-through of multi-head attention")
-    e.add_argument("--batch", "-B", type=int, default=1, help="B, batch size")
-    e.add_argument("--heads", "-H", type=int, required=True, help="H, number of query heads")
-    e.add_argument("--q-len", "-Q", type=int, required=True, help="Q, query length")
-    e.add_argument("--k-len", "-K", type=int, default=None, help="K, key length (default: Q, self-attention)")
-    e.add_argument("--head-dim", "-d", type=int, required=True, help="d, head dimension")
-    e.add_argument("--value-dim", type=int, default=None, help="dv, value head dimension (default d)")
-    e.add_argument("--kv-heads", type=int, default=None, help="Hkv, key/value heads (default H)")
-    e.add_argument("--model-dim", type=int, default=None, help="D, model width (default H·d)")
-    e.add_argument("--lang", choices=("en", "zh"), default="en")
+    def run(a: argparse.Namespace) -> str:
+        with attention_progress(desc, unit=" attention call"):
+            return func(a)
+
+    return run
+
+
+# --- the parser ---------------------------------------------------------------------------------
+
+
+def parser() -> Parser:
+    p = Parser(prog="bhqk", description="Multi-head attention with named dimensions [B, H, Q, K].", allow_abbrev=False)
+    p.add_argument("--version", action="version", version=version(), help="print the versions of bhqk, torch and Python")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    e = sub.add_parser("explain", help="the shape walk-through of multi-head attention",
+                       description="Print the named shape of every step of multi-head attention for the given sizes, "
+                                   "and the self-check lines (inner dimension, head split, memory of S and P).")
+    e.add_argument("--batch", "-B", type=positive, default=1, help="B, batch size (default 1)")
+    e.add_argument("--heads", "-H", type=positive, required=True, help="H, number of query heads")
+    e.add_argument("--q-len", "-Q", type=positive, required=True, help="Q, query length")
+    e.add_argument("--k-len", "-K", type=positive, default=None, help="K, key length (default: Q, self-attention)")
+    e.add_argument("--head-dim", "-d", type=positive, required=True, help="d, head dimension of queries and keys")
+    e.add_argument("--value-dim", type=positive, default=None, help="dv, head dimension of values (default d)")
+    e.add_argument("--kv-heads", type=positive, default=None, help="Hkv, key/value heads; H must be a multiple (default H)")
+    e.add_argument("--model-dim", type=positive, default=None, help="D, model width (default H·d)")
+    e.add_argument("--lang", choices=("en", "zh"), default="en", help="language of the walk-through: en (default) or zh")
     e.set_defaults(func=cmd_explain)
 
-    m = sub.add_parser("mask", help="draw a mask (rows = queries, columns = keys)")
-    m.add_argument("kind", choices=MASK_KINDS)
-    m.add_argument("--q-len", "-Q", type=int, default=8)
-    m.add_argument("--k-len", "-K", type=int, default=None, help="default: Q")
-    m.add_argument("--align", choices=("top_left", "bottom_right"), default=None, help="causal alignment when Q ≠ K")
-    m.add_argument("--left", type=int, default=2, help="sliding_window: keys before the query")
-    m.add_argument("--right", type=int, default=0, help="sliding_window: keys after the query")
-    m.add_argument("--lengths", default="3,5", help="padding: valid key lengths per batch element, e.g. 3,5")
-    m.add_argument("--doc-ids", default="0,0,0,1,1,2,2,2", help="document: a document id per query position")
-    m.add_argument("--k-doc-ids", default=None, help="document: ids per key position (default: --doc-ids)")
-    m.add_argument("--prefix", type=int, default=3, help="prefix_lm: prefix length")
+    m = sub.add_parser("mask", help="draw a mask (rows = queries, columns = keys)",
+                       description="Draw a mask as rows of ■ (may attend) and · (masked), one row per query and "
+                                   f"one column per key; at most {MAX_DRAW_CELLS:,} cells.")
+    m.add_argument("kind", choices=MASK_KINDS, help="the kind of mask: " + ", ".join(MASK_KINDS))
+    m.add_argument("--q-len", "-Q", type=positive, default=8, help="Q, query length (rows; default 8)")
+    m.add_argument("--k-len", "-K", type=positive, default=None, help="K, key length (columns; default: Q)")
+    m.add_argument("--align", choices=("top_left", "bottom_right"), default=None,
+                   help="causal alignment, needed when Q ≠ K: top_left (PyTorch's is_causal) or bottom_right "
+                        "(FlashAttention, decoding with a KV cache)")
+    m.add_argument("--left", type=int_at_least(0), default=2, help="sliding_window: keys before the query (default 2)")
+    m.add_argument("--right", type=int_at_least(0), default=0, help="sliding_window: keys after the query (default 0)")
+    m.add_argument("--lengths", type=int_list(0), default=[3, 5],
+                   help="padding: valid key lengths, one per batch element (default 3,5)")
+    m.add_argument("--doc-ids", type=int_list(), default=[0, 0, 0, 1, 1, 2, 2, 2],
+                   help="document: a document id per query position (default 0,0,0,1,1,2,2,2)")
+    m.add_argument("--k-doc-ids", type=int_list(), default=None,
+                   help="document: a document id per key position (default: --doc-ids)")
+    m.add_argument("--prefix", type=int_at_least(0), default=3, help="prefix_lm: prefix length (default 3)")
     m.set_defaults(func=cmd_mask)
 
-    d = sub.add_parser("demo", help="the seed's worked example, a traced multi-head forward, pictures of real attention")
+    d = sub.add_parser("demo", help="a worked example, a traced multi-head forward, pictures of real attention",
+                       description="The 4×3 worked example (S = Q·Kᵀ, P, O), a traced multi-head forward, and "
+                                   "pictures of a real sentence's attention through the bundled MiniLM.")
     d.add_argument("--out", default="bhqk-show", help="folder for the attention pictures (default: bhqk-show)")
     d.set_defaults(func=cmd_demo)
+
     from .models.cli import add_embed_parser, add_generate_parser
     from .viz.cli import add_show_parser
 
     add_embed_parser(sub)
     add_generate_parser(sub)
-    add_show_parser(sub)
+    s = add_show_parser(sub)
+    s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
+    for each in sub.choices.values():
+        each.set_defaults(flags_=flags_of(each), parser_=each)
     return p
+
+
+# --- errors in flag syntax ----------------------------------------------------------------------
+
+
+def flags_of(p: argparse.ArgumentParser) -> dict[str, str]:
+    """The long flag of each option of a (sub)parser, by the library's parameter name: align -> --align."""
+    out = {}
+    for action in p._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if longs:
+            out[action.dest] = longs[0]
+    return out
+
+
+def in_flag_syntax(message: str, flags: dict[str, str]) -> str:
+    """Library messages are written for Python (``pass align='top_left'``); on the command line the
+    same hint is a flag (``pass --align top_left``). Only names that are options of the running
+    subcommand are rewritten, and only as a hint (``name='value'`` not inside a call's parentheses)."""
+
+    def flag(match: re.Match) -> str:
+        name, value = match.group(1), match.group(2) if match.group(2) is not None else match.group(3)
+        return f"{flags[name]} {value}" if name in flags else match.group(0)
+
+    return re.sub(r"(?<![\w(.,])(?<!, )([a-z_]+)=(?:'([^']*)'|\"([^\"]*)\")", flag, message)
+
+
+def error_message(command: str, e: BaseException, flags: dict[str, str]) -> str:
+    """``bhqk CMD: error: <the whole message>``; later lines of a multi-line message are kept."""
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and e.filename is not None:
+        text = f"{e.strerror or type(e).__name__}: {e.filename}"
+    return f"bhqk {command}: error: {in_flag_syntax(text, flags)}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:  # named by the subcommand they were given to, not by the top-level parser
+        args.parser_.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         text = args.func(args)
     except USER_ERRORS as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"bhqk {args.command}: error: {first}", file=sys.stderr)
+        print(error_message(args.command, e, args.flags_), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"bhqk {args.command}: interrupted", file=sys.stderr)
+        return 130
     if text:
         try:
             print(text)
