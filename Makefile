@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install browser
+.PHONY: demo test bench install browser docs-page
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,6 @@ test: $(STAMP) browser
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
+
+docs-page: $(STAMP)  # regenerate docs/attention.html and its PNGs (the page's assets are package data in src/bhqk/viz/assets/)
+	$(BIN)/bhqk show "The cat sat on the mat." --out docs
