@@ -19,6 +19,12 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_explain(a: argparse.Namespace) -> str:
+    if a.html:
+        from .viz.walkthrough import cmd_explain_html
+
+        return cmd_explain_html(a)
+    if None in (a.heads, a.q_len, a.head_dim):
+        raise ValueError("explain needs --heads, --q-len and --head-dim (or --html FILE, which draws the worked example).")
     return explain(B=a.batch, H=a.heads, Q=a.q_len, K=a.k_len if a.k_len else a.q_len, d=a.head_dim,
                    dv=a.value_dim, Hkv=a.kv_heads, D=a.model_dim, lang=a.lang)
 
@@ -68,14 +74,16 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("explain", help="the shape walk-through of multi-head attention")
     e.add_argument("--batch", "-B", type=int, default=1, help="B, batch size")
-    e.add_argument("--heads", "-H", type=int, required=True, help="H, number of query heads")
-    e.add_argument("--q-len", "-Q", type=int, required=True, help="Q, query length")
+    e.add_argument("--heads", "-H", type=int, default=None, help="H, number of query heads")
+    e.add_argument("--q-len", "-Q", type=int, default=None, help="Q, query length")
     e.add_argument("--k-len", "-K", type=int, default=None, help="K, key length (default: Q, self-attention)")
-    e.add_argument("--head-dim", "-d", type=int, required=True, help="d, head dimension")
+    e.add_argument("--head-dim", "-d", type=int, default=None, help="d, head dimension")
     e.add_argument("--value-dim", type=int, default=None, help="dv, value head dimension (default d)")
     e.add_argument("--kv-heads", type=int, default=None, help="Hkv, key/value heads (default H)")
     e.add_argument("--model-dim", type=int, default=None, help="D, model width (default H·d)")
     e.add_argument("--lang", choices=("en", "zh"), default="en")
+    e.add_argument("--html", metavar="FILE", default=None,
+                   help="write a page that draws every step with its numbers (English/中文); sizes optional, default: the worked 4×3 example")
     e.set_defaults(func=cmd_explain)
 
     m = sub.add_parser("mask", help="draw a mask (rows = queries, columns = keys)")
