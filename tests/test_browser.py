@@ -31,14 +31,21 @@ _built: dict[int, tuple[Path, list[str]]] = {}
 
 
 def built(tmp_path_factory, n: int) -> tuple[Path, list[str]]:
-    """``bhqk show`` at n tokens (9: the short sentence; else the long text cut to n): (page, report)."""
+    """(page, report): at 9 tokens ``bhqk show`` of the short sentence; else the page ``show`` writes
+    for the long text cut to n tokens, without its PNGs (tests/test_viz.py covers those)."""
     if n not in _built:
-        from bhqk.viz.cli import show
+        from bhqk.viz.cli import cut_notice, run_sentence, show
+        from bhqk.viz.html import html
 
-        report: list[str] = []
         out = tmp_path_factory.mktemp(f"show{n}")
-        paths = show(SHORT, out, report=report) if n == 9 else show(LONG, out, max_tokens=n, report=report)
-        _built[n] = paths[2], report
+        if n == 9:
+            report: list[str] = []
+            _built[n] = show(SHORT, out, report=report)[2], report
+        else:
+            cut: list[int] = []
+            cap, tokens = run_sentence(LONG, max_tokens=n, cut=cut)
+            notice = cut_notice(*cut, n)
+            _built[n] = html(cap, tokens, out / "attention.html", notice=notice), [notice]
     return _built[n]
 
 

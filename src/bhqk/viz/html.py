@@ -30,10 +30,16 @@ if TYPE_CHECKING:
 def encode_weights(w: torch.Tensor) -> tuple[float, str]:
     """One head's weights [r, K] → (scale, text): ``scale`` is the largest weight and ``text`` is
     base64 of the zlib-deflated bytes round(w / scale · 255), row-major (0 when all are 0)."""
-    scale = float(w.max()) if w.numel() else 0.0
-    q = (w / scale * 255).round() if scale > 0 else torch.zeros_like(w)  # [r, K]
-    raw = q.to(torch.uint8).contiguous().numpy().tobytes()
-    return scale, base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
+    (scale, text), = encode_heads(w[None])  # [1, r, K]
+    return scale, text
+
+
+def encode_heads(W: torch.Tensor) -> list[tuple[float, str]]:
+    """:func:`encode_weights` for every head of W [h, r, K] at once (one pass of tensor ops)."""
+    scale = W.amax((1, 2)) if W.numel() else W.new_zeros(W.shape[0])  # [h]
+    q = (W / scale.clamp(min=1e-30)[:, None, None] * 255).round().to(torch.uint8).numpy()  # [h, r, K]
+    return [(float(s), base64.b64encode(zlib.compress(q[i].tobytes(), 6)).decode("ascii"))
+            for i, s in enumerate(scale.tolist())]
 
 
 def decode_weights(scale: float, text: str, K: int) -> torch.Tensor:
@@ -43,9 +49,10 @@ def decode_weights(scale: float, text: str, K: int) -> torch.Tensor:
     return (q * (scale / 255)).reshape(-1, K)  # [r, K]
 
 
-def masked_rows(w: torch.Tensor) -> list[int]:
-    """The rows of one head's weights [r, K] that are all 0: fully masked queries (drawn grey)."""
-    return [int(r) for r in torch.nonzero(w.sum(-1) == 0).flatten()]  # [r, K] -> [r]
+def masked_rows(W: torch.Tensor) -> list[list[int]]:
+    """Per head, the rows of W [h, r, K] that are all 0: fully masked queries (drawn grey)."""
+    empty = (W.sum(-1) == 0).tolist()  # [h, r, K] -> [h, r]
+    return [[r for r, e in enumerate(row) if e] for row in empty]
 
 
 def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: Sequence[str] | None = None,
@@ -76,11 +83,10 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
         ]
         W = rec.weights[b].float().cpu()  # [h, r, K]
         heads = []
-        for i, h in enumerate(rec.heads):
+        for h, (scale, text), masked in zip(rec.heads, encode_heads(W), masked_rows(W)):
             st = by[(rec.index, h)]
-            scale, text = encode_weights(W[i])  # W[i]: [r, K]
             heads.append({
-                "head": h, "scale": scale, "w": text, "masked": masked_rows(W[i]),
+                "head": h, "scale": scale, "w": text, "masked": masked,
                 "stats": {"entropy": round(st.entropy, 3), "distance": round(st.distance, 2), "first": round(st.first, 3),
                           **{f"on {t}": round(v, 3) for t, v in st.special.items()}},
             })
