@@ -44,7 +44,7 @@ def built(tmp_path_factory, n: int) -> tuple[Path, list[str]]:
         else:
             cut: list[int] = []
             cap, tokens = run_sentence(LONG, max_tokens=n, cut=cut)
-            notice = cut_notice(*cut, n)
+            notice = cut_notice(cut[0], cut[1], n)
             _built[n] = html(cap, tokens, out / "attention.html", notice=notice), [notice]
     return _built[n]
 
@@ -178,7 +178,7 @@ def test_layout_holds_at_length(browser, tmp_path_factory, n):
         assert min(ys[i + 1] - ys[i] for i in range(len(ys) - 1)) >= LABEL_GAP - 0.5  # labels never overlap
         assert len(ys) <= hm["height"] / (LABEL_GAP - 0.5) + 1 and len(ys) >= min(n, 30)
         if n > 9:
-            assert f"input cut: " in pg.inner_text("#notice") and f"the first {n} are shown" in report[0]
+            assert "input cut: " in pg.inner_text("#notice") and f"the first {n} are shown" in report[0]
         pg.screenshot(path=str(ARTIFACTS / f"attention_page_{n}.png"))
         if n > 9:  # a row whose label was thinned away still shows its token on hover
             thinned = next(r for r in range(n) if pg.locator(f"[data-testid=row-{r}]").count() == 0)

@@ -73,7 +73,7 @@ def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path 
 
     cut: list[int] = []
     cap, tokens = run_sentence(sentence, model, backend, max_tokens=max_tokens, cut=cut)
-    notice = cut_notice(*cut, max_tokens)
+    notice = cut_notice(cut[0], cut[1], max_tokens)
     H = cap.records[0].sizes["H"]
     if layer is not None and not 0 <= layer < len(cap):
         raise ValueError(f"--layer {layer} is out of range: the model has {len(cap)} layers (0 … {len(cap) - 1}).")

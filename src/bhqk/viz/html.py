@@ -16,7 +16,7 @@ import json
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,7 @@ from ..text import named_shape
 from .template import asset, fill, script_json
 
 if TYPE_CHECKING:
-    from ..inspect.capture import Capture
+    from ..inspect.capture import Capture, Record
 
 
 def encode_weights(w: torch.Tensor) -> tuple[float, str]:
@@ -64,14 +64,13 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
 
     if not cap.records:
         raise ValueError("html: the capture holds no records; run the model inside `with capture(...)`.")
-    if any(r.weights is None for r in cap.records):
-        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
+    weights = [_weights(r) for r in cap.records]  # each [B, h, r, K]
     keys = key_tokens if key_tokens is not None else tokens
     special = tuple(special)
     stats = head_stats(cap, keys, b=b, special=special) if keys is not None and _same_k(cap, keys) else head_stats(cap, None, b=b)
     by = {(s.index, s.head): s for s in stats}
-    layers = []
-    for rec in cap.records:
+    layers: list[dict[str, Any]] = []
+    for rec, weights_b in zip(cap.records, weights):
         s = rec.sizes
         Q, K = s["Q"], s["K"]
         shapes = [
@@ -81,7 +80,7 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
             ("S, P", named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], Q, K))),
             ("out", named_shape(("B", "H", "Q", "dv"), (s["B"], s["H"], Q, s["dv"]))),
         ]
-        W = rec.weights[b].float().cpu()  # [h, r, K]
+        W = weights_b[b].float().cpu()  # [B, h, r, K] -> [h, r, K]
         heads = []
         for h, (scale, text), masked in zip(rec.heads, encode_heads(W), masked_rows(W)):
             st = by[(rec.index, h)]
@@ -98,6 +97,12 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
     qt = list(tokens) if tokens is not None else [str(i) for i in range(Qmax)]
     kt = list(keys) if keys is not None else [str(i) for i in range(Kmax)]
     return {"tokens": qt, "keyTokens": kt, "b": b, "layers": layers, "notice": notice}
+
+
+def _weights(rec: Record) -> torch.Tensor:
+    if rec.weights is None:
+        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
+    return rec.weights
 
 
 def _same_k(cap: Capture, keys: Sequence[str]) -> bool:
