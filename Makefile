@@ -43,5 +43,6 @@ test: $(STAMP) test-browser-check
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
-docs-page: $(STAMP)  # regenerate docs/attention.html and its PNGs (the page's assets are package data in src/bhqk/viz/assets/)
+docs-page: $(STAMP)  # regenerate docs/attention.html, its PNGs and docs/walkthrough.html (assets: src/bhqk/viz/assets/)
 	$(BIN)/bhqk show "The cat sat on the mat." --out docs
+	$(BIN)/bhqk explain --html docs/walkthrough.html
