@@ -1,12 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   — installs bhqk in .venv and runs `bhqk demo` (the main job)
-#   make test   — installs bhqk with its test dependencies and runs the whole test suite
+#   make test   — installs bhqk with its test dependencies and runs the whole test suite; as root it
+#                 also installs Debian's Chromium for the browser tests when missing; as any other user
+#                 it never runs apt: without Chromium the browser tests are reported NOT RUN and the run
+#                 exits 1 (tests/conftest.py); `pytest -m "not browser"` leaves them out on purpose
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install browser
+.PHONY: demo test bench install browser test-browser-check docs-page
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -17,14 +20,29 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-browser:  # Debian's Chromium for the interactive-page test (Playwright drives it)
-	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
+# The browser tests' Chromium: $$BHQK_CHROMIUM, else `chromium` on PATH (the same rule as tests/conftest.py).
+FIND_CHROMIUM = c="$${BHQK_CHROMIUM:-$$(command -v chromium || true)}"; found() { [ -n "$$c" ] && [ -f "$$c" ] && [ -x "$$c" ]; }
+
+browser:  # Debian's Chromium for the page tests (Playwright drives it); apt-get needs root
+	@$(FIND_CHROMIUM); if found; then echo "Chromium: $$c"; \
+	elif [ "$$(id -u)" = 0 ] && [ -z "$$BHQK_CHROMIUM" ]; then apt-get update -q && apt-get install -y -q chromium; \
+	else echo "make browser: no Chromium at '$${BHQK_CHROMIUM:-chromium on PATH}'; installing it needs root: sudo apt-get install -y chromium (or set BHQK_CHROMIUM)" >&2; exit 1; fi
+
+test-browser-check:  # as root: install Chromium if missing; otherwise never apt, only say what will happen
+	@$(FIND_CHROMIUM); if found; then :; \
+	elif [ "$$(id -u)" = 0 ] && [ -z "$$BHQK_CHROMIUM" ]; then $(MAKE) --no-print-directory browser; \
+	else echo "!!! no Chromium at '$${BHQK_CHROMIUM:-chromium on PATH}' and not installing it (not root, or BHQK_CHROMIUM set)."; \
+	echo "!!! The browser tests will be NOT RUN and the run will exit 1 (unless -m \"not browser\" leaves them out on purpose). Install: sudo apt-get install -y chromium"; fi
 
 demo: $(STAMP)
 	$(BIN)/bhqk demo
 
-test: $(STAMP) browser
+test: $(STAMP) test-browser-check
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
+
+docs-page: $(STAMP)  # regenerate docs/attention.html, its PNGs and docs/walkthrough.html (assets: src/bhqk/viz/assets/)
+	$(BIN)/bhqk show "The cat sat on the mat." --out docs
+	$(BIN)/bhqk explain --html docs/walkthrough.html

@@ -1,11 +1,61 @@
-"""Shared helpers for the tests: random attention inputs and every mask kind."""
+"""Shared helpers for the tests: random attention inputs and every mask kind; and the browser tests'
+Chromium. Tests marked ``browser`` need Chromium (``BHQK_CHROMIUM``, else ``chromium`` on PATH). When
+it is missing, they are deselected, a loud NOT RUN section says how to install it, and the run exits
+1 even if everything else passed: a run that could not check the pages must not look green. To leave
+them out on purpose, say so: ``pytest -m "not browser"``."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 
 from bhqk import masks
 from bhqk.functional import names
+
+
+CHROMIUM = os.environ.get("BHQK_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+INSTALL = "sudo apt-get install -y chromium   (as root: make browser), or set BHQK_CHROMIUM to a Chromium binary"
+
+
+def chromium_found() -> bool:
+    return Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected what the user left out on purpose
+def pytest_collection_modifyitems(config, items):
+    if chromium_found():
+        return
+    browser = [i for i in items if i.get_closest_marker("browser")]
+    if browser:
+        config.hook.pytest_deselected(items=browser)
+        items[:] = [i for i in items if not i.get_closest_marker("browser")]
+        config.stash[NOT_RUN] = len(browser)
+
+
+NOT_RUN = pytest.StashKey[int]()
+
+
+def pytest_report_header(config):
+    return None if chromium_found() else f"!!! no Chromium at {CHROMIUM}: browser tests will be NOT RUN"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.stash.get(NOT_RUN, 0)
+    if n:
+        tr = terminalreporter
+        tr.section("BROWSER TESTS NOT RUN", sep="!", red=True, bold=True)
+        tr.write_line(f"{n} browser tests were NOT RUN: no Chromium at {CHROMIUM}.", red=True, bold=True)
+        tr.write_line(f"Install it: {INSTALL}", red=True)
+        tr.write_line('This run exits 1 although no test failed; to leave them out on purpose: pytest -m "not browser".', red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.stash.get(NOT_RUN, 0) and exitstatus == 0:
+        session.exitstatus = 1  # not a pass: the pages were not checked
 
 
 def concrete_backends() -> list[str]:

@@ -21,6 +21,7 @@ from matplotlib.image import imread  # noqa: E402
 
 from bhqk import viz  # noqa: E402
 from bhqk.viz.heatmap import DPI  # noqa: E402
+from bhqk.viz.html import decode_weights, encode_weights  # noqa: E402
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
 
@@ -137,9 +138,38 @@ def test_html_is_self_contained_and_carries_the_weights(cap, tmp_path):
     assert data["tokens"] == tricky and len(data["layers"]) == 3
     layer = data["layers"][2]
     assert layer["name"] == "2" and dict(layer["shapes"])["S, P"] == "[B=1, H=4, Q=9, K=9]"
-    w = torch.tensor(layer["heads"][3]["w"])
-    torch.testing.assert_close(w, cap[2].head(3).float(), atol=1e-4, rtol=0)
+    h3 = layer["heads"][3]
+    w = decode_weights(h3["scale"], h3["w"], 9)  # 8 bits per cell: within scale / 510
+    torch.testing.assert_close(w, cap[2].head(3).float(), atol=h3["scale"] / 510 + 1e-6, rtol=0)
+    assert h3["scale"] == pytest.approx(float(cap[2].head(3).max()))
     assert set(layer["heads"][0]["stats"]) >= {"entropy", "distance", "first"}
+
+
+def test_weights_travel_in_8_bits_and_masked_rows_are_marked(tmp_path):
+    w = torch.softmax(torch.randn(5, 300), -1)  # [r, K]
+    w[2] = 0  # a fully masked query row
+    scale, text = encode_weights(w)
+    assert scale == float(w.max())
+    back = decode_weights(scale, text, 300)
+    assert back.shape == (5, 300) and float((back - w).abs().max()) <= scale / 510 + 1e-7
+    assert back[2].eq(0).all()
+    assert encode_weights(torch.zeros(2, 3))[0] == 0.0
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    with capture() as c:
+        bhqk.attention(q, k, v, masks.padding(torch.tensor([0])), backend="reference")  # every row masked
+    data = viz.html(c, None, tmp_path / "p.html")
+    blob = re.search(r'<script id="data" type="application/json">(.*?)</script>', data.read_text(), re.S).group(1)
+    assert json.loads(blob)["layers"][0]["heads"][0]["masked"] == [0, 1, 2, 3]
+
+
+def test_page_assets_are_package_data():
+    from importlib import resources
+
+    assets = resources.files("bhqk.viz").joinpath("assets")
+    names = {p.name for p in assets.iterdir()}
+    assert {"attention.html", "attention.css", "attention.js"} <= names
+    template = assets.joinpath("attention.html").read_text()
+    assert all(f"${name}" in template for name in ("title", "css", "js", "data"))
 
 
 def test_viz_imports_no_matplotlib_until_a_picture_is_drawn():
@@ -167,6 +197,16 @@ def test_show_command_writes_pictures_and_page(tmp_path):
     a = p.parse_args(["show", "The cat sat on the mat.", "--head", "12", "--out", str(tmp_path / "bad")])
     with pytest.raises(ValueError, match="H=12"):
         a.func(a)
+    assert p.parse_args(["show", "x"]).out == "bhqk-show"  # a default folder, as for demo
+    a = p.parse_args(["show", "The cat sat on the mat.", "--max-tokens", "5", "--out", str(tmp_path / "cut")])
+    text = a.func(a)
+    assert text.splitlines()[0] == "input cut: 9 tokens, the first 5 are shown ([SEP] kept at the end; --max-tokens 5)."
+    assert "Q=5, K=5" in text and "tokens: [CLS] the cat sat [SEP]" in text
+    assert "input cut: 9 tokens" in (tmp_path / "cut" / "attention.html").read_text()
+    for bad in ("2", "257"):
+        a = p.parse_args(["show", "x", "--max-tokens", bad, "--out", str(tmp_path / "bad")])
+        with pytest.raises(ValueError, match="takes 3 … 256 tokens"):
+            a.func(a)
 
 
 def test_pick_head_prefers_a_focused_head_that_reads_words():

@@ -1,6 +1,8 @@
-"""``bhqk show "The cat sat on the mat." --out DIR``: one sentence through a BERT (the bundled
+"""``bhqk show "The cat sat on the mat." [--out DIR]``: one text through a BERT (the bundled
 all-MiniLM-L6-v2 by default), its attention captured from whatever backend ran, written as PNGs and
-one interactive HTML page. :func:`show` is the same as a function (``bhqk demo`` calls it)."""
+one interactive HTML page (default folder: ``bhqk-show``). Text longer than ``--max-tokens`` (default:
+the model's limit, 256 for MiniLM) is cut, and the report and the page say so. :func:`show` is the
+same as a function (``bhqk demo`` calls it)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
 
 SPECIAL = ("[CLS]", "[SEP]")
+DEFAULT_OUT = "bhqk-show"
 
 
 def pick_head(stats: Sequence[HeadStats]) -> HeadStats:
@@ -23,28 +26,54 @@ def pick_head(stats: Sequence[HeadStats]) -> HeadStats:
     return min(wordy, key=lambda s: (s.entropy, s.index, s.head))
 
 
-def run_sentence(sentence: str, model: str | Path | None = None, backend: str = "auto") -> tuple[Capture, list[str]]:
-    """Capture every layer and head of ``sentence`` through a BERT folder (default: bundled MiniLM)."""
+def run_sentence(sentence: str, model: str | Path | None = None, backend: str = "auto", *,
+                 max_tokens: int | None = None, cut: list[int] | None = None) -> tuple[Capture, list[str]]:
+    """Capture every layer and head of ``sentence`` through a BERT folder (default: bundled MiniLM),
+    cut to ``max_tokens`` tokens ([CLS] and [SEP] included; default and upper bound: the model's
+    limit). When ``cut`` is given, [tokens before the cut, tokens kept] is appended to it."""
     from ..models.bert import SentenceEncoder
 
     enc = SentenceEncoder.from_pretrained(model, backend=backend)
+    limit = enc.tokenizer.truncation["max_length"] if enc.tokenizer.truncation else enc.model.config.max_positions
+    if max_tokens is not None:
+        if not 3 <= max_tokens <= limit:
+            raise ValueError(f"--max-tokens {max_tokens} is out of range: this model takes 3 … {limit} tokens "
+                             f"([CLS] and [SEP] included).")
+        limit = max_tokens
+    enc.tokenizer.no_truncation()
+    whole = len(enc.tokenizer.encode(sentence).ids)
+    enc.tokenizer.enable_truncation(limit)
     tokens = enc.tokenizer.encode(sentence).tokens
+    if cut is not None:
+        cut += [whole, len(tokens)]
     ids, attention_mask = enc.tokenize([sentence])  # [1, N], [1, N]
     with torch.no_grad(), capture(model=enc.model, what=("weights",)) as cap:
         enc.model(ids, attention_mask)
     return cap, list(tokens)
 
 
-def show(sentence: str, out_dir: str | Path, *, model: str | Path | None = None, layer: int | None = None,
-         head: int | None = None, backend: str = "auto", report: list[str] | None = None) -> list[Path]:
+def cut_notice(whole: int, kept: int, max_tokens: int | None) -> str | None:
+    """The line that says the input was cut, or None when it was not."""
+    if whole <= kept:
+        return None
+    why = f"--max-tokens {max_tokens}" if max_tokens is not None else "the model's limit; --max-tokens sets a lower one"
+    return f"input cut: {whole} tokens, the first {kept} are shown ([SEP] kept at the end; {why})."
+
+
+def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path | None = None, layer: int | None = None,
+         head: int | None = None, backend: str = "auto", max_tokens: int | None = None,
+         report: list[str] | None = None) -> list[Path]:
     """Write ``attention.png`` (one head, tokens on both axes), ``attention_grid.png`` (layers ×
     heads) and ``attention.html`` (interactive) for ``sentence`` into ``out_dir``; return the paths.
-    ``layer``/``head`` default to the most focused head that is not parked on [CLS]/[SEP]. Lines
-    describing what was drawn are appended to ``report`` when given."""
+    ``layer``/``head`` default to the most focused head that is not parked on [CLS]/[SEP]; the text
+    is cut to ``max_tokens`` (see :func:`run_sentence`). Lines describing what was drawn (first, a
+    notice when the text was cut) are appended to ``report`` when given."""
     from .heatmap import grid, heatmap
     from .html import html
 
-    cap, tokens = run_sentence(sentence, model, backend)
+    cut: list[int] = []
+    cap, tokens = run_sentence(sentence, model, backend, max_tokens=max_tokens, cut=cut)
+    notice = cut_notice(cut[0], cut[1], max_tokens)
     H = cap.records[0].sizes["H"]
     if layer is not None and not 0 <= layer < len(cap):
         raise ValueError(f"--layer {layer} is out of range: the model has {len(cap)} layers (0 … {len(cap) - 1}).")
@@ -60,8 +89,11 @@ def show(sentence: str, out_dir: str | Path, *, model: str | Path | None = None,
     paths = [out / "attention.png", out / "attention_grid.png", out / "attention.html"]
     heatmap(cap, tokens, layer=layer, head=head, path=paths[0])
     grid(cap, path=paths[1])
-    html(cap, tokens, paths[2], layer=layer, head=head, title=f"bhqk · attention · {sentence}")
+    title = sentence if len(sentence) <= 80 else sentence[:79] + "…"
+    html(cap, tokens, paths[2], layer=layer, head=head, title=f"bhqk · attention · {title}", notice=notice)
     if report is not None:
+        if notice is not None:
+            report.append(notice)
         st = next(s for s in stats if s.index == layer and s.head == head)
         s = rec.sizes
         report += [
@@ -75,21 +107,24 @@ def show(sentence: str, out_dir: str | Path, *, model: str | Path | None = None,
 
 def cmd_show(a: argparse.Namespace) -> str:
     report: list[str] = []
-    paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend, report=report)
+    paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend,
+                 max_tokens=a.max_tokens, report=report)
     return "\n".join(report + ["wrote:"] + [f"  {p}" for p in paths])
 
 
 def add_show_parser(sub) -> argparse.ArgumentParser:
     """Register ``bhqk show`` on an argparse subparsers object."""
     s = sub.add_parser("show", help="pictures and an interactive page of a sentence's attention (bundled MiniLM)",
-                       description="Run one sentence through a BERT encoder, capture every layer's attention "
+                       description="Run one text through a BERT encoder, capture every layer's attention "
                                    "weights [B, H, Q, K] and write attention.png, attention_grid.png and "
-                                   "attention.html (rows = queries, columns = keys).")
-    s.add_argument("sentence", help='the text, e.g. "The cat sat on the mat."')
+                                   "attention.html (rows = queries, columns = keys) into --out.")
+    s.add_argument("sentence", help='the text, e.g. "The cat sat on the mat." (longer than --max-tokens: cut, with a notice)')
     s.add_argument("--model", default=None, help="a local Hugging Face BERT folder (default: the bundled all-MiniLM-L6-v2)")
     s.add_argument("--layer", type=int, default=None, help="layer (attention call index) for attention.png; default: picked")
     s.add_argument("--head", type=int, default=None, help="head for attention.png; default: the most focused word-to-word head")
     s.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")
-    s.add_argument("--out", required=True, help="folder to write the PNGs and the HTML page into")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="cut the text to this many tokens, [CLS] and [SEP] included (default: the model's limit, 256 for MiniLM)")
+    s.add_argument("--out", default=DEFAULT_OUT, help=f"folder to write the PNGs and the HTML page into (default: {DEFAULT_OUT})")
     s.set_defaults(func=cmd_show)
     return s
