@@ -126,6 +126,8 @@ def test_token_ids_are_checked(encoder):
         encoder.model(torch.tensor([[101, 7, V]]))
     with pytest.raises(ValueError, match=r"input_ids must be an integer tensor.*torch.float32"):
         encoder.model(torch.tensor([[101.0, 7.0]]))
+    with pytest.raises(ValueError, match=r"token_type_ids holds token type 2 at \[0, 1\]; type_vocab_size=2"):
+        encoder.model(torch.tensor([[101, 7]]), token_type_ids=torch.tensor([[0, 2]]))
 
 
 def embed_cli(argv):

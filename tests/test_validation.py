@@ -48,6 +48,9 @@ from bhqk.nn import MultiHeadAttention
     (lambda: masks.causal().materialize(1, 1, -3, 4), r"materialize: Q must be an integer with Q >= 0, got -3"),
     (lambda: masks.causal().materialize(1, 1.5, 3, 3), r"materialize: H must be an integer"),
     (lambda: masks.causal().materialize(0, 1, 3, 3), r"materialize: B must be an integer with B >= 1"),
+    (lambda: masks.and_masks(), r"and_masks needs at least one mask"),
+    (lambda: masks.or_masks(), r"or_masks needs at least one mask"),
+    (lambda: masks.and_masks(masks.causal(), 3), r"cannot combine a mask with int"),
 ])
 def test_mask_arguments_are_mask_errors_naming_the_argument(make, match):
     with pytest.raises(MaskError, match=match):

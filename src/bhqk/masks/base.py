@@ -206,7 +206,9 @@ class Not(Mask):
 
 def and_masks(*masks: Mask) -> Mask:
     """All of ``masks`` (like FlexAttention's ``and_masks``)."""
-    out = masks[0]
+    if not masks:
+        raise MaskError("and_masks needs at least one mask.")
+    out = _as_mask(masks[0])
     for m in masks[1:]:
         out = out & m
     return out
@@ -214,7 +216,9 @@ def and_masks(*masks: Mask) -> Mask:
 
 def or_masks(*masks: Mask) -> Mask:
     """Any of ``masks``."""
-    out = masks[0]
+    if not masks:
+        raise MaskError("or_masks needs at least one mask.")
+    out = _as_mask(masks[0])
     for m in masks[1:]:
         out = out | m
     return out

@@ -156,8 +156,16 @@ class BertEncoder(nn.Module):
             raise sizes.fail(f"input_ids has N={N} tokens but this BERT has {self.config.max_positions} positions.")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # [B, N]
+        else:
+            sizes.bind("token_type_ids", token_type_ids.shape, ("#B", "N"))
+            check_ids("token_type_ids", token_type_ids, self.config.type_vocab_size, sizes, "token type",
+                      f"type_vocab_size={self.config.type_vocab_size}")
         if position_ids is None:
             position_ids = torch.arange(N, device=input_ids.device)[None]  # [1, N]
+        else:
+            sizes.bind("position_ids", position_ids.shape, ("#B", "N"))
+            check_ids("position_ids", position_ids, self.config.max_positions, sizes, "position",
+                      f"this BERT has {self.config.max_positions} positions")
         mask = None
         if attention_mask is not None:
             sizes.bind("attention_mask", attention_mask.shape, ("B", "N"))

@@ -140,6 +140,10 @@ class GPT2(nn.Module):
                 mask = pad if mask is None else mask & pad
         if position_ids is None:
             position_ids = torch.arange(past, K, device=input_ids.device)[None]  # [1, N]
+        else:
+            sizes.bind("position_ids", position_ids.shape, ("#B", "N"))
+            check_ids("position_ids", position_ids, self.config.n_positions, sizes, "position",
+                      f"this GPT-2 has {self.config.n_positions} positions")
         if K > self.config.n_positions:
             raise sizes.fail(f"{K} tokens exceed this GPT-2's {self.config.n_positions} positions.")
         backend = backend_for(self.backend, mask)
