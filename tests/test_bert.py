@@ -120,6 +120,16 @@ def test_shape_errors_name_the_argument(encoder):
         encoder.model(torch.zeros(1, 513, dtype=torch.long))
 
 
+def test_token_ids_are_checked(encoder):
+    V = encoder.model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"input_ids holds token id {V} at \[0, 2\]; .*V={V}"):
+        encoder.model(torch.tensor([[101, 7, V]]))
+    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor.*torch.float32"):
+        encoder.model(torch.tensor([[101.0, 7.0]]))
+    with pytest.raises(ValueError, match=r"token_type_ids holds token type 2 at \[0, 1\]; type_vocab_size=2"):
+        encoder.model(torch.tensor([[101, 7]]), token_type_ids=torch.tensor([[0, 2]]))
+
+
 def embed_cli(argv):
     p = argparse.ArgumentParser(prog="bhqk")
     sub = p.add_subparsers(dest="command", required=True)

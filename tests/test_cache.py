@@ -53,6 +53,7 @@ def test_any_chunking_any_capacity(chunks, capacity, B):
     torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
 
 
+@torch.no_grad()  # inference; under autograd each step builds new buffers (see the autograd test)
 def test_writes_in_place_into_preallocated_buffers():
     m = make_mha()
     cache = KVCache(1, capacity=16)
@@ -156,6 +157,7 @@ def test_crop_errors():
     assert cache.length == 59
 
 
+@torch.no_grad()  # capacity is the inference buffers' (under autograd buffers hold exactly K)
 def test_multi_layer_state_and_repr():
     cache = KVCache(3, capacity=8)
     ms = [make_mha(seed=i) for i in range(3)]
@@ -194,6 +196,7 @@ def test_reset():
     torch.testing.assert_close(m(x, mask=masks.causal(), cache=cache), m(x, mask=masks.causal()))
 
 
+@torch.no_grad()  # in-place buffers are the inference path
 def test_reset_keeps_buffers_and_accepts_new_sizes():
     m = make_mha()
     cache = KVCache(1, capacity=8)
@@ -215,3 +218,30 @@ def test_backend_can_be_chosen_per_call():
     torch.testing.assert_close(m(x, mask=masks.causal(), backend="reference"), m(x, mask=masks.causal(), backend="torch"))
     with pytest.raises(BackendError, match="unknown backend"):
         m(x, backend="nope")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_cache_under_autograd_prefill_decode_backward(window, backend):
+    """Training through a prefill and decode steps: backward works (no in-place write into a tensor a
+    graph saved) and the gradients equal those of one full causal call."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, backend=backend)
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    m = m.double()
+    full_mask = masks.causal() if window is None else masks.sliding_window(window - 1, align="top_left")
+    step_mask = masks.causal("bottom_right") if window is None else masks.sliding_window(window - 1, align="bottom_right")
+    g = torch.randn(2, 7, 16, dtype=torch.float64)
+    (m(x, mask=full_mask) * g).sum().backward()
+    want_x, want_w = x.grad.clone(), m.q_proj.weight.grad.clone()
+    x.grad = None
+    m.zero_grad()
+    cache = KVCache(1, window=window)
+    inc = run_chunks(m, x, [4, 1, 1, 1], cache, lambda s, e: step_mask)  # prefill 4, then decode
+    (inc * g).sum().backward()
+    torch.testing.assert_close(x.grad, want_x)
+    torch.testing.assert_close(m.q_proj.weight.grad, want_w)
+    assert cache.length == 7
+    with torch.no_grad():  # the same cache then keeps decoding without autograd
+        m(torch.randn(2, 1, 16, dtype=torch.float64), mask=step_mask, cache=cache)
+    assert cache.length == 8

@@ -165,6 +165,41 @@ def test_generate_errors(model):
         model(ids, torch.ones(1, 3))
 
 
+@pytest.mark.parametrize("call, err, match", [
+    (lambda m: m(torch.tensor([[1, VOCAB]])), ValueError, rf"input_ids holds token id {VOCAB} at \[0, 1\].*V={VOCAB}"),
+    (lambda m: m(torch.tensor([[1, -1]])), ValueError, r"input_ids holds token id -1"),
+    (lambda m: m(torch.tensor([[1.0, 2.0]])), ValueError, r"input_ids must be an integer tensor.*torch.float32"),
+    (lambda m: m(torch.zeros(1, 0, dtype=torch.long)), ValueError, r"input_ids has N=0 tokens"),
+    (lambda m: m([[1, 2]]), TypeError, r"input_ids must be an integer tensor"),
+    (lambda m: m(torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 160]])), ValueError, r"position_ids holds position 160 at \[0, 1\]; this GPT-2 has 160 positions"),
+    (lambda m: m.generate(torch.tensor([[1, VOCAB + 5]]), 2), ValueError, r"prompt_ids holds token id"),
+    (lambda m: m.generate(torch.tensor([[1.0, 2.0]]), 2), ValueError, r"prompt_ids must be an integer tensor"),
+    (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), 2), ValueError, r"prompt_ids is empty \(\[1, 0\]\)"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=float("nan")), ValueError, r"temperature must be a finite number"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=float("inf")), ValueError, r"temperature must be a finite number"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=-1.0), ValueError, r"temperature must be a finite number >= 0"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=1.0, top_k=0), ValueError, r"top_k must be an integer >= 1"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, top_k=2.5), ValueError, r"top_k must be an integer >= 1"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2.0), ValueError, r"max_new_tokens must be an integer >= 0"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), -1), ValueError, r"max_new_tokens must be an integer >= 0"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, eos_token_id=VOCAB), ValueError, r"eos_token_id=300 is not a token id"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, seed="x"), TypeError, r"seed must be an integer"),
+    (lambda m: m.generate(torch.tensor([[1, 2]]), 2, attention_mask=torch.ones(1, 3)), ValueError, r"attention_mask has"),
+])
+def test_bad_arguments_name_the_argument(model, call, err, match):
+    with pytest.raises(err, match=match):
+        call(model)
+
+
+def test_sample_checks_its_arguments():
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="temperature"):
+        sample(logits, float("nan"))
+    with pytest.raises(ValueError, match="top_k"):
+        sample(logits, 1.0, top_k=0)
+    assert sample(logits, 1.0, top_k=1).tolist() == logits.argmax(-1).tolist()
+
+
 def generate_cli(argv):
     p = argparse.ArgumentParser(prog="bhqk")
     sub = p.add_subparsers(dest="command", required=True)

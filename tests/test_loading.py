@@ -218,3 +218,111 @@ def test_folder_problems(tmp_path, bert_dir):
     (d / "config.json").write_text("{not json")
     with pytest.raises(LoadError, match="not valid JSON"):
         BertEncoder.from_pretrained(d)
+
+
+# --- corrupt files and impossible configs: a LoadError naming the file and the field ---------------
+
+def _weights_only(src, dst):
+    """A copy of a GPT-2 folder with only config.json (weights written by the test)."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 1234\n", "Git LFS pointer.*git lfs pull"),
+    (b"", "is empty"),
+    (bytes(range(256)) * 40, "not a readable safetensors file"),
+    (None, "not a readable safetensors file"),  # truncated: the real file cut in half
+])
+def test_corrupt_safetensors_is_a_load_error_naming_the_file(gpt2_dir, tmp_path, content, match):
+    d = _weights_only(gpt2_dir, tmp_path / "g")
+    if content is None:
+        whole = (gpt2_dir / "model.safetensors").read_bytes()
+        content = whole[: len(whole) // 2]
+    (d / "model.safetensors").write_bytes(content)
+    with pytest.raises(LoadError, match=match) as e:
+        GPT2.from_pretrained(d)
+    assert "model.safetensors" in str(e.value)
+
+
+def test_truncated_pytorch_bin_is_a_load_error(gpt2_dir, tmp_path):
+    d = _weights_only(gpt2_dir, tmp_path / "g")
+    sd = load_file(gpt2_dir / "model.safetensors")
+    torch.save(sd, d / "pytorch_model.bin")
+    whole = (d / "pytorch_model.bin").read_bytes()
+    (d / "pytorch_model.bin").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(LoadError, match="pytorch_model.bin.*not a readable PyTorch checkpoint"):
+        GPT2.from_pretrained(d)
+    torch.save([1, 2, 3], d / "pytorch_model.bin")
+    with pytest.raises(LoadError, match="pytorch_model.bin does not hold a state dict"):
+        GPT2.from_pretrained(d)
+
+
+@pytest.mark.parametrize("index, match", [
+    ("{not json", "model.safetensors.index.json is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"metadata": {}}', "has no weight_map"),
+    ('{"weight_map": {"wte.weight": "../../etc/passwd"}}', "must be a file name"),
+])
+def test_bad_sharded_index_is_a_load_error(gpt2_dir, tmp_path, index, match):
+    d = _weights_only(gpt2_dir, tmp_path / "g")
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(LoadError, match=match):
+        GPT2.from_pretrained(d)
+
+
+def test_sharded_checkpoint_loads(gpt2_dir, tmp_path):
+    d = _weights_only(gpt2_dir, tmp_path / "g")
+    sd = load_file(gpt2_dir / "model.safetensors")
+    names = sorted(sd)
+    half = len(names) // 2
+    parts = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+    for shard, keys in parts.items():
+        save_file({k: sd[k].contiguous() for k in keys}, d / shard, metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: s for s, ks in parts.items() for k in ks}}))
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(GPT2.from_pretrained(d)(ids), GPT2.from_pretrained(gpt2_dir)(ids))
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"n_head": "4"}, r"config.json: n_head must be an integer >= 1, got '4'"),
+    ({"n_embd": None}, r"config.json: n_embd must be an integer >= 1, got None"),
+    ({"vocab_size": -5}, r"config.json: vocab_size must be an integer >= 1, got -5"),
+    ({"n_layer": 2.0}, r"config.json: n_layer must be an integer >= 0, got 2.0"),
+    ({"n_head": 5}, r"n_embd=32 is not divisible by n_head=5"),
+    ({"layer_norm_epsilon": "tiny"}, r"layer_norm_epsilon must be a positive number"),
+    ({"activation_function": 3}, r"activation_function must be a string"),
+])
+def test_bad_gpt2_config_fields_name_file_and_field(gpt2_dir, tmp_path, edit, match):
+    d = copy_with(gpt2_dir, tmp_path / "c", config=edit)
+    with pytest.raises(LoadError, match=match) as e:
+        GPT2.from_pretrained(d)
+    assert str(d / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"num_attention_heads": "4"}, r"num_attention_heads must be an integer >= 1, got '4'"),
+    ({"hidden_size": None}, r"hidden_size must be an integer >= 1, got None"),
+    ({"vocab_size": -5}, r"vocab_size must be an integer >= 1, got -5"),
+    ({"max_position_embeddings": True}, r"max_position_embeddings must be an integer >= 1, got True"),
+])
+def test_bad_bert_config_fields_name_file_and_field(bert_dir, tmp_path, edit, match):
+    d = copy_with(bert_dir, tmp_path / "c", config=edit)
+    with pytest.raises(LoadError, match=match) as e:
+        BertEncoder.from_pretrained(d)
+    assert str(d / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("loader", [GPT2.from_pretrained, BertEncoder.from_pretrained, models.load])
+def test_config_that_is_not_an_object(gpt2_dir, tmp_path, loader):
+    d = _weights_only(gpt2_dir, tmp_path / "g")
+    (d / "config.json").write_text("[1, 2, 3]")
+    with pytest.raises(LoadError, match=r"config.json must hold a JSON object.*got a JSON list"):
+        loader(d)
+
+
+def test_dead_model_type_helper_is_gone():
+    from bhqk.models import loading
+
+    assert not hasattr(loading, "model_type")

@@ -15,3 +15,9 @@ class BackendError(ValueError):
 
 class LoadError(ValueError):
     """A checkpoint does not fit the model: missing, unexpected or mis-shaped keys, unknown architecture."""
+
+
+class MisuseWarning(UserWarning):
+    """A call that runs but very likely means something else: a mask in ``nn.MultiheadAttention``
+    polarity (True = masked out), a sequence-first module fed batch-first input. Silence one kind with
+    ``warnings.filterwarnings("ignore", category=bhqk.errors.MisuseWarning)``."""

@@ -77,13 +77,7 @@ class Sizes:
             raise self.fail(f"{big}={b} is not divisible by {small}={s}; {why}.")
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhnd") -> Sizes:
-    """Bind B, H, Hkv, Q, K, d, dv from q, k, v and check dtype, device and the head grouping."""
-    if layout not in LAYOUTS:
-        raise ShapeError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}.")
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}.")
+def _bind_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> Sizes:
     sizes = Sizes()
     qn, kn, vn = LAYOUTS[layout]
     what = f" (layout={layout!r})"
@@ -91,6 +85,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "
     sizes.bind("k", k.shape, kn, what=what)
     sizes.bind("v", v.shape, vn, what=what)
     sizes.need_divisible("H", "Hkv", "each key/value head serves H/Hkv query heads (GQA/MQA)")
+    return sizes
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhnd") -> Sizes:
+    """Bind B, H, Hkv, Q, K, d, dv from q, k, v and check dtype, device and the head grouping."""
+    if layout not in LAYOUTS:
+        raise ShapeError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}.")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}.")
+    try:
+        sizes = _bind_qkv(q, k, v, layout)
+    except ShapeError as e:
+        other = "bnhd" if layout == "bhnd" else "bhnd"
+        try:
+            _bind_qkv(q, k, v, other)
+        except ShapeError:
+            raise e from None
+        raise ShapeError(f"{e}\nThese shapes fit layout={other!r} ({', '.join(LAYOUTS[other][0])} for q): "
+                         f"if that is how your tensors are laid out, pass layout={other!r}.") from None
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_floating_point():
             raise sizes.fail(f"{arg} must be a floating-point tensor, got dtype {t.dtype}.")

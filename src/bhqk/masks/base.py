@@ -6,6 +6,7 @@ whether a tile is empty, full or partial without evaluating it, so fast paths ca
 
 from __future__ import annotations
 
+import contextvars
 import enum
 from dataclasses import dataclass
 
@@ -13,6 +14,10 @@ import torch
 
 from ..errors import MaskError
 from ..text import grid
+from .args import extent
+
+
+NEGATED: contextvars.ContextVar[bool] = contextvars.ContextVar("bhqk_mask_negated", default=False)  # under an odd number of ~
 
 
 class Tile(enum.Enum):
@@ -70,7 +75,7 @@ class Mask:
 
     def materialize(self, B: int, H: int, Q: int, K: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole mask as a bool tensor broadcastable to [B, H, Q, K]."""
-        ext = Extent(B, H, Q, K)
+        ext = Extent(*extent("materialize", B, H, Q, K))
         self.check(ext)
         out = self.block(ext, 0, Q, 0, K, None if device is None else torch.device(device))
         return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # [#B, #H, #Q, #K]
@@ -179,7 +184,11 @@ class Not(Mask):
         self.a = a
 
     def check(self, ext: Extent) -> None:
-        self.a.check(ext)
+        token = NEGATED.set(not NEGATED.get())  # a dense mask inside reads with the opposite polarity
+        try:
+            self.a.check(ext)
+        finally:
+            NEGATED.reset(token)
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         return ~self.a.block(ext, q0, q1, k0, k1, device)
@@ -197,7 +206,9 @@ class Not(Mask):
 
 def and_masks(*masks: Mask) -> Mask:
     """All of ``masks`` (like FlexAttention's ``and_masks``)."""
-    out = masks[0]
+    if not masks:
+        raise MaskError("and_masks needs at least one mask.")
+    out = _as_mask(masks[0])
     for m in masks[1:]:
         out = out & m
     return out
@@ -205,7 +216,9 @@ def and_masks(*masks: Mask) -> Mask:
 
 def or_masks(*masks: Mask) -> Mask:
     """Any of ``masks``."""
-    out = masks[0]
+    if not masks:
+        raise MaskError("or_masks needs at least one mask.")
+    out = _as_mask(masks[0])
     for m in masks[1:]:
         out = out | m
     return out

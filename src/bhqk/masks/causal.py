@@ -15,6 +15,7 @@ Q=3, K=5, ``bottom_right`` (the last query sees every key; FlashAttention ≥ 2.
 
 from __future__ import annotations
 
+from . import args
 from .base import Extent, Mask, Tile, causal_offset, positions
 
 
@@ -22,9 +23,7 @@ class Causal(Mask):
     """Query i may attend to key j when ``j <= i + offset`` (offset from the alignment)."""
 
     def __init__(self, align: str | None = None) -> None:
-        if align not in (None, "top_left", "bottom_right"):
-            causal_offset(align, 1, 1, "causal")  # raises the MaskError with the two choices
-        self.align = align
+        self.align = args.alignment("causal", align)
 
     def offset(self, ext: Extent) -> int:
         return causal_offset(self.align, ext.Q, ext.K, "causal")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MaskError
+from .args import _what, count
 from .base import Extent, Mask
 from .causal import Causal
 from .dense import dense
@@ -12,22 +13,36 @@ from .padding import key_padding
 
 
 def from_torch_mha(
+    *args: object,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
-    *,
     num_heads: int,
     batch_size: int | None = None,
 ) -> Mask | None:
     """``nn.MultiheadAttention`` masks (bool, **True = masked out**) as one bhqk mask.
 
-    ``key_padding_mask`` is [B, K]; ``attn_mask`` is [Q, K] or [B·H, Q, K]. A float attn_mask is
-    additive: pass it through :func:`bhqk.bias.from_torch_mha` instead."""
+    Keyword arguments only, so a causal ``attn_mask`` can never be read as a key-padding mask:
+    ``key_padding_mask`` is [B, K]; ``attn_mask`` is [Q, K] or [B·H, Q, K]. ``batch_size``, when
+    given, is checked against both. A float attn_mask is additive: pass it through
+    :func:`bhqk.bias.from_torch_mha` instead."""
+    if args:
+        raise TypeError(
+            "from_torch_mha takes keyword arguments only: from_torch_mha(key_padding_mask=[B, K] and/or "
+            "attn_mask=[Q, K] or [B·H, Q, K], num_heads=H); a positional tensor could be either."
+        )
+    num_heads = count("from_torch_mha", "num_heads", num_heads, minimum=1)
+    if batch_size is not None:
+        batch_size = count("from_torch_mha", "batch_size", batch_size, minimum=1)
     out: Mask | None = None
     if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool:
-            raise MaskError(f"from_torch_mha: key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}.")
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+            raise MaskError(f"from_torch_mha: key_padding_mask must be a bool tensor [B, K] (True = padding), got {_what(key_padding_mask)}.")
+        if batch_size is not None and key_padding_mask.shape[0] != batch_size:
+            raise MaskError(f"from_torch_mha: key_padding_mask has B={key_padding_mask.shape[0]} but batch_size={batch_size}.")
         out = key_padding(~key_padding_mask)
     if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise MaskError(f"from_torch_mha: attn_mask must be a bool tensor [Q, K] or [B·H, Q, K], got {_what(attn_mask)}.")
         if attn_mask.dtype != torch.bool:
             raise MaskError(
                 f"from_torch_mha: attn_mask has dtype {attn_mask.dtype}; a float attn_mask is additive, "
@@ -35,8 +50,9 @@ def from_torch_mha(
             )
         if attn_mask.dim() == 3:
             bh, Q, K = attn_mask.shape
-            if bh % num_heads:
-                raise MaskError(f"from_torch_mha: attn_mask's first axis {bh} is not B·H with H={num_heads}.")
+            if bh % num_heads or (batch_size is not None and bh != batch_size * num_heads):
+                b = "B" if batch_size is None else f"B={batch_size}"
+                raise MaskError(f"from_torch_mha: attn_mask's first axis {bh} is not B·H with {b}, H={num_heads}.")
             allowed = (~attn_mask).reshape(bh // num_heads, num_heads, Q, K)  # [B·H, Q, K] -> [B, H, Q, K]
         elif attn_mask.dim() == 2:
             allowed = ~attn_mask  # [Q, K]
@@ -48,9 +64,15 @@ def from_torch_mha(
 
 
 def from_hf(attention_mask: torch.Tensor) -> Mask:
-    """Hugging Face ``attention_mask`` [B, K] (1 = real token, 0 = padding)."""
-    if attention_mask.dim() != 2:
-        raise MaskError(f"from_hf: attention_mask must be [B, K], got shape {list(attention_mask.shape)}.")
+    """Hugging Face ``attention_mask`` [B, K] (1 = real token, 0 = padding; integer, bool or float)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        got = f"shape {list(attention_mask.shape)}" if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise MaskError(f"from_hf: attention_mask must be a tensor [B, K] of 1 (real token) / 0 (padding), got {got}.")
+    if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise MaskError(
+            "from_hf: attention_mask must hold only 1 (real token) and 0 (padding); an additive mask "
+            "(0 / -inf or finfo.min) is a bias: pass it as bias=."
+        )
     return key_padding(attention_mask.bool())
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from ..errors import MaskError
+from ..errors import MaskError, MisuseWarning
 from ..shapes import Sizes, check_broadcast, tile_of
-from .base import Extent, Mask
+from .base import NEGATED, Extent, Mask
 
 
 class Dense(Mask):
@@ -23,9 +25,14 @@ class Dense(Mask):
         if tensor.dim() > 4:
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
+        self._polarity_checked = False
 
     def check(self, ext: Extent) -> None:
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
+        if ext.Q == ext.K and not self._polarity_checked and not NEGATED.get():
+            self._polarity_checked = True
+            warn_if_inverted(self.tensor)
+
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         t = tile_of(self.tensor, q0, q1, k0, k1)  # [#B, #H, #q, #k]
@@ -36,6 +43,23 @@ class Dense(Mask):
 
     def __repr__(self) -> str:
         return f"dense(<bool {list(self.tensor.shape)}>)"
+
+
+def warn_if_inverted(t: torch.Tensor) -> None:
+    """A self-attention mask [#B, #H, N, N] that forbids every query its own key and allows some later
+    key is, almost surely, ``nn.MultiheadAttention``'s polarity (True = masked out): warn."""
+    n = t.shape[-1]
+    if n < 2 or t.shape[-2] != n or bool(t.diagonal(dim1=-2, dim2=-1).any()):
+        return
+    if bool(torch.triu(t, diagonal=1).any()):  # [#B, #H, N, N]: some query may attend a later key
+        warnings.warn(
+            "mask forbids every query its own position and allows later keys: this looks like a mask in "
+            "nn.MultiheadAttention polarity (True = masked out). bhqk masks use True = may attend: convert "
+            "with bhqk.masks.from_torch_mha(attn_mask=..., num_heads=H), invert with ~mask, or use "
+            "bhqk.masks.causal().",
+            MisuseWarning,
+            stacklevel=4,
+        )
 
 
 def dense(tensor: torch.Tensor) -> Dense:

@@ -11,28 +11,22 @@ from __future__ import annotations
 import torch
 
 from ..errors import MaskError
+from . import args
 from .base import Extent, Mask, Tile, positions
 
 
 class KeysBelow(Mask):
     """Key j is visible to batch element b when ``j < limit[b]`` (an int applies to every element)."""
 
-    def __init__(self, limit: int | torch.Tensor, name: str = "padding") -> None:
-        self.name = name
-        if isinstance(limit, torch.Tensor):
-            if limit.dim() != 1 or limit.is_floating_point() or limit.dtype == torch.bool:
-                raise MaskError(f"{name}: lengths must be a 1-D integer tensor [B], got dtype {limit.dtype} shape {list(limit.shape)}.")
-            values = limit.tolist()
-        else:
-            values = [int(limit)]
-        if any(x < 0 for x in values):
-            raise MaskError(f"{name}: lengths must be >= 0, got {values}.")
-        self.limit = limit
+    def __init__(self, limit: int | list[int] | torch.Tensor, name: str = "padding", arg: str = "lengths") -> None:
+        self.name, self.arg = name, arg
+        self.limit = limit = args.lengths(name, arg, limit)  # an int, or int64 [B]
+        values = limit.tolist() if isinstance(limit, torch.Tensor) else [limit]
         self.lo, self.hi = min(values), max(values)  # for tile classification across the batch
 
     def check(self, ext: Extent) -> None:
         if isinstance(self.limit, torch.Tensor) and self.limit.numel() not in (1, ext.B):
-            raise MaskError(f"{self.name}: lengths has {self.limit.numel()} entries but B={ext.B}; give one length per batch element.")
+            raise MaskError(f"{self.name}: {self.arg} has {self.limit.numel()} entries but B={ext.B}; give one length per batch element.")
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         _, ki = positions(q0, q1, k0, k1, device)
@@ -56,8 +50,9 @@ class KeysBelow(Mask):
         return f"{self.name}({lim})"
 
 
-def padding(lengths: int | torch.Tensor) -> KeysBelow:
-    """Per-batch valid key lengths ``[B]``: batch element b attends to keys ``0 … lengths[b]-1``."""
+def padding(lengths: int | list[int] | torch.Tensor) -> KeysBelow:
+    """Per-batch valid key lengths ``[B]`` (an integer tensor or a list of ints; one int for the
+    whole batch): batch element b attends to keys ``0 … lengths[b]-1``."""
     return KeysBelow(lengths, "padding")
 
 
@@ -67,7 +62,8 @@ class KeyPadding(Mask):
     def __init__(self, valid: torch.Tensor) -> None:
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
             got = f"dtype {valid.dtype} shape {list(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
-            raise MaskError(f"key_padding needs a bool tensor [B, K] (True = real key), got {got}.")
+            hint = " For Hugging Face's 1/0 attention_mask use bhqk.masks.from_hf." if isinstance(valid, torch.Tensor) else ""
+            raise MaskError(f"key_padding: valid must be a bool tensor [B, K] (True = real key), got {got}.{hint}")
         self.valid = valid
         self._all = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
         self._any = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere

@@ -21,7 +21,9 @@ from .base import Mask
 class Predicate(Mask):
     def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None) -> None:
         if not callable(fn):
-            raise MaskError(f"predicate needs a function fn(b, h, q_idx, k_idx) -> bool tensor, got {type(fn).__name__}.")
+            raise MaskError(f"predicate: fn must be a function fn(b, h, q_idx, k_idx) -> bool tensor, got {type(fn).__name__}.")
+        if name is not None and not isinstance(name, str):
+            raise MaskError(f"predicate: name must be a string, got {type(name).__name__}.")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
 
     def block(self, ext, q0, q1, k0, k1, device=None):
@@ -30,9 +32,15 @@ class Predicate(Mask):
         qi = torch.arange(q0, q1, device=device)[None, None, :, None]  # [1, 1, q, 1]
         ki = torch.arange(k0, k1, device=device)[None, None, None, :]  # [1, 1, 1, k]
         out = self.fn(b, h, qi, ki)
+        want = (ext.B, ext.H, q1 - q0, k1 - k0)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise MaskError(f"predicate {self.name} must return a bool tensor, got {got}.")
+            got = f"dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise MaskError(f"predicate {self.name}: fn must return a bool tensor (True = may attend) that broadcasts "
+                            f"to the tile [B, H, q, k] = {list(want)}, got {got}.")
+        if out.dim() > 4 or any(s not in (1, w) for s, w in zip(reversed(out.shape), reversed(want))):
+            raise MaskError(f"predicate {self.name}: fn returned shape {list(out.shape)}, which does not broadcast to "
+                            f"the tile [B, H, q, k] = {list(want)}; combine the index arguments it gets "
+                            f"(b [B,1,1,1], h [1,H,1,1], q_idx [1,1,q,1], k_idx [1,1,1,k]) elementwise.")
         return out
 
     def __repr__(self) -> str:

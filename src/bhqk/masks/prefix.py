@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import args
 from .base import Or
 from .causal import Causal
 from .padding import KeysBelow
@@ -19,8 +20,9 @@ from .padding import KeysBelow
 
 class PrefixLM(Or):
     def __init__(self, prefix_len: int | torch.Tensor, align: str | None = None) -> None:
-        super().__init__(KeysBelow(prefix_len, "prefix_lm"), Causal(align))
-        self.prefix_len, self.align = prefix_len, align
+        prefix = KeysBelow(prefix_len, "prefix_lm", "prefix_len")
+        super().__init__(prefix, Causal(args.alignment("prefix_lm", align)))
+        self.prefix_len, self.align = prefix.limit, align
 
     def natural_size(self):
         return None
@@ -31,6 +33,6 @@ class PrefixLM(Or):
         return f"prefix_lm({p}{a})"
 
 
-def prefix_lm(prefix_len: int | torch.Tensor, align: str | None = None) -> PrefixLM:
+def prefix_lm(prefix_len: int | list[int] | torch.Tensor, align: str | None = None) -> PrefixLM:
     """Bidirectional over a prefix (an int or per-batch ``[B]``), causal after it."""
     return PrefixLM(prefix_len, align)

@@ -11,16 +11,15 @@
 
 from __future__ import annotations
 
-from ..errors import MaskError
+from . import args
 from .base import Extent, Mask, Tile, causal_offset, positions
 
 
 class SlidingWindow(Mask):
     def __init__(self, left: int, right: int = 0, align: str | None = None) -> None:
-        if left < 0 or right < 0:
-            raise MaskError(f"sliding_window needs left >= 0 and right >= 0, got left={left}, right={right}.")
-        causal_offset(align, 1, 1, "sliding_window")  # validates the spelling early
-        self.left, self.right, self.align = int(left), int(right), align
+        self.left = args.count("sliding_window", "left", left)
+        self.right = args.count("sliding_window", "right", right)
+        self.align = args.alignment("sliding_window", align)
 
     def offset(self, ext: Extent) -> int:
         return causal_offset(self.align, ext.Q, ext.K, "sliding_window")

