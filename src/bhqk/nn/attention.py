@@ -37,7 +37,9 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with H query heads and Hkv key/value heads (GQA when Hkv < H).
 
     ``head_dim`` defaults to ``d_model // num_heads`` (D = H·d); ``kdim``/``vdim`` are the widths of
-    the key and value inputs for cross-attention (default ``d_model``).
+    the key and value inputs for cross-attention (default ``d_model``). Every size is an integer >= 1.
+    Inputs must have the parameters' dtype and device: no silent cast (a ShapeError names the input and
+    both dtypes), except under ``torch.autocast``.
     """
 
     def __init__(
