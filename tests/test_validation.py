@@ -124,8 +124,9 @@ def _silent(fn):
 def test_mask_in_torch_polarity_warns():
     q = torch.randn(1, 2, 5, 8)
     causal_mha = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = masked out
-    with pytest.warns(MisuseWarning, match="nn.MultiheadAttention polarity.*from_torch_mha"):
+    with pytest.warns(MisuseWarning, match="nn.MultiheadAttention polarity.*from_torch_mha") as rec:
         bhqk.attention(q, q, q, causal_mha)
+    assert rec[0].filename == __file__  # attributed to the caller's line, not the library's
     with pytest.warns(MisuseWarning):
         bhqk.attention(q, q, q, masks.dense(causal_mha) & masks.padding(4), backend="tiled")
     with pytest.warns(MisuseWarning):

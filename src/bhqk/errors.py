@@ -21,3 +21,14 @@ class MisuseWarning(UserWarning):
     """A call that runs but very likely means something else: a mask in ``nn.MultiheadAttention``
     polarity (True = masked out), a sequence-first module fed batch-first input. Silence one kind with
     ``warnings.filterwarnings("ignore", category=bhqk.errors.MisuseWarning)``."""
+
+
+def warn_misuse(message: str) -> None:
+    """Warn with MisuseWarning, attributed to the first caller outside bhqk (the user's line)."""
+    import sys
+    import warnings
+
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 = the caller of warn_misuse
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "bhqk":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, MisuseWarning, stacklevel=level)

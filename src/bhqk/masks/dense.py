@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ..errors import MaskError, MisuseWarning
+from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, check_broadcast, tile_of
 from .base import NEGATED, Extent, Mask
 
@@ -52,13 +50,11 @@ def warn_if_inverted(t: torch.Tensor) -> None:
     if n < 2 or t.shape[-2] != n or bool(t.diagonal(dim1=-2, dim2=-1).any()):
         return
     if bool(torch.triu(t, diagonal=1).any()):  # [#B, #H, N, N]: some query may attend a later key
-        warnings.warn(
+        warn_misuse(
             "mask forbids every query its own position and allows later keys: this looks like a mask in "
             "nn.MultiheadAttention polarity (True = masked out). bhqk masks use True = may attend: convert "
             "with bhqk.masks.from_torch_mha(attn_mask=..., num_heads=H), invert with ~mask, or use "
-            "bhqk.masks.causal().",
-            MisuseWarning,
-            stacklevel=4,
+            "bhqk.masks.causal()."
         )
 
 

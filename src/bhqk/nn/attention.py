@@ -7,13 +7,12 @@ Self-attention when ``key`` is None; cross-attention (Q ≠ K) with ``key``/``va
 from __future__ import annotations
 
 import numbers
-import warnings
 
 import torch
 from torch import nn
 
 from .. import observe
-from ..errors import MisuseWarning, ShapeError
+from ..errors import ShapeError, warn_misuse
 from ..functional import attention, attention_weights
 from ..shapes import Sizes
 from .heads import merge_heads, split_heads
@@ -38,7 +37,9 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with H query heads and Hkv key/value heads (GQA when Hkv < H).
 
     ``head_dim`` defaults to ``d_model // num_heads`` (D = H·d); ``kdim``/``vdim`` are the widths of
-    the key and value inputs for cross-attention (default ``d_model``).
+    the key and value inputs for cross-attention (default ``d_model``). Every size is an integer >= 1.
+    Inputs must have the parameters' dtype and device: no silent cast (a ShapeError names the input and
+    both dtypes), except under ``torch.autocast``.
     """
 
     def __init__(
@@ -171,12 +172,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("from_torch: bhqk's module is always batch-first [B, N, D]; batch_first can only be True "
                              "(to confirm it) or None.")
         if not m.batch_first and batch_first is None:
-            warnings.warn(
+            warn_misuse(
                 "from_torch: the source nn.MultiheadAttention is sequence-first (batch_first=False, inputs [N, B, D]) "
                 "but bhqk's MultiHeadAttention takes [B, N, D]: feed x.transpose(0, 1). Pass batch_first=True to "
-                "from_torch to confirm and silence this warning.",
-                MisuseWarning,
-                stacklevel=2,
+                "from_torch to confirm and silence this warning."
             )
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch: bias_k/bias_v and add_zero_attn have no bhqk equivalent.")
