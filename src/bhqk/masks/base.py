@@ -147,6 +147,11 @@ class Mask:
         self.check(ext)
         bq, bk = (block, block) if isinstance(block, int) else block
         empty, full = self.classify_grid(ext, bq, bk)  # [nq, nk]
+        full = full.clone()
+        if Q % bq:  # a clipped edge tile counts as partial, as in create_block_mask (its padding is masked)
+            full[-1] = False
+        if K % bk:
+            full[:, -1] = False
         kv_num, kv_idx = _ordered(~empty & ~full, device)  # partial tiles
         full_num, full_idx = _ordered(full, device)
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk),
