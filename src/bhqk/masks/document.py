@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MaskError
-from .base import Extent, Mask, Tile, tile_bounds
+from .base import Extent, Mask, Tile
 
 
 def _ids(name: str, ids: torch.Tensor) -> torch.Tensor:
