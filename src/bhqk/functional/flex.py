@@ -145,11 +145,12 @@ def score_mod(p: Problem):
     cap = None if p.softcap is None else torch.tensor(p.softcap, dtype=dt, device=dev)
 
     def mod(score, b, h, q_idx, kv_idx):
+        dtype = score.dtype  # float32 inside the compiled kernels; the input dtype on the eager path
         if cap is not None:
             score = cap * torch.tanh(score / cap)
         if bias is not None:
             score = score + bias(b, h, q_idx, kv_idx)
-        return score
+        return score.to(dtype)
 
     return mod
 
