@@ -10,14 +10,17 @@ bhqk lowers its call to FlexAttention's two hooks:
 
 Compiled kernels are cached per device, dtype, head dims, mask and bias structure (one
 ``torch.compile`` per key, with its own code object, so each key has its own recompile budget);
-``dynamic=True`` and every size-dependent number captured as a tensor, so a new length or a new
-window does not recompile (one more graph the first time Q ≠ K after Q = K: dynamo shares a
-symbol between equal sizes).
+``dynamic=True``, the BlockMask's tile counts marked dynamic and every size-dependent number
+captured as a tensor, so a new length, window or padding does not recompile. A few size classes
+still compile once more each: dynamo specializes sizes of 1 (Q or K within one 128 tile) and,
+after a call with Q = K, shares one symbol between them (so the first Q ≠ K call compiles again).
+Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.py, bhqk_flex).
 
 Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
 log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
-CUDA). Sinks are not in bhqk yet (issue 10); they would join here as a ``score_mod`` cannot add a
-column to the softmax denominator, so through the lse: ``out · sigmoid(lse - sink)``.
+CUDA). Sinks (issue 10, not in bhqk's Problem yet) join through the lse, since a ``score_mod``
+cannot add a column to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully
+masked row); the seam is in :func:`run`, and on the CPU it needs the lse the compiled kernel lacks.
 ``auto`` does not consider this backend: its cost would have to count the compile (seconds per
 new structure), so it is explicit only, ``backend="flex"``.
 """
@@ -53,6 +56,11 @@ def _flex():
     return flex_attention
 
 
+def _sinks(p: Problem) -> torch.Tensor | None:
+    """Per-head sink logits [H], once the Problem carries them (issue 10)."""
+    return getattr(p, "sinks", None)
+
+
 def _grad(p: Problem) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
 
@@ -86,8 +94,9 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     if dev.type == "cpu" and _grad(p):
         return ("FlexAttention does not support backward on CPU (torch 2.13); run under torch.no_grad() or with "
                 "tensors that do not require grad, or use backend='tiled'")
-    if dev.type == "cpu" and need_lse and _COMPILE:
-        return "FlexAttention's compiled CPU kernel does not return the log-sum-exp (torch 2.13)"
+    if dev.type == "cpu" and (need_lse or _sinks(p) is not None) and _COMPILE:
+        return ("FlexAttention's compiled CPU kernel does not return the log-sum-exp (torch 2.13)"
+                + ("; sinks need it" if _sinks(p) is not None else ""))
     return None
 
 
@@ -223,5 +232,10 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
                         torch._dynamo.maybe_mark_dynamic(t, 2)
     else:
         fn = _call
-    out, lse = fn(q, k, v, bm, mod, p.scale, gqa, need_lse)  # [B, H, Q, dv], [B, H, Q]
-    return out, lse
+    sinks = _sinks(p)
+    out, lse = fn(q, k, v, bm, mod, p.scale, gqa, need_lse or sinks is not None)  # [B, H, Q, dv], [B, H, Q]
+    if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
+        s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
+        out = (out * torch.sigmoid(lse - s)[..., None]).to(out.dtype)  # [B, H, Q, dv]
+        lse = torch.logaddexp(lse, s.expand_as(lse))  # the denominator now includes exp(sink)
+    return out, (lse if need_lse else None)
