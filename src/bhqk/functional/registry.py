@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BackendError
-from . import reference, tiled, tiled_plan, torch_sdpa
+from . import flex, reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
 
 Run = Callable[[Problem, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -52,6 +52,7 @@ register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not,
                  "F.scaled_dot_product_attention (PyTorch's fused kernels)"))
 register(Backend("tiled", tiled.run, tiled.why_not,
                  "online softmax over tiles (FlashAttention-2 in PyTorch): O(Q + K) memory, skips masked tiles"))
+register(Backend("flex", flex.run, flex.why_not, "PyTorch's FlexAttention, compiled, block-sparse from bhqk's tile classes; explicit only (auto does not weigh it)"))
 
 
 # auto's cost model, measured on the 2-core reference machine (DESIGN.md §7; torch 2.13, B=1, H=8,

@@ -2,6 +2,7 @@
 
 Combine with ``&``, ``|``, ``~``; ``materialize(B, H, Q, K)`` gives a bool tensor; ``str(mask)``
 draws it; ``classify(extent, q0, q1, k0, k1)`` says whether a tile is empty, full or partial.
+For FlexAttention: ``mask_mod(B, H, Q, K)`` and ``block_mask(B, H, Q, K, block, device)``.
 """
 
 from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks

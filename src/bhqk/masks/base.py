@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ from .args import extent
 
 
 NEGATED: contextvars.ContextVar[bool] = contextvars.ContextVar("bhqk_mask_negated", default=False)  # under an odd number of ~
+
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # FlexAttention's mask_mod
 
 
 class Tile(enum.Enum):
@@ -108,6 +112,56 @@ class Mask:
         except MaskError as e:  # e.g. a causal mask with Q ≠ K and no alignment
             return f"{self!r} (cannot draw: {e})"
 
+    # ---- FlexAttention: the mask as a mask_mod and a BlockMask ------------------------------------
+
+    def mask_mod(self, B: int, H: int, Q: int, K: int, device: torch.device | str | None = None) -> MaskMod:
+        """This mask as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for scores [B, H, Q, K].
+
+        Vectorised: the indices may be broadcastable index tensors or vmap's scalars, and nothing
+        branches on their values, so ``torch.compile`` traces it. Numbers that follow from the sizes
+        (a causal offset) or the mask's parameters are captured as tensors on ``device``, so a new
+        length or window does not recompile a kernel. The default indexes :meth:`materialize`
+        (O(Q·K) memory); every bhqk mask overrides it."""
+        ext = Extent(B, H, Q, K)
+        self.check(ext)
+        return index4(self.materialize(B, H, Q, K, device))
+
+    def classify_grid(self, ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(empty, full): bool [ceil(Q/block_q), ceil(K/block_k)] on the CPU, :meth:`classify` of every
+        tile of the grid at once. The default asks :meth:`classify` tile by tile; masks with a
+        closed form override it with a few tensor ops."""
+        nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
+        empty = torch.zeros(nq, nk, dtype=torch.bool)
+        full = torch.zeros(nq, nk, dtype=torch.bool)
+        for i in range(nq):
+            for j in range(nk):
+                t = self.classify(ext, i * block_q, min(ext.Q, (i + 1) * block_q), j * block_k, min(ext.K, (j + 1) * block_k))
+                empty[i, j], full[i, j] = t is Tile.EMPTY, t is Tile.FULL
+        return empty, full
+
+    def block_mask(self, B: int, H: int, Q: int, K: int, block: int | tuple[int, int] = 128,
+                   device: torch.device | str | None = None):
+        """A FlexAttention ``BlockMask`` for scores [B, H, Q, K], built from :meth:`classify_grid`
+        (empty tiles skipped, full tiles without ``mask_mod``, partial tiles with it): no per-pair
+        evaluation, unlike ``create_block_mask``. One tile classification serves every batch
+        element and head (the BlockMask has B = H = 1), so a tile is partial when it is partial
+        for any of them. ``block``: tile size, or (block_q, block_k)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        ext = Extent(B, H, Q, K)
+        self.check(ext)
+        bq, bk = (block, block) if isinstance(block, int) else block
+        empty, full = self.classify_grid(ext, bq, bk)  # [nq, nk]
+        full = full.clone()
+        if Q % bq:  # a clipped edge tile counts as partial, as in create_block_mask (its padding is masked)
+            full[-1] = False
+        if K % bk:
+            full[:, -1] = False
+        kv_num, kv_idx = _ordered(~empty & ~full, device)  # partial tiles
+        full_num, full_idx = _ordered(full, device)
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk),
+                                        mask_mod=self.mask_mod(B, H, Q, K, device), seq_lengths=(Q, K))
+
 
 def _as_mask(m: object) -> Mask:
     if isinstance(m, Mask):
@@ -147,6 +201,14 @@ class And(Mask):
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
+    def mask_mod(self, B, H, Q, K, device=None):
+        fa, fb = self.a.mask_mod(B, H, Q, K, device), self.b.mask_mod(B, H, Q, K, device)
+        return lambda b, h, q_idx, kv_idx: fa(b, h, q_idx, kv_idx) & fb(b, h, q_idx, kv_idx)
+
+    def classify_grid(self, ext, block_q, block_k):
+        (ea, fa), (eb, fb) = self.a.classify_grid(ext, block_q, block_k), self.b.classify_grid(ext, block_q, block_k)
+        return ea | eb, fa & fb
+
 
 class Or(Mask):
     """May attend where either may attend."""
@@ -176,6 +238,14 @@ class Or(Mask):
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
 
+    def mask_mod(self, B, H, Q, K, device=None):
+        fa, fb = self.a.mask_mod(B, H, Q, K, device), self.b.mask_mod(B, H, Q, K, device)
+        return lambda b, h, q_idx, kv_idx: fa(b, h, q_idx, kv_idx) | fb(b, h, q_idx, kv_idx)
+
+    def classify_grid(self, ext, block_q, block_k):
+        (ea, fa), (eb, fb) = self.a.classify_grid(ext, block_q, block_k), self.b.classify_grid(ext, block_q, block_k)
+        return ea & eb, fa | fb
+
 
 class Not(Mask):
     """May attend exactly where the inner mask may not."""
@@ -203,6 +273,14 @@ class Not(Mask):
     def __repr__(self) -> str:
         return f"~{self.a!r}"
 
+    def mask_mod(self, B, H, Q, K, device=None):
+        fa = self.a.mask_mod(B, H, Q, K, device)
+        return lambda b, h, q_idx, kv_idx: ~fa(b, h, q_idx, kv_idx)
+
+    def classify_grid(self, ext, block_q, block_k):
+        empty, full = self.a.classify_grid(ext, block_q, block_k)
+        return full, empty
+
 
 def and_masks(*masks: Mask) -> Mask:
     """All of ``masks`` (like FlexAttention's ``and_masks``)."""
@@ -229,3 +307,52 @@ def positions(q0: int, q1: int, k0: int, k1: int, device: torch.device | None) -
     qi = torch.arange(q0, q1, device=device)[:, None]  # [q, 1]
     ki = torch.arange(k0, k1, device=device)[None, :]  # [1, k]
     return qi, ki
+
+
+# ---- helpers for mask_mod and classify_grid ---------------------------------------------------------
+
+def scalar(x: int, device) -> torch.Tensor:
+    """A number captured by a mask_mod: a 0-d int64 tensor, so a new value does not recompile."""
+    return torch.tensor(int(x), dtype=torch.long, device=device)
+
+
+def index4(t: torch.Tensor) -> MaskMod:
+    """A mod that reads ``t`` [#B, #H, #Q, #K] at (b, h, q_idx, kv_idx); a size-1 axis broadcasts."""
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [#B, #H, #Q, #K]
+
+    def at(b, h, q_idx, kv_idx):
+        idx = [i if n != 1 else 0 for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
+        return t[idx[0], idx[1], idx[2], idx[3]]
+
+    return at
+
+
+def tile_bounds(ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q0, q1 [nq, 1] and k0, k1 [1, nk]: the edges of every tile of the grid (the last ones clipped)."""
+    q0 = torch.arange(0, ext.Q, block_q)[:, None]  # [nq, 1]
+    k0 = torch.arange(0, ext.K, block_k)[None, :]  # [1, nk]
+    return q0, (q0 + block_q).clamp(max=ext.Q), k0, (k0 + block_k).clamp(max=ext.K)
+
+
+def grid_of_dense(t: torch.Tensor, ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(empty, full) [nq, nk] of a bool tensor [#B, #H, #Q, #K], over every batch element and head."""
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).cpu()  # [#B, #H, #Q, #K]
+    some, every = t.any(dim=1).any(dim=0), t.all(dim=1).all(dim=0)  # [#Q, #K]
+    nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
+
+    def per_tile(x: torch.Tensor, reduce: str) -> torch.Tensor:
+        x = x.expand(ext.Q, ext.K)  # [Q, K]
+        fill = reduce == "all"  # padding never changes the reduction
+        x = torch.nn.functional.pad(x, (0, nk * block_k - ext.K, 0, nq * block_q - ext.Q), value=fill)
+        x = x.reshape(nq, block_q, nk, block_k)  # [nq, bq, nk, bk]
+        return x.all(dim=3).all(dim=1) if reduce == "all" else x.any(dim=3).any(dim=1)  # [nq, nk]
+
+    return ~per_tile(some, "any"), per_tile(every, "all")
+
+
+def _ordered(blocks: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's (num_blocks [1, 1, nq], indices [1, 1, nq, nk]) of a bool [nq, nk], int32:
+    each row's chosen tiles first, in key order."""
+    num = blocks.sum(dim=-1, dtype=torch.int32)  # [nq]
+    idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)  # [nq, nk]
+    return num[None, None].to(device), idx[None, None].contiguous().to(device)

@@ -16,7 +16,7 @@ Q=3, K=5, ``bottom_right`` (the last query sees every key; FlashAttention ≥ 2.
 from __future__ import annotations
 
 from . import args
-from .base import Extent, Mask, Tile, causal_offset, positions
+from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bounds
 
 
 class Causal(Mask):
@@ -45,6 +45,16 @@ class Causal(Mask):
 
     def __repr__(self) -> str:
         return "causal()" if self.align is None else f"causal(align={self.align!r})"
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        off = scalar(self.offset(Extent(B, H, Q, K)), device)
+        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + off
+
+    def classify_grid(self, ext, block_q, block_k):
+        off = self.offset(ext)
+        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)
+        full = k1 - 1 <= q0 + off  # [nq, nk]
+        return ~full & (k0 > q1 - 1 + off), full
 
 
 def causal(align: str | None = None) -> Causal:

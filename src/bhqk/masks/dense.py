@@ -6,7 +6,7 @@ import torch
 
 from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, check_broadcast, tile_of
-from .base import NEGATED, Extent, Mask
+from .base import NEGATED, Extent, Mask, grid_of_dense
 
 
 class Dense(Mask):
@@ -41,6 +41,9 @@ class Dense(Mask):
 
     def __repr__(self) -> str:
         return f"dense(<bool {list(self.tensor.shape)}>)"
+
+    def classify_grid(self, ext, block_q, block_k):
+        return grid_of_dense(self.tensor, ext, block_q, block_k)
 
 
 def warn_if_inverted(t: torch.Tensor) -> None:

@@ -65,6 +65,25 @@ class Document(Mask):
     def __repr__(self) -> str:
         return f"document(<ids {list(self.q_ids.shape)}>, <ids {list(self.k_ids.shape)}>)"
 
+    def mask_mod(self, B, H, Q, K, device=None):
+        q_ids = self.q_ids.to(device).expand(B, -1).contiguous()  # [B, Q]
+        k_ids = self.k_ids.to(device).expand(B, -1).contiguous()  # [B, K]
+        return lambda b, h, q_idx, kv_idx: q_ids[b, q_idx] == k_ids[b, kv_idx]
+
+    def classify_grid(self, ext, block_q, block_k):
+        def ranges(ids: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Smallest and largest id of each block of positions, over the batch: [n_blocks] each."""
+            ids = ids.cpu().long()
+            nb = -(-n // block)
+            last = ids[:, -1:].expand(-1, nb * block - n)  # pad with a repeated id: no new min or max
+            ids = torch.cat([ids, last], dim=1).reshape(-1, nb, block)  # [#B, nb, block]
+            return ids.amin(dim=(0, 2)), ids.amax(dim=(0, 2))
+
+        qlo, qhi = (x[:, None] for x in ranges(self.q_ids, ext.Q, block_q))  # [nq, 1]
+        klo, khi = (x[None, :] for x in ranges(self.k_ids, ext.K, block_k))  # [1, nk]
+        empty = (qhi < klo) | (khi < qlo)  # [nq, nk]
+        return empty, ~empty & (qlo == qhi) & (klo == khi) & (qlo == klo)
+
 
 def document(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Document:
     """Packed sequences: query i may attend to key j when ``q_ids[b, i] == k_ids[b, j]``.

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import MaskError
 from . import args
-from .base import Extent, Mask, Tile, positions
+from .base import Extent, Mask, Tile, positions, scalar, tile_bounds
 
 
 class KeysBelow(Mask):
@@ -48,6 +48,18 @@ class KeysBelow(Mask):
     def __repr__(self) -> str:
         lim = self.limit.tolist() if isinstance(self.limit, torch.Tensor) else self.limit
         return f"{self.name}({lim})"
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        if isinstance(self.limit, torch.Tensor):
+            lim = self.limit.to(device=device, dtype=torch.long).reshape(-1).expand(B).contiguous()  # [B]
+            return lambda b, h, q_idx, kv_idx: kv_idx < lim[b]
+        lim = scalar(self.limit, device)
+        return lambda b, h, q_idx, kv_idx: kv_idx < lim
+
+    def classify_grid(self, ext, block_q, block_k):
+        q0, _, k0, k1 = tile_bounds(ext, block_q, block_k)
+        full = (k1 <= self.lo).expand(q0.shape[0], -1)  # [nq, nk]
+        return ~full & (k0 >= self.hi), full
 
 
 def padding(lengths: int | list[int] | torch.Tensor) -> KeysBelow:
@@ -94,6 +106,15 @@ class KeyPadding(Mask):
 
     def __repr__(self) -> str:
         return f"key_padding(<bool {list(self.valid.shape)}>)"
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        valid = self.valid.to(device).expand(B, -1).contiguous()  # [B, K]
+        return lambda b, h, q_idx, kv_idx: valid[b, kv_idx]
+
+    def classify_grid(self, ext, block_q, block_k):
+        q0, _, k0, k1 = tile_bounds(ext, block_q, block_k)
+        full = (self._all[k1] - self._all[k0] == k1 - k0).expand(q0.shape[0], -1)  # [nq, nk]
+        return ~full & (self._any[k1] - self._any[k0] == 0), full
 
 
 def key_padding(valid: torch.Tensor) -> KeyPadding:

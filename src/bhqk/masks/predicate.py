@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MaskError
-from .base import Mask
+from .base import Extent, Mask, grid_of_dense
 
 
 class Predicate(Mask):
@@ -45,6 +45,12 @@ class Predicate(Mask):
 
     def __repr__(self) -> str:
         return f"predicate({self.name})"
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        return self.fn  # already FlexAttention's form; keep it pure and vectorisable
+
+    def classify_grid(self, ext: Extent, block_q, block_k):
+        return grid_of_dense(self.block(ext, 0, ext.Q, 0, ext.K), ext, block_q, block_k)  # O(Q·K), as create_block_mask
 
 
 def predicate(fn: Callable[..., torch.Tensor], name: str | None = None) -> Predicate:

@@ -139,6 +139,12 @@ class View(Mask):
     def __repr__(self) -> str:
         return f"view({self.base!r}, q={self.q_map!r}, k={self.k_map!r})"
 
+    def mask_mod(self, B, H, Q, K, device=None):
+        self.check(Extent(B, H, Q, K))
+        g = self.base.mask_mod(self.ext.B, self.ext.H, self.ext.Q, self.ext.K, device)
+        q_pos, k_pos = self.q_map.positions(device), self.k_map.positions(device)  # global position of each local one
+        return lambda b, h, q_idx, kv_idx: g(b, h, q_pos[q_idx], k_pos[kv_idx])
+
 
 def view(mask: Mask | None, ext: Extent, q_map: IndexMap, k_map: IndexMap) -> View | None:
     """``mask`` (global positions, extent ``ext``) as seen by local queries ``q_map`` and keys ``k_map``."""

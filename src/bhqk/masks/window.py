@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+from ..errors import MaskError
 from . import args
-from .base import Extent, Mask, Tile, causal_offset, positions
+from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bounds
 
 
 class SlidingWindow(Mask):
@@ -44,6 +45,22 @@ class SlidingWindow(Mask):
     def __repr__(self) -> str:
         a = "" if self.align is None else f", align={self.align!r}"
         return f"sliding_window({self.left}, right={self.right}{a})"
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        off, left, right = (scalar(x, device) for x in (self.offset(Extent(B, H, Q, K)), self.left, self.right))
+
+        def window(b, h, q_idx, kv_idx):
+            pos = q_idx + off  # the query's position in key coordinates
+            return (kv_idx >= pos - left) & (kv_idx <= pos + right)
+
+        return window
+
+    def classify_grid(self, ext, block_q, block_k):
+        off = self.offset(ext)
+        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)
+        first, last = q0 + off, q1 - 1 + off  # [nq, 1]
+        empty = (k1 - 1 < first - self.left) | (k0 > last + self.right)  # [nq, nk]
+        return empty, ~empty & (k0 >= last - self.left) & (k1 - 1 <= first + self.right)
 
 
 def sliding_window(left: int, right: int = 0, align: str | None = None) -> SlidingWindow:

@@ -1,0 +1,241 @@
+"""The "flex" backend: PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), compiled.
+
+bhqk lowers its call to FlexAttention's two hooks:
+
+- the mask becomes a ``BlockMask`` built from the mask's own tile classification
+  (``mask.block_mask``: empty tiles skipped, full tiles without ``mask_mod``; no per-pair
+  evaluation as in ``create_block_mask``) and its ``mask_mod``;
+- softcap and the additive bias become a ``score_mod``: ``S → softcap·tanh(S/softcap) + bias``
+  (ALiBi from its slopes, a dense bias by indexing; FlexAttention applies ``scale`` first).
+
+Compiled kernels are cached per device, dtype, head dims, mask and bias structure (one
+``torch.compile`` per key, with its own code object, so each key has its own recompile budget);
+``dynamic=True``, the BlockMask's tile counts marked dynamic and every size-dependent number
+captured as a tensor, so a new length, window or padding does not recompile. A few size classes
+still compile once more each: dynamo specializes sizes of 1 (Q or K within one 128 tile) and,
+after a call with Q = K, shares one symbol between them (so the first Q ≠ K call compiles again).
+Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.py, bhqk_flex).
+
+Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
+log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
+CUDA). Sinks (issue 10, not in bhqk's Problem yet) join through the lse, since a ``score_mod``
+cannot add a column to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully
+masked row); the seam is in :func:`run`, and on the CPU it needs the lse the compiled kernel lacks.
+``auto`` does not consider this backend: its cost would have to count the compile (seconds per
+new structure), so it is explicit only, ``backend="flex"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import types
+import weakref
+
+import torch
+
+from ..bias import ALiBi, Bias, Dense as DenseBias, Sum as BiasSum
+from ..masks import Mask
+from ..masks.base import index4, scalar
+from .problem import Problem
+from .torch_sdpa import _finite, _sanitize
+
+BLOCK = 128  # FlexAttention's sparse block (tile) size
+
+_KERNELS: dict[tuple, object] = {}  # key -> compiled function
+_COMPILE = True
+_BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> (key, BlockMask) of its last call
+
+
+def _flex():
+    """FlexAttention's module, or None where this torch has none."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def _sinks(p: Problem) -> torch.Tensor | None:
+    """Per-head sink logits [H], once the Problem carries them (issue 10)."""
+    return getattr(p, "sinks", None)
+
+
+def _grad(p: Problem) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
+
+
+def _no_compiler(device: torch.device) -> str | None:
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is unavailable in this Python / torch build"
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        return "torch.compile for the CPU needs a C++ compiler (g++ / clang++) and none is on PATH"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "torch.compile for CUDA needs Triton, which is not installed"
+    return None
+
+
+def why_not(p: Problem, need_lse: bool) -> str | None:
+    """Why FlexAttention cannot take this call, in words (None: it can)."""
+    if _flex() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch ≥ 2.5)"
+    dev = p.q.device
+    if dev.type not in ("cpu", "cuda"):
+        return f"bhqk runs FlexAttention on the CPU and CUDA only, not on {dev.type}"
+    if _COMPILE:
+        reason = _no_compiler(dev)
+        if reason is not None:
+            return reason
+    if p.dropout_p > 0:
+        return "FlexAttention has no dropout"
+    if dev.type == "cpu" and _grad(p):
+        return ("FlexAttention does not support backward on CPU (torch 2.13); run under torch.no_grad() or with "
+                "tensors that do not require grad, or use backend='tiled'")
+    if dev.type == "cpu" and (need_lse or _sinks(p) is not None) and _COMPILE:
+        return ("FlexAttention's compiled CPU kernel does not return the log-sum-exp (torch 2.13)"
+                + ("; sinks need it" if _sinks(p) is not None else ""))
+    return None
+
+
+@contextlib.contextmanager
+def uncompiled():
+    """Run FlexAttention's unfused eager path inside this block: it builds the [B, H, Q, K] scores
+    but compiles nothing (for tests and for debugging a mask_mod or score_mod)."""
+    global _COMPILE
+    old, _COMPILE = _COMPILE, False
+    try:
+        yield
+    finally:
+        _COMPILE = old
+
+
+# ---- the call's pieces: block mask, score_mod, kernel ------------------------------------------
+
+def block_mask(mask: Mask | None, B: int, H: int, Q: int, K: int, device):
+    """``mask.block_mask``, reused while the same mask object is called with the same sizes
+    (every layer of a model shares one)."""
+    if mask is None:
+        return None
+    key = (B, H, Q, K, str(device))
+    hit = _BLOCK_MASKS.get(mask)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    bm = mask.block_mask(B, H, Q, K, BLOCK, device)
+    _BLOCK_MASKS[mask] = (key, bm)
+    return bm
+
+
+def _bias_mod(bias: Bias, B: int, H: int, Q: int, K: int, device, dtype):
+    """``bias`` as ``fn(b, h, q_idx, kv_idx) -> float``: ALiBi from its slopes, a sum term by term,
+    anything else read from its dense tensor."""
+    if isinstance(bias, BiasSum):
+        fa, fb = _bias_mod(bias.a, B, H, Q, K, device, dtype), _bias_mod(bias.b, B, H, Q, K, device, dtype)
+        return lambda b, h, q_idx, kv_idx: fa(b, h, q_idx, kv_idx) + fb(b, h, q_idx, kv_idx)
+    if isinstance(bias, ALiBi):
+        from ..masks.base import causal_offset
+
+        off = scalar(causal_offset(bias.align, Q, K, "alibi"), device)
+        slopes = bias.slopes.to(device=device, dtype=dtype)  # [H]
+        return lambda b, h, q_idx, kv_idx: -slopes[h] * (q_idx + off - kv_idx).abs()
+    t = bias.tensor if isinstance(bias, DenseBias) else bias.materialize(B, H, Q, K)
+    return index4(t.to(device=device, dtype=dtype))  # [#B, #H, #Q, #K]
+
+
+def score_mod(p: Problem):
+    """Softcap and bias as FlexAttention's ``score_mod`` (None when the call has neither)."""
+    if p.softcap is None and p.bias is None:
+        return None
+    dt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
+    e, dev = p.ext, p.q.device
+    bias = None if p.bias is None else _bias_mod(p.bias, e.B, e.H, e.Q, e.K, dev, dt)
+    cap = None if p.softcap is None else torch.tensor(p.softcap, dtype=dt, device=dev)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        dtype = score.dtype  # float32 inside the compiled kernels; the input dtype on the eager path
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if bias is not None:
+            score = score + bias(b, h, q_idx, kv_idx)
+        return score.to(dtype)
+
+    return mod
+
+
+def _structure(x) -> str:
+    """The shape of a mask / bias expression, for the kernel cache key (numbers are tensors, not part of it)."""
+    if x is None:
+        return "-"
+    parts = [type(x).__name__, str(getattr(x, "align", ""))]
+    for name in ("a", "b", "base"):
+        if hasattr(x, name) and isinstance(getattr(x, name), (Mask, Bias)):
+            parts.append(_structure(getattr(x, name)))
+    t = getattr(x, "tensor", None)
+    if isinstance(t, torch.Tensor):
+        parts.append(str(tuple(n == 1 for n in t.shape)))
+    return "(" + ",".join(parts) + ")"
+
+
+def _call(q, k, v, block_mask, score_mod, scale, enable_gqa, need_lse):
+    fa = _flex()
+    if not need_lse:
+        return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa), None
+    out, aux = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                 return_aux=fa.AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def kernel(key: tuple):
+    """The compiled ``_call`` for ``key``; each key gets its own code object, so its own dynamo
+    cache and recompile budget (at the limit dynamo would fall back to the unfused O(Q·K) path)."""
+    fn = _KERNELS.get(key)
+    if fn is None:
+        code = _call.__code__.replace(co_name=f"_flex_{len(_KERNELS)}")
+        fresh = types.FunctionType(code, _call.__globals__, code.co_name)
+        fn = _KERNELS[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
+    return fn
+
+
+def kernels() -> list[tuple]:
+    """The keys of the compiled kernels made so far in this process."""
+    return list(_KERNELS)
+
+
+def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32) when asked."""
+    e = p.ext
+    dv = p.sizes["dv"]
+    if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked
+        out = p.q.new_zeros(e.B, e.H, e.Q, dv)
+        return out, (p.q.new_full((e.B, e.H, e.Q), float("-inf"), dtype=torch.float32) if need_lse else None)
+    q, k, v = p.q, p.k, p.v
+    if not _grad(p):  # FlexAttention refuses CPU tensors that require grad even under no_grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+    if not (_finite(k) and _finite(v)):  # zero K/V rows no query may attend (O(Q·K) only in this case)
+        from .reference import allowed
+
+        k, v = _sanitize(p, allowed(p))  # may expand K/V to H heads
+    gqa = k.shape[1] != e.H
+    bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
+    mod = score_mod(p)
+    if _COMPILE:
+        key = (q.device.type, q.device.index, q.dtype, p.sizes["d"], dv, gqa, need_lse, p.scale,
+               _structure(p.mask), _structure(p.bias), p.softcap is not None)
+        fn = kernel(key)
+        if bm is not None:  # its tile counts follow Q and K: dynamic from the first compile, not after a recompile
+            for t in bm.as_tuple():
+                if isinstance(t, torch.Tensor) and t.dim() >= 3:
+                    torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+                    if t.dim() == 4:
+                        torch._dynamo.maybe_mark_dynamic(t, 2)
+    else:
+        fn = _call
+    sinks = _sinks(p)
+    out, lse = fn(q, k, v, bm, mod, p.scale, gqa, need_lse or sinks is not None)  # [B, H, Q, dv], [B, H, Q]
+    if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
+        s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
+        out = (out * torch.sigmoid(lse - s)[..., None]).to(out.dtype)  # [B, H, Q, dv]
+        lse = torch.logaddexp(lse, s.expand_as(lse))  # the denominator now includes exp(sink)
+    return out, (lse if need_lse else None)

@@ -1,0 +1,283 @@
+"""The "flex" backend (FlexAttention) and the masks' FlexAttention forms, on the CPU.
+
+Most tests run FlexAttention's unfused eager path (``flex.uncompiled()``: same mask_mod, score_mod
+and BlockMask, no compile); one default test runs the compiled kernel and checks that a new
+length, window or padding does not compile again. Compiling every mask kind is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask
+
+import bhqk
+from bhqk import BackendError, masks
+from bhqk import bias as biases
+from bhqk.functional import flex, names
+from bhqk.functional.problem import prepare
+from bhqk.functional.registry import decide
+from bhqk.masks import Extent
+from bhqk.masks.view import IndexMap, View
+from conftest import mask_kinds, qkv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kinds(B, H, Q, K, seed=0) -> dict[str, masks.Mask]:
+    """Every mask kind of conftest, and a ring shard's view of a global mask."""
+    out = mask_kinds(B, H, Q, K, seed)
+    ext = Extent(B, H, 2 * Q, 2 * K)  # a shard's view of a causal mask twice as large
+    out["view"] = View(masks.causal("bottom_right"), ext, IndexMap([(Q, 1, 2)], 2 * Q),
+                       IndexMap([(K - K // 2, 0, 1), (K // 2, 2 * K - K // 2, 1)], 2 * K))
+    return out
+
+
+def _evaluate(mod, B, H, Q, K) -> torch.Tensor:
+    """A mask_mod on broadcast index tensors, as a bool [B, H, Q, K]."""
+    b = torch.arange(B)[:, None, None, None]  # [B, 1, 1, 1]
+    h = torch.arange(H)[None, :, None, None]  # [1, H, 1, 1]
+    q = torch.arange(Q)[None, None, :, None]  # [1, 1, Q, 1]
+    k = torch.arange(K)[None, None, None, :]  # [1, 1, 1, K]
+    return mod(b, h, q, k).expand(B, H, Q, K)
+
+
+# ---- masks as mask_mod and BlockMask ---------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 3), H=st.integers(1, 3), Q=st.integers(1, 12), K=st.integers(2, 12), seed=st.integers(0, 9))
+def test_mask_mod_equals_materialize_for_every_mask(B, H, Q, K, seed):
+    for name, m in _kinds(B, H, Q, K, seed).items():
+        want = m.materialize(B, H, Q, K).expand(B, H, Q, K)
+        assert torch.equal(_evaluate(m.mask_mod(B, H, Q, K), B, H, Q, K), want), name
+
+
+def test_mask_mod_works_under_vmap_like_create_mask():
+    B, H, Q, K = 2, 2, 6, 9
+    for name, m in _kinds(B, H, Q, K).items():
+        from torch.nn.attention.flex_attention import create_mask
+
+        got = create_mask(m.mask_mod(B, H, Q, K), B, H, Q, K, device="cpu")
+        assert torch.equal(got, m.materialize(B, H, Q, K).expand(B, H, Q, K)), name
+
+
+def _classes(bm, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) bool [#B, #H, nq, nk] of a BlockMask."""
+    def dense(num, idx):
+        out = torch.zeros(*idx.shape[:-1], nk, dtype=torch.bool)
+        chosen = torch.arange(idx.shape[-1]) < num[..., None]  # [.., nq, slots]
+        out.scatter_(-1, idx.long().clamp(max=nk - 1), chosen)
+        return out[..., :nq, :nk]
+
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+EXACT = ["causal_tl", "causal_br", "padding", "key_padding", "window", "prefix_lm", "predicate", "dense", "~causal"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 2), Q=st.integers(1, 40), K=st.integers(1, 40),
+       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 5))
+def test_block_mask_equals_create_block_mask(B, H, Q, K, block, seed):
+    nq, nk = -(-Q // block), -(-K // block)
+    for name, m in mask_kinds(B, H, Q, K, seed).items():
+        ours = m.block_mask(B, H, Q, K, block=block)
+        assert ours.shape == (1, 1, Q, K) and ours.BLOCK_SIZE == (block, block)
+        ref = create_block_mask(m.mask_mod(B, H, Q, K), B, H, Q, K, device="cpu", BLOCK_SIZE=block)
+        (p, f), (rp, rf) = _classes(ours, nq, nk), _classes(ref, nq, nk)
+        p, f = p[0, 0], f[0, 0]  # one classification for every (b, h)
+        full_everywhere = rf.all(0).all(0)
+        some_entry = (rp | rf).any(0).any(0)
+        assert not (f & ~full_everywhere).any(), name  # full only where every (b, h) is full
+        assert not (some_entry & ~(p | f)).any(), name  # never skips a tile with an allowed entry
+        if name in EXACT:  # classify is exact for these (document's id ranges and combinations may say partial)
+            assert torch.equal(f, full_everywhere), name
+            assert torch.equal(p | f, some_entry), name
+
+
+def test_block_mask_needs_no_per_pair_evaluation():
+    calls = []
+
+    class Counting(masks.Causal):
+        def block(self, *a, **kw):
+            calls.append(a)
+            return super().block(*a, **kw)
+
+    bm = Counting("top_left").block_mask(1, 1, 4096, 4096, block=128)
+    assert calls == [] and bm.kv_num_blocks.shape == (1, 1, 32)
+    assert int(bm.full_kv_num_blocks.sum()) == 31 * 32 // 2 and int(bm.kv_num_blocks.sum()) == 32  # diagonal tiles partial
+
+
+def test_mask_errors_reach_block_mask():
+    with pytest.raises(bhqk.MaskError, match="alignment"):
+        masks.causal().block_mask(1, 1, 3, 5)
+
+
+# ---- the backend, eager (no compile) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(_kinds(2, 4, 5, 7)) + ["none"])
+def test_flex_equals_reference_for_every_mask(kind):
+    B, H, Hkv, Q, K = 2, 4, 2, 5, 7  # GQA, Q ≠ K, d ≠ dv
+    q, k, v = qkv(B, H, Hkv, Q, K, 8, 6)
+    m = None if kind == "none" else _kinds(B, H, Q, K)[kind]
+    want, want_lse = bhqk.attention(q, k, v, m, backend="reference", return_lse=True)
+    with flex.uncompiled():
+        got, lse = bhqk.attention(q, k, v, m, backend="flex", return_lse=True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lse.to(want_lse.dtype), want_lse)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("extra", ["dense_bias", "alibi", "softcap", "all"])
+def test_flex_bias_softcap_scale_and_layouts(layout, extra):
+    B, H, Hkv, Q, K = 2, 4, 1, 6, 9
+    q, k, v = qkv(B, H, Hkv, Q, K, 8, 5, seed=3)
+    g = torch.Generator().manual_seed(1)
+    kw = {
+        "dense_bias": dict(bias=torch.randn(B, 1, Q, K, generator=g, dtype=torch.float64)),
+        "alibi": dict(bias=biases.alibi(H, "bottom_right")),
+        "softcap": dict(softcap=2.0, scale=0.7),
+        "all": dict(bias=biases.alibi(H, "bottom_right") + biases.dense(torch.randn(Q, K, generator=g, dtype=torch.float64)),
+                    softcap=3.0),
+    }[extra]
+    m = masks.causal("bottom_right") & masks.padding(torch.tensor([9, 4]))
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, N, H, d]
+    want = bhqk.attention(q, k, v, m, backend="reference", layout=layout, **kw)
+    with flex.uncompiled():
+        got = bhqk.attention(q, k, v, m, backend="flex", layout=layout, **kw)
+    torch.testing.assert_close(got, want)
+
+
+def test_flex_fully_masked_rows_and_minus_inf_bias_give_zero():
+    B, H, Q, K = 1, 2, 4, 6
+    q, k, v = qkv(B, H, None, Q, K, 8)
+    bias = torch.zeros(Q, K, dtype=torch.float64)
+    bias[2] = float("-inf")  # row 2 blocked by the bias
+    allowed = torch.ones(Q, K, dtype=torch.bool)
+    allowed[0] = False  # row 0 blocked by the mask
+    with flex.uncompiled():
+        out, lse = bhqk.attention(q, k, v, allowed, bias=bias, backend="flex", return_lse=True)
+    assert (out[:, :, [0, 2]] == 0).all() and torch.isfinite(out).all()
+    assert torch.isneginf(lse[:, :, [0, 2]]).all()
+    torch.testing.assert_close(out, bhqk.attention(q, k, v, allowed, bias=bias, backend="reference"))
+
+
+def test_flex_nan_in_unattended_keys_never_leaks():
+    q, k, v = qkv(2, 2, None, 6, 8, 8)
+    lengths = torch.tensor([5, 8])
+    clean = bhqk.attention(q, k, v, masks.padding(lengths), backend="reference")
+    k[0, :, 5:] = float("nan")
+    v[0, :, 5:] = float("inf")
+    with flex.uncompiled():
+        out = bhqk.attention(q, k, v, masks.padding(lengths), backend="flex")
+    torch.testing.assert_close(out, clean)
+
+
+def test_flex_sinks_seam_matches_the_formula():
+    """Sinks are not in bhqk's Problem yet (issue 10); flex.run already applies them through the lse."""
+    from bhqk.functional import reference
+
+    B, H, Q, K = 2, 4, 5, 7
+    q, k, v = qkv(B, H, 2, Q, K, 8)
+    p = prepare(q, k, v, _kinds(B, H, Q, K)["causal&padding"])
+    p.sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)  # [H]
+    S = reference.scores(p, reference.allowed(p))  # [B, H, Q, K]
+    S = torch.cat([S, p.sinks[None, :, None, None].expand(B, H, Q, 1)], dim=-1)  # the sink as one more column
+    P = torch.softmax(S, dim=-1)[..., :K].nan_to_num(0.0)  # weights of the real keys
+    want = P @ v.repeat_interleave(2, dim=1)  # [B, H, Q, dv]
+    with flex.uncompiled():
+        out, lse = flex.run(p, True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(S, dim=-1))
+    assert "sinks" in flex.why_not(p, False)  # compiled on the CPU: no lse, so no sinks
+
+
+def test_flex_empty_sizes_give_zeros():
+    q, k, v = qkv(1, 2, None, 3, 0, 8)
+    out = flex.run(prepare(q, k, v), False)[0]
+    assert out.shape == (1, 2, 3, 8) and (out == 0).all()
+
+
+# ---- what flex cannot do, in words; auto does not pick it ------------------------------------------
+
+def test_why_not_names_each_limit():
+    q, k, v = qkv(1, 2, None, 4, 4, 8, requires_grad=True)
+    assert "backward on CPU" in bhqk.why_not("flex", q, k, v)
+    with torch.no_grad():
+        assert bhqk.why_not("flex", q, k, v) is None
+    q, k, v = (t.detach() for t in (q, k, v))
+    assert "dropout" in bhqk.why_not("flex", q, k, v, dropout_p=0.1)
+    assert "log-sum-exp" in bhqk.why_not("flex", q, k, v, return_lse=True)
+    with flex.uncompiled():
+        assert bhqk.why_not("flex", q, k, v, return_lse=True) is None
+    with pytest.raises(BackendError, match="backward on CPU"):
+        bhqk.attention(*qkv(1, 2, None, 4, 4, 8, requires_grad=True), backend="flex")
+
+
+def test_auto_does_not_pick_flex():
+    assert "flex" in names()
+    for Q, m in ((8, None), (300, masks.sliding_window(16)), (2000, masks.causal())):
+        q, k, v = qkv(1, 2, None, Q, Q, 16, dtype=torch.float32)
+        c = decide(prepare(q, k, v, m), False)
+        assert c.backend.name != "flex" and "flex" not in c.estimates
+
+
+# ---- compiled: one shared kernel, new sizes do not recompile --------------------------------------
+
+def _compiled_case(Q, K, window, lengths, seed):
+    B, H, Hkv = 2, 4, 2
+    q, k, v = qkv(B, H, Hkv, Q, K, 16, 16, dtype=torch.float32, seed=seed)
+    m = masks.sliding_window(window, align="bottom_right") & masks.padding(lengths)
+    kw = dict(bias=biases.alibi(H, "bottom_right"), softcap=4.0)
+    got = bhqk.attention(q, k, v, m, backend="flex", **kw)
+    torch.testing.assert_close(got, bhqk.attention(q, k, v, m, backend="reference", **kw), atol=2e-5, rtol=1e-4)
+
+
+def test_compiled_flex_equals_reference_and_new_sizes_do_not_recompile():
+    _compiled_case(130, 200, 40, torch.tensor([200, 150]), 0)  # compiles (Q ≠ K, several tiles)
+    graphs, kernels = counters["stats"]["unique_graphs"], len(flex.kernels())
+    _compiled_case(300, 260, 100, torch.tensor([90, 260]), 1)  # new lengths, window, padding
+    _compiled_case(257, 385, 7, torch.tensor([385, 1]), 2)
+    assert counters["stats"]["unique_graphs"] == graphs and len(flex.kernels()) == kernels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(_kinds(2, 4, 150, 170)) + ["none"])
+def test_compiled_flex_every_mask_kind(kind):
+    B, H, Hkv, Q, K = 2, 4, 2, 150, 170
+    q, k, v = qkv(B, H, Hkv, Q, K, 16, 16, dtype=torch.float32)
+    m = None if kind == "none" else _kinds(B, H, Q, K)[kind]
+    torch.testing.assert_close(bhqk.attention(q, k, v, m, backend="flex"),
+                               bhqk.attention(q, k, v, m, backend="reference"), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_flex_low_precision(dtype):
+    q, k, v = qkv(1, 4, 2, 200, 300, 32, dtype=dtype)
+    m = masks.causal("bottom_right")
+    want = bhqk.attention(*(t.double() for t in (q, k, v)), m, backend="reference")
+    err = (bhqk.attention(q, k, v, m, backend="flex").double() - want).abs().max()
+    ref_err = (bhqk.attention(q, k, v, m, backend="reference").double() - want).abs().max()
+    assert err <= 2 * ref_err + 1e-3
+
+
+# ---- the GPU script on a machine without CUDA ------------------------------------------------------
+
+def test_gpu_benchmark_exits_clearly_without_cuda(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA device, even on a GPU machine
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--out", "/dev/null"])
+    with pytest.raises(SystemExit) as e:
+        gpu.main()
+    assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
