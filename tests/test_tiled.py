@@ -94,7 +94,9 @@ def test_alibi_softcap_dense_bias_and_combinations():
     t2 = dense.clone().requires_grad_(True)
     (g2,) = torch.autograd.grad(bhqk.attention(q, k, v, bias=bhqk.bias.dense(t2) + alibi, backend="reference").sum(), t2)
     torch.testing.assert_close(g, g2)
-    assert both is not None
+    torch.testing.assert_close(bhqk.attention(q, k, v, bias=both, backend="tiled", block_q=4, block_k=8),
+                               bhqk.attention(q, k, v, bias=both, backend="reference"))
+
 
 
 def test_bias_with_minus_inf_masks_like_a_mask():
