@@ -8,7 +8,7 @@ import torch
 from .. import observe
 from . import reference
 from .problem import Problem, prepare
-from .registry import resolve
+from .registry import select
 
 
 def attention(
@@ -37,10 +37,10 @@ def attention(
     """
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options)
-    be = resolve(backend, p, return_lse)
-    out, lse = be.run(p, return_lse)  # out [B, H, Q, dv]
+    choice = select(backend, p, return_lse)
+    out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
     if observe.active():
-        observe.emit("attention", problem=p, backend=be.name, out=out, lse=lse)
+        observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
     if layout == "bnhd":
         out = out.transpose(1, 2)  # [B, H, Q, dv] -> [B, Q, H, dv]
     return (out, lse) if return_lse else out

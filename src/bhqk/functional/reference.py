@@ -60,7 +60,8 @@ def weights(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32/64) when asked."""
+    """O [B, H, Q, dv] in the input dtype and lse [B, H, Q] (float32/64; returned even when not
+    asked, since it is computed anyway: observers get it)."""
     S, _ = scores(p)
     P, lse = softmax_rows(S)
     if p.dropout_p > 0:
@@ -69,4 +70,4 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     O = torch.einsum("bhqk,bhkv->bhqv", P, v)  # [B, H, Q, dv]
     if flags is not None:  # NaN/inf in v reach exactly the rows that may attend their key
         O = O + poison(torch.einsum("bhqk,bhkc->bhqc", (S > float("-inf")).to(S.dtype), flags))  # [B, H, Q, dv]
-    return O.to(p.q.dtype), (lse if need_lse else None)
+    return O.to(p.q.dtype), lse

@@ -650,13 +650,14 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
 
 
 def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registry entry: out [B, H, Q, dv] and, when asked, lse [B, H, Q]; differentiable in
-    q, k, v, a dense bias, and lse itself when the inputs require grad. ``plan``: one made for
-    this call already (``auto`` makes one to estimate the cost), else planned here."""
+    """The registry entry: out [B, H, Q, dv] and lse [B, H, Q] (computed anyway, so returned even
+    when not asked: observers get it); differentiable in q, k, v, a dense bias, and lse itself when
+    the inputs require grad. ``plan``: one made for this call already (``auto`` makes one to
+    estimate the cost), else planned here."""
     plan = plan if plan is not None else plan_for(p)
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
     if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in (p.q, p.k, p.v))):
         out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, *(b.tensor for b in dense))
     else:
         out, lse = forward(p, plan)
-    return out, (lse if need_lse else None)
+    return out, lse
