@@ -107,9 +107,10 @@ def as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [.., #Q, #K] -> [#B, #H, #Q, #K]
 
 
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype attention math runs in for ``t``: float64 stays float64, everything else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """The dtype attention math runs in: float64 when any of ``ts`` is float64, else float32
+    (fp16/bf16 are computed in float32 and rounded once at the end)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
 def all_finite(*ts: torch.Tensor) -> bool:
