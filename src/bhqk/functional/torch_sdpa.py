@@ -3,8 +3,8 @@ the reference's answer. PyTorch's bool mask has bhqk's polarity (True = may atte
 ``is_causal`` is top-left, so a bottom-right causal mask with Q ≠ K becomes a dense mask.
 
 PyTorch's kernels let NaN/inf cross the mask (0·NaN, inf - inf) and its fused kernel turns a NaN
-query row into zeros, so a call whose q, k or v hold NaN/inf is computed by the tiled backend (the
-reference with dropout) instead: the same answer as every other backend."""
+query row into zeros, so a call whose q (or, with a mask or bias, k or v) holds NaN/inf is computed
+by the tiled backend (the reference with dropout) instead: the same answer as every other backend."""
 
 from __future__ import annotations
 
@@ -50,8 +50,15 @@ def _bias(p: Problem) -> torch.Tensor:
     return torch.where(bias > float("-inf"), bias.clamp(min=lowest), bias).to(p.q.dtype)
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, None]:
-    if not all_finite(p.q, p.k, p.v):
+def _nonfinite(p: Problem) -> bool:
+    """q, or (with a mask or bias) k or v, holds NaN/inf. Without a mask or bias every row attends
+    every key, so NaN/inf in k or v reach every row in SDPA as in the formula; only q is checked."""
+    structured = p.mask is not None or p.bias is not None
+    return not all_finite(p.q, *((p.k, p.v) if structured else ()))
+
+
+def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if _nonfinite(p):
         return (reference.run if p.dropout_p > 0 else tiled.run)(p, need_lse)
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
