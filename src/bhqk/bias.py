@@ -47,8 +47,9 @@ class Bias:
         self.check(ext)
         return as_4d(self.block(ext, 0, Q, 0, K, device, dtype))  # [#B, #H, #Q, #K]
 
-    def __add__(self, other: Bias) -> Bias:
-        return Sum(self, as_bias(other))
+    def __add__(self, other: Bias | torch.Tensor | None) -> Bias:
+        other_ = as_bias(other)
+        return self if other_ is None else Sum(self, other_)
 
 
 class Sum(Bias):

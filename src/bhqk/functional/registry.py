@@ -174,7 +174,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
             "auto found no backend that avoids building [B, H, Q, K] for this call "
             f"({reasons}); pass backend='reference' to accept O(Q·K) memory."
         )
-    name = min(estimates, key=estimates.get)
+    name = min(estimates, key=estimates.__getitem__)
     costs = ", ".join(f"{n} ≈ {1e3 * t:.3g} ms" for n, t in sorted(estimates.items(), key=lambda x: x[1]))
     why = f"estimated {costs}" + "".join(f"; not {n}: {r}" for n, r in refused.items())
     return Choice(_REGISTRY[name], why, estimates, plan if name == "tiled" else None)

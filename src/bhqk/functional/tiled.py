@@ -14,7 +14,8 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
 - every buffer is allocated once per call and filled with ``out=`` / in-place ops;
 - the scale is folded into the queries once, and the row offset (the running max m in the
   forward, lse in the backward) is folded into the Q·Kᵀ matmul as one extra column:
-  ``[q·scale, -m] · [k, 1]ᵀ = S - m``; in the backward ``[dO, -D] · [v, 1]ᵀ = dP - D``;
+  ``[q·scale, -m] · [k, 1]ᵀ = S - m``; in the backward ``[dO, -delta] · [v, 1]ᵀ = dP - delta``
+  (delta = rowsum(dO ∘ O));
 - scores are kept in base 2 (log2(e) folded into the scale) and exponentiated with ``exp2``, as
   FlashAttention does; here it also matters because ``torch.exp`` on the CPU takes a slow path
   for -inf (masked) and underflowing inputs, up to 90× slower than ``exp2``;
@@ -29,6 +30,11 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
 
 Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
 path; float64 stays float64.
+
+Non-finite input (the slow paths, taken only when a check over k and v finds NaN/inf): the mask is
+applied with masked_fill, key rows no row of a tile may attend are zeroed, and NaN/inf in v are
+replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
+those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
 
 Axes. The call keeps DESIGN.md's names: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
 G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
@@ -124,9 +130,15 @@ class _Kernel:
         return self.p.softcap is None
 
     @property
+    def cap(self) -> float:
+        """The softcap c (only read when there is one)."""
+        assert self.p.softcap is not None
+        return self.p.softcap
+
+    @property
     def qscale(self) -> float:
         """What q is multiplied by: scores in base 2 (with softcap: tanh's argument)."""
-        return self.p.scale * LOG2E if self.fold else self.p.scale / self.p.softcap
+        return self.p.scale * LOG2E if self.fold else self.p.scale / self.cap
 
 
 def _query_heads(hs: slice, G: int) -> slice:
@@ -172,7 +184,7 @@ def _bias_and_mask_(s: torch.Tensor, kn: _Kernel, rect: Rect) -> None:
         if kn.floor_bias:  # finite values below -max/log2(e) would become -inf (masked) in base 2
             bias = torch.where(bias > _NEG_INF, bias.clamp(min=-torch.finfo(s.dtype).max * LN2), bias)
         s5.add_(_as5(bias, kn), alpha=LOG2E)
-    if partial_:
+    if partial_ and p.mask is not None:
         allowed = _as5(p.mask.block(p.ext, r0, r1, k0, k1, s.device), kn)  # bool, True = may attend
         if kn.finite:  # adding 0 / -inf is cheaper than masked_fill over every row, but keeps NaN scores NaN
             s5.add_(torch.zeros(allowed.shape, dtype=s.dtype, device=s.device).masked_fill_(~allowed, _NEG_INF))
@@ -268,7 +280,8 @@ def _in_parallel(jobs: list[Callable[[], object]]) -> list:
 
 def _balance(rows: list[RowGroup], n: int) -> list[list[RowGroup]]:
     """Row groups dealt to ``n`` workers, each getting about the same number of rectangles."""
-    load, groups = [0] * n, [[] for _ in range(n)]
+    load = [0] * n
+    groups: list[list[RowGroup]] = [[] for _ in range(n)]
     for group in sorted((g for g in rows if g.rects), key=lambda g: -len(g.rects)):
         w = load.index(min(load))
         groups[w].append(group)
@@ -379,7 +392,7 @@ def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Ten
     """(S - m) in base 2 for one rectangle, biased and masked, into ``s`` [n, rows, kw]."""
     torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw]  (S - m; S/c with softcap)
     if not kn.fold:
-        s.tanh_().mul_(kn.p.softcap * LOG2E).sub_(offset[..., None])
+        s.tanh_().mul_(kn.cap * LOG2E).sub_(offset[..., None])
     _bias_and_mask_(s, kn, rect)
 
 
@@ -392,7 +405,7 @@ def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rec
     keys, values = _key_span(kn, k, v, rect.k0, rect.k1, work.keys, work.values, ones_v=False)  # [n, kw, d+1], [n, kw, dv]
     s = work.scores.take(kn.n, b - a, kw)
     _scores(kn, s, queries, keys, offset, rect)
-    if flags is not None:  # NaN/inf values reach the rows that may attend their key
+    if flags is not None and st.hits is not None:  # NaN/inf values reach the rows that may attend their key
         reach = (s > _NEG_INF).to(s.dtype)  # [n, rows, kw]
         st.hits[:, a:b] += torch.bmm(reach, flags[:, :, rect.k0:rect.k1].reshape(kn.n, kw, -1))  # [n, rows, 3·dv]
     tile_sum = work.tile_sum.take(kn.n, R)[:, a:b]
@@ -552,7 +565,7 @@ def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads,
         grad_k, grad_v = work.grad_k.take(n, kw, d).zero_(), work.grad_v.take(n, kw, dv).zero_()
         for rect in span.rects:
             _backward_rect(kn, work, rect, q5, do5, terms, keys, values, grad_q3, grad_k, grad_v, grad_bias, finite_v)
-        grad_k.mul_(p.softcap if not kn.fold else LN2)  # the queries held q·scale/c, or q·scale·log2(e)
+        grad_k.mul_(kn.cap if not kn.fold else LN2)  # the queries held q·scale/c, or q·scale·log2(e)
         grad_k_w[:, :, span.k0:span.k1] += grad_k.view(kn.Bw, kn.Hkvw, kw, d)  # [n, kw, d] -> [Bw, Hkvw, kw, d]; spans may overlap
         grad_v_w[:, :, span.k0:span.k1] += grad_v.view(kn.Bw, kn.Hkvw, kw, dv)  # [n, kw, dv] -> [Bw, Hkvw, kw, dv]
     if direct:
@@ -580,10 +593,11 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     torch.neg(terms.delta[:, a:b], out=gout[..., dv])
     s = work.scores.take(n, b - a, kw)
     torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw] = (S - lse) in base 2  (S/c with softcap)
-    if not kn.fold:
+    th = None
+    if work.tanh is not None:  # softcap: S = c·tanh(S/c)
         th = work.tanh.take(n, b - a, kw)
         th.copy_(s.tanh_())
-        s.mul_(p.softcap * LOG2E).sub_(terms.lse2[:, a:b, None])
+        s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])
     _bias_and_mask_(s, kn, rect)
     kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
     s.exp2_()  # P
@@ -595,7 +609,7 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         ds.masked_fill_(s == 0, 0.0)  # a row that may not attend a NaN/inf value gets no gradient from it
     for g in grad_bias:
         _add_bias_grad(g, ds, kn, rect)
-    if not kn.fold:
+    if th is not None:
         th.mul_(th)
         ds.addcmul_(ds, th, value=-1.0)  # through softcap: dS ∘ (1 - tanh²)
     _add_mm(grad_q3[:, a:b], ds, kt[..., :d], work.grad_q)  # dQ += dS·K   [n, rows, d]
@@ -624,7 +638,7 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, *bias_tensors):
         out, lse = _forward(p, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)
+        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)  # type: ignore[arg-type]  # saved by save_for_backward
         ctx.plan, ctx.dense = plan, dense
         ctx.set_materialize_grads(False)
         return out, lse

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..bias import Bias
 from ..masks import Causal, to_sdpa
 from ..shapes import all_finite
 from . import reference, tiled
@@ -39,14 +40,14 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def _bias(p: Problem) -> torch.Tensor:
+def _bias(p: Problem, bias_: Bias) -> torch.Tensor:
     """The bias [#B, #H, Q, K] in q's dtype; finite values below that dtype's lowest (a float32
     ``finfo.min`` padding bias with bf16 inputs) become its lowest, not -inf (which would mask)."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     lowest = torch.finfo(p.q.dtype).min
-    if p.bias.floor >= lowest:
-        return p.bias.materialize(B, H, Q, K, device=p.q.device, dtype=p.q.dtype)
-    bias = p.bias.materialize(B, H, Q, K, device=p.q.device, dtype=torch.float32)
+    if bias_.floor >= lowest:
+        return bias_.materialize(B, H, Q, K, device=p.q.device, dtype=p.q.dtype)
+    bias = bias_.materialize(B, H, Q, K, device=p.q.device, dtype=torch.float32)
     return torch.where(bias > float("-inf"), bias.clamp(min=lowest), bias).to(p.q.dtype)
 
 
@@ -63,10 +64,10 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
     attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
-    if is_causal and p.bias is not None:
+    if is_causal and p.bias is not None and p.mask is not None:
         attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # SDPA takes no is_causal with a mask
     if p.bias is not None:
-        bias = _bias(p)
+        bias = _bias(p, p.bias)
         attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
     k, v = p.k, p.v
     gqa = k.shape[1] != H
