@@ -6,7 +6,7 @@ Peak memory is what the process holds above its starting point while it creates 
 v, dout: the whole sequence for one process, N/P positions for a rank) and runs forward and
 backward, after a warm-up call at a smaller size: the resident-set high-water mark (VmHWM, reset via
 /proc/self/clear_refs, glibc's mmap threshold fixed so freed tensors go back to the system; see
-``bhqk.distributed.memory``). All processes share this machine's cores, so memory scaling is the
+``benchmarks/peak_memory.py``). All processes share this machine's cores, so memory scaling is the
 headline and time is indicative only.
 
     python benchmarks/ring.py                          # N = 8192 … 65536, P = 1, 2, 4
@@ -52,7 +52,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     import bhqk
     from bhqk import masks
     from bhqk.distributed import ring_attention
-    from bhqk.distributed.memory import Peak, exact_cpu_peaks
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (a spawned process may not have it)
+    from peak_memory import Peak, exact_cpu_peaks
 
     exact_cpu_peaks()  # before any tensor: freed tensors go back to the system, so peaks count everything
 

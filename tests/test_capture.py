@@ -59,18 +59,21 @@ def test_weights_equal_attention_weights_from_every_backend(backend, kind):
     torch.testing.assert_close(rec.weights, P_ref)
     torch.testing.assert_close(rec.weights, bhqk.attention_weights(q, k, m))
     torch.testing.assert_close(rec.lse, lse_ref)
-    torch.testing.assert_close(rec.scores, bhqk.functional.reference.scores(problem(q, k, v, m)))
+    torch.testing.assert_close(rec.scores, bhqk.functional.reference.scores(problem(q, k, v, m))[0])
     torch.testing.assert_close(rec.head_outputs, out)
     assert not torch.isnan(rec.weights).any()
 
 
-def _lse_softcap_backends() -> list[str]:
+LSE_SOFTCAP = ["reference", "tiled"]  # the backends that return lse and take softcap (declared, not computed)
+
+
+def test_the_lse_softcap_case_list_matches_what_each_backend_declares():
     q, k, v = qkv(1, 4, None, 6, 6, 8)
-    return [b for b in concrete_backends()
-            if takes(b, q, k, v, return_lse=True, bias=biases.alibi(4), softcap=5.0)]
+    for b in concrete_backends():
+        assert takes(b, q, k, v, return_lse=True, bias=biases.alibi(4), softcap=5.0) == (b in LSE_SOFTCAP), b
 
 
-@pytest.mark.parametrize("backend", _lse_softcap_backends())
+@pytest.mark.parametrize("backend", LSE_SOFTCAP)
 def test_saved_lse_path_equals_reference_with_bias_and_fully_masked_rows(backend):
     B, H, Q, K = 1, 4, 6, 6
     q, k, v = qkv(B, H, None, Q, K, 8)
@@ -82,6 +85,25 @@ def test_saved_lse_path_equals_reference_with_bias_and_fully_masked_rows(backend
     torch.testing.assert_close(cap[0].weights, P)
     torch.testing.assert_close(cap[0].lse, lse[:, [1, 3]][:, :, [0, 2, 5]])
     assert (cap[0].weights[:, :, 2] == 0).all()  # the fully masked row: 0, not NaN
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_module_captures_use_the_lse_the_backend_computed(backend, monkeypatch):
+    seen = []
+    real = capmod.recompute
+    monkeypatch.setattr(capmod, "recompute", lambda p, heads, rows, lse=None: seen.append(lse) or real(p, heads, rows, lse))
+    model = Stack(L=1, backend=backend)
+    x = torch.randn(2, 5, 32)
+    with capture(what=("weights", "lse")) as cap:
+        model(x)
+    assert len(seen) == 1 and seen[0] is not None  # the lse the call computed, though nobody asked for it
+    P = bhqk.attention_weights(*_heads_of(model.blocks[0], x))
+    torch.testing.assert_close(cap[0].weights, P)
+
+
+def _heads_of(m, x):
+    from bhqk.nn import split_heads
+    return split_heads(m.q_proj(x), m.num_heads, "q"), split_heads(m.k_proj(x), m.num_kv_heads, "k")
 
 
 def test_recompute_with_and_without_lse_agree():
@@ -239,7 +261,7 @@ def minilm():
     return enc.model, ids, am, ref
 
 
-@pytest.mark.parametrize("backend", [b for b in bhqk.functional.names()])
+@pytest.mark.parametrize("backend", ["auto", "reference", "tiled", "torch"])
 def test_minilm_weights_equal_transformers_output_attentions(minilm, backend, monkeypatch):
     model, ids, am, ref = minilm
     monkeypatch.setattr(model, "backend", backend)  # the encoder's per-call backend choice

@@ -287,6 +287,16 @@ def _wrong_mask(rank, world):
     return {"raised": None}
 
 
+def _bad_scale(rank, world):
+    """Arguments are checked by the same prepare() as bhqk.attention: a NaN scale is a ShapeError naming it."""
+    q, k, v = qkv(1, 2, None, 4, 4, 4)
+    try:
+        ring_attention(q, k, v, scale=float("nan"))
+    except ShapeError as e:
+        return {"raised": "ShapeError", "message": str(e)}
+    return {"raised": None}
+
+
 CASES = {
     "none_contiguous": lambda r, w: {**_compare(r, w, scheme="contiguous"), "tol": 1e-10},
     "causal_zigzag": _causal("zigzag"),
@@ -310,8 +320,9 @@ CASES = {
     "skips": _skips,
     "disagree": _disagree,
     "wrong_mask": _wrong_mask,
+    "bad_scale": _bad_scale,
 }
-NUMERIC = [n for n in CASES if n not in ("bf16", "skips", "disagree", "wrong_mask")]
+NUMERIC = [n for n in CASES if n not in ("bf16", "skips", "disagree", "wrong_mask", "bad_scale")]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -354,6 +365,11 @@ def test_ranks_that_disagree_on_shapes_all_raise(ring_results):
 def test_a_mask_that_does_not_fit_the_global_sequence_is_a_mask_error(ring_results):
     for r in _case(ring_results, "wrong_mask"):
         assert r["raised"] == "MaskError" and "global positions" in r["message"]
+
+
+def test_ring_arguments_are_checked_like_attention(ring_results):
+    for r in _case(ring_results, "bad_scale"):
+        assert r["raised"] == "ShapeError" and "scale" in r["message"]
 
 
 # ---------------------------------------------------------------- a peer that dies or stalls

@@ -19,14 +19,14 @@ LAYERS = {
 }
 
 
-def _part(path: Path) -> str:
-    rel = path.relative_to(SRC).parts
+def _part(path: Path, root: Path = SRC) -> str:
+    rel = path.relative_to(root).parts
     return rel[0].removesuffix(".py")
 
 
-def _imported_parts(path: Path) -> set[str]:
+def _imported_parts(path: Path, root: Path = SRC) -> set[str]:
     tree = ast.parse(path.read_text())
-    pkg = path.relative_to(SRC).parts[:-1]  # package of this module inside bhqk
+    pkg = path.relative_to(root).parts[:-1]  # package of this module inside bhqk
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
@@ -51,16 +51,27 @@ def test_every_part_has_a_layer():
     assert parts <= set(LAYERS), parts - set(LAYERS)
 
 
-def test_imports_flow_one_way():
+def _violations(root: Path = SRC) -> list[str]:
     bad = []
-    for path in SRC.rglob("*.py"):
-        me = _part(path)
-        for other in _imported_parts(path):
+    for path in root.rglob("*.py"):
+        me = _part(path, root)
+        for other in _imported_parts(path, root):
             if other in LAYERS and LAYERS[other] > LAYERS[me]:
-                bad.append(f"{path.relative_to(SRC)} ({me}, layer {LAYERS[me]}) imports {other} (layer {LAYERS[other]})")
+                bad.append(f"{path.relative_to(root)} ({me}, layer {LAYERS[me]}) imports {other} (layer {LAYERS[other]})")
+    return bad
+
+
+def test_imports_flow_one_way():
+    bad = _violations()
     assert not bad, "\n".join(bad)
 
 
-def test_the_checker_sees_a_violation():
-    # guard against a checker that finds nothing: masks/base.py imports ..errors and ..text
-    assert {"errors", "text"} <= _imported_parts(SRC / "masks" / "base.py")
+def test_the_checker_sees_a_violation(tmp_path):
+    # a package tree with upward imports, relative and absolute, and one allowed downward import
+    (tmp_path / "masks").mkdir()
+    (tmp_path / "masks" / "bad.py").write_text("from ..nn import MultiHeadAttention\nfrom ..errors import MaskError\n")
+    (tmp_path / "shapes.py").write_text("import bhqk.functional.api\n")
+    bad = sorted(_violations(tmp_path))
+    assert len(bad) == 2, bad
+    assert "imports nn" in bad[0] and "masks/bad.py" in bad[0]
+    assert "imports functional" in bad[1] and "shapes.py" in bad[1]

@@ -16,7 +16,7 @@ from bhqk import masks
 from bhqk.errors import BackendError
 from bhqk.functional import prepare, registry, tiled
 from bhqk.functional.merge import merge
-from bhqk.functional.tiled_plan import TILE_ELEMS, classify_leaves, make_plan, plan_for, split, workers
+from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, classify_leaves, make_plan, plan_for, split, workers
 from bhqk.masks import Tile
 from conftest import mask_kinds, qkv
 
@@ -94,7 +94,9 @@ def test_alibi_softcap_dense_bias_and_combinations():
     t2 = dense.clone().requires_grad_(True)
     (g2,) = torch.autograd.grad(bhqk.attention(q, k, v, bias=bhqk.bias.dense(t2) + alibi, backend="reference").sum(), t2)
     torch.testing.assert_close(g, g2)
-    assert both is not None
+    torch.testing.assert_close(bhqk.attention(q, k, v, bias=both, backend="tiled", block_q=4, block_k=8),
+                               bhqk.attention(q, k, v, bias=both, backend="reference"))
+
 
 
 def test_bias_with_minus_inf_masks_like_a_mask():
@@ -438,7 +440,9 @@ def test_heuristic_tile_sizes():
     q = torch.empty(1, 8, 4096, 64)
     plan = plan_for(prepare(q, q, q))
     parts = len(split(1, 8, workers()))
-    assert plan.block_k == 256 and plan.block_q == min(2048, TILE_ELEMS * parts // (8 * 256))  # a worker's tile: 2^21 scores
+    assert plan.block_k == BLOCK_K  # the default key block
+    worker_tile = 8 // parts * plan.block_q * plan.block_k  # [B·H/workers, block_q, block_k] scores
+    assert TILE_ELEMS // 2 < worker_tile <= TILE_ELEMS  # about TILE_ELEMS, whatever its value
     small = torch.empty(2, 4, 100, 16)
     plan = plan_for(prepare(small, small, small))
     assert plan.block_q <= 100 and plan.block_k <= 100
@@ -457,16 +461,17 @@ def test_auto_policy_choices_and_reasons():
     assert registry.decide(prepare(q, k, v, masks.causal()), False).backend.name == "torch"
     assert registry.decide(prepare(q, k, v), True).backend.name == "tiled"  # lse wanted
     assert registry.decide(prepare(q, k, v, softcap=30.0), False).backend.name == "tiled"
-    win = registry.decide(prepare(q, k, v, masks.sliding_window(256)), False)
-    assert win.backend.name == "tiled" and win.estimates["tiled"] * 3 < win.estimates["torch"]
-    doc = registry.decide(prepare(q, k, v, masks.document(torch.arange(4096) // 512)), False)
-    assert doc.backend.name == "tiled"
+    for m in (masks.sliding_window(256), masks.document(torch.arange(4096) // 512)):
+        c = registry.decide(prepare(q, k, v, m), False)  # masks SDPA takes only dense: the cheaper by the cost model
+        assert set(c.estimates) == {"torch", "tiled"} and c.backend.name == min(c.estimates, key=c.estimates.get)
+        assert (c.plan is not None) == (c.backend.name == "tiled")  # the plan made for the estimate travels with the choice
     small = torch.empty(1, 2, 16, 8)
     assert registry.decide(prepare(small, small, small), False).backend.name == "torch"  # tiny, no mask: one fused op
     tiny_masked = prepare(small, small, small, masks.padding(torch.tensor([small.shape[2] - 1] * small.shape[0])))
     assert registry.decide(tiny_masked, False).backend.name == "reference"  # tiny with a dense-only mask
     huge = torch.empty(1, 1, 8192, 8)
     far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
+    assert 8192 * 8192 > registry.DENSE_LIMIT
     assert far.backend.name == "tiled" and "dense mask" in far.reason  # SDPA would need a 2^26 dense mask
     with pytest.raises(BackendError, match="no dropout"):
         registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)

@@ -11,11 +11,30 @@ import torch
 
 from .errors import MaskError
 from .masks.base import Extent, causal_offset
-from .shapes import Sizes, check_broadcast, tile_of
+from .shapes import Sizes, as_4d, check_broadcast, tile_of
+
+
+def _finite_floor(t: torch.Tensor) -> float:
+    """The smallest finite value of a bias tensor (0.0 if it has none); NaN or +inf is a MaskError.
+    -inf is allowed (a position that may not be attended); a huge finite negative value (Hugging
+    Face's ``torch.finfo(dtype).min`` padding) is a number, and backends that rescale scores or
+    compute in a narrower dtype use ``floor`` to keep it finite."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t.detach())
+    if bool(torch.isnan(hi)) or bool(torch.isnan(lo)) or float(hi) == math.inf:
+        what = "NaN" if bool(torch.isnan(t).any()) else "+inf"
+        raise MaskError(f"bias holds {what}; a bias must be finite or -inf (-inf, or a bool mask, for positions "
+                        f"that may not be attended).")
+    if float(lo) == -math.inf:
+        lo = t.detach().masked_fill(t == -math.inf, 0.0).amin()  # the smallest finite value
+    return min(0.0, float(lo))
 
 
 class Bias:
     """Base of every bias: :meth:`block` gives a float tile broadcastable to [B, H, q, k]."""
+
+    floor = 0.0  # a lower bound of its finite values where they may be huge (see Dense), else 0
 
     def check(self, ext: Extent) -> None:
         """Raise MaskError if this bias cannot live in ``ext``."""
@@ -26,11 +45,11 @@ class Bias:
     def materialize(self, B: int, H: int, Q: int, K: int, device=None, dtype=torch.float32) -> torch.Tensor:
         ext = Extent(B, H, Q, K)
         self.check(ext)
-        out = self.block(ext, 0, Q, 0, K, device, dtype)
-        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # [#B, #H, #Q, #K]
+        return as_4d(self.block(ext, 0, Q, 0, K, device, dtype))  # [#B, #H, #Q, #K]
 
-    def __add__(self, other: Bias) -> Bias:
-        return Sum(self, as_bias(other))
+    def __add__(self, other: Bias | torch.Tensor | None) -> Bias:
+        other_ = as_bias(other)
+        return self if other_ is None else Sum(self, other_)
 
 
 class Sum(Bias):
@@ -43,6 +62,10 @@ class Sum(Bias):
 
     def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
         return self.a.block(ext, q0, q1, k0, k1, device, dtype) + self.b.block(ext, q0, q1, k0, k1, device, dtype)
+
+    @property
+    def floor(self) -> float:  # type: ignore[override]
+        return self.a.floor + self.b.floor
 
     def __repr__(self) -> str:
         return f"({self.a!r} + {self.b!r})"
@@ -58,9 +81,8 @@ class Dense(Bias):
             raise MaskError(f"bias must be a floating-point tensor, got {got}.{hint}")
         if tensor.dim() > 4:
             raise MaskError(f"bias has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
-        if bool(torch.isnan(tensor).any()):
-            raise MaskError("bias contains NaN; use -inf (or a bool mask) for positions that may not be attended.")
-        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
+        self.floor = _finite_floor(tensor)
+        self.tensor = as_4d(tensor)  # [#B, #H, #Q, #K]
 
     def check(self, ext):
         check_broadcast("bias", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)

@@ -116,6 +116,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "
     return sizes
 
 
+def as_4d(t: torch.Tensor) -> torch.Tensor:
+    """A tensor broadcastable to [B, H, Q, K] with fewer axes, given the leading size-1 axes: [#B, #H, #Q, #K] (a view)."""
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [.., #Q, #K] -> [#B, #H, #Q, #K]
+
+
+def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """The dtype attention math runs in: float64 when any of ``ts`` is float64, else float32
+    (fp16/bf16 are computed in float32 and rounded once at the end)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def all_finite(*ts: torch.Tensor) -> bool:
+    """No NaN/inf in any of ``ts``: a finite sum proves it without a bool copy; only a non-finite sum
+    (NaN/inf, or finite values that overflow) needs the full check."""
+    for t in ts:
+        if t.numel() and not bool(torch.isfinite(t.sum(dtype=compute_dtype(t)))) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
 def tile_of(t: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     """The [.., q0:q1, k0:k1] tile of a tensor broadcastable to [B, H, Q, K]; a size-1 Q or K axis
     broadcasts, so it is kept whole."""

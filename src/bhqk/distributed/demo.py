@@ -5,9 +5,10 @@
 
 Every rank builds the same random q, k, v (seeded), keeps its zig-zag shard, runs causal ring
 attention over packed documents forward and backward, and rank 0 compares the gathered result
-with single-process ``bhqk.attention``. It prints each rank's shard shape, the max difference
-and each rank's peak memory. The process group is created with ``--timeout`` seconds (default
-60): a peer that dies or stalls makes the others raise instead of waiting forever.
+with single-process ``bhqk.attention`` (tiled backend). It prints each rank's shard shape and the
+max difference; per-rank peak memory is measured by ``benchmarks/ring.py``. The process group is
+created with ``--timeout`` seconds (default 60): a peer that dies or stalls makes the others raise
+instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import masks
-from ..functional import attention, names
-from .memory import Peak, exact_cpu_peaks
+from ..functional import attention
 from .ring import ring_attention
 from .shard import gather, index_map, shard
 
@@ -44,7 +44,6 @@ def _args(argv=None):
 
 def main(argv=None) -> int:
     a = _args(argv)
-    exact_cpu_peaks()  # before the first large allocation: peaks then count every tensor
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("run me under torchrun, e.g.:  torchrun --nproc-per-node 4 -m bhqk.distributed.demo", file=sys.stderr)
         return 2
@@ -79,24 +78,13 @@ def _run(a, backend: str, device: torch.device) -> int:
     ql, kl, vl, dl = cut(q), cut(k), cut(v), cut(dout)
     for t in (ql, kl, vl):
         t.requires_grad_(True)
-    ring_attention(ql, kl, vl, mask, sharding=a.sharding).backward(dl)  # a warm-up: first-call costs are not the ring's
-    for t in (ql, kl, vl):
-        t.grad = None
-    dist.barrier()
-    with Peak(device) as peak:
-        out = ring_attention(ql, kl, vl, mask, sharding=a.sharding)  # [B, H, N/P, d]
-        out.backward(dl)
-    dist.barrier()
-    mine = torch.tensor([peak.bytes], dtype=torch.float64, device=device)
-    peaks = [torch.empty_like(mine) for _ in range(P)]
-    dist.all_gather(peaks, mine)
+    out = ring_attention(ql, kl, vl, mask, sharding=a.sharding)  # [B, H, N/P, d]
+    out.backward(dl)
     got = [gather(t, scheme=a.sharding) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]  # [B, ·, N, ·]
     if rank == 0:
-        ref_backend = "tiled" if "tiled" in names() else "reference"
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
-        with Peak(device) as single:
-            want = attention(qr, kr, vr, mask, backend=ref_backend)  # [B, H, N, d]
-            want.backward(dout)
+        want = attention(qr, kr, vr, mask, backend="tiled")  # [B, H, N, d]
+        want.backward(dout)
         diffs = [float((x.double() - w.double()).abs().max()) for x, w in zip(got, (want.detach(), qr.grad, kr.grad, vr.grad))]
         print(f"bhqk ring attention: {backend} on {device.type}, {P} ranks, B={B}, H={H}, Hkv={Hkv}, N={N}, d={d}, "
               f"{a.dtype}, mask {mask!r}, {a.sharding} sharding, process-group timeout {a.timeout:g} s")
@@ -104,11 +92,8 @@ def _run(a, backend: str, device: torch.device) -> int:
             m = index_map(N, r, P, a.sharding)
             where = ", ".join(f"{x.first}…{x.first + x.step * (x.length - 1)}" + (f" step {x.step}" if x.step > 1 else "")
                               for x in m.runs)
-            print(f"  rank {r}: q shard {list(ql.shape)} (positions {where}), k/v shard {list(kl.shape)}, "
-                  f"peak memory {peaks[r].item() / 2**20:.1f} MiB")
-        print(f"  single process ({ref_backend}, whole sequence): peak memory {single.bytes / 2**20:.1f} MiB "
-              f"(peaks: forward + backward, above the inputs)")
-        print(f"  max |ring - single-process {ref_backend}|: out {diffs[0]:.2e}, dq {diffs[1]:.2e}, "
+            print(f"  rank {r}: q shard {list(ql.shape)} (positions {where}), k/v shard {list(kl.shape)}")
+        print(f"  max |ring - single-process tiled|: out {diffs[0]:.2e}, dq {diffs[1]:.2e}, "
               f"dk {diffs[2]:.2e}, dv {diffs[3]:.2e}")
     return 0
 

@@ -45,7 +45,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
             raise ValueError("RingMultiHeadAttention takes no KV cache: each rank holds only its shard of the keys.")
         return super().forward(x, key, value, **kwargs)
 
-    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, x=None, backend=None):
+    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, backend=None):
         """Heads of this rank's tokens in, model width out: ring attention [B, H, Q/P, dv] → [B, Q/P, D]."""
         if bias is not None:
             raise ValueError("RingMultiHeadAttention takes no additive bias (ring attention has none yet).")

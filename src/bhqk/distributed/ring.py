@@ -18,7 +18,6 @@ of q per call), so partial results are merged before the one final rounding.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,7 @@ from ..functional.merge import merge_
 from ..functional.problem import Problem, prepare
 from ..masks import Extent, Mask, Tile, as_mask
 from ..masks.view import IndexMap, view
-from ..shapes import LAYOUTS, check_qkv
+from ..shapes import LAYOUTS, compute_dtype
 from .shard import SCHEMES, index_map
 
 PIECES, MIN_CHUNK = 4, 512  # by default a shard's keys travel, and its queries are computed, in quarters (>= 512)
@@ -102,7 +101,6 @@ class Plan:
     softcap: float | None
     chunks: list[tuple[int, int]]  # local key ranges sent as one message
     qchunks: list[tuple[int, int]]  # local query ranges given to one kernel call
-    options: dict
 
     def problem(self, q, k, v, q0: int, q1: int, src: int, a: int, b: int) -> Problem | None:
         """The kernel call for local queries q0…q1-1 (``q`` is that slice) × keys a…b-1 of rank ``src``
@@ -113,11 +111,7 @@ class Plan:
             if t is Tile.EMPTY:
                 return None
             m = None if t is Tile.FULL else m
-        return prepare(q, k, v, m, None, self.scale, self.softcap, 0.0, "bhnd", self.options)
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+        return prepare(q, k, v, m, None, self.scale, self.softcap)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +124,7 @@ def _forward(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, H, Q/P, dv] (q's dtype) and lse [B, H, Q/P] (float32/64) over all ranks' keys."""
     ring = plan.ring
     B, H, Ql, _ = q.shape
-    acc = _acc_dtype(q)
+    acc = compute_dtype(q)
     qw = _wide(q)  # [B, H, Q/P, d]
     out = torch.zeros(B, H, Ql, v.shape[-1], dtype=acc, device=q.device)  # [B, H, Q/P, dv]
     lse = torch.full((B, H, Ql), float("-inf"), dtype=acc, device=q.device)  # [B, H, Q/P]
@@ -159,7 +153,7 @@ def _forward(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq (local queries), dk, dv (local keys): each rank's share travels with the keys back to their owner."""
     ring = plan.ring
-    acc = _acc_dtype(q)
+    acc = compute_dtype(q)
     qw = _wide(q)  # [B, H, Q/P, d]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, H, Q/P, d]
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Hkv, K/P, d], [B, Hkv, K/P, dv]
@@ -292,13 +286,12 @@ def ring_attention(
     if sharding not in SCHEMES:
         raise ValueError(f"sharding must be one of {SCHEMES}, got {sharding!r}.")
     _agree(ring, q, k, v, layout, sharding)
-    sizes = check_qkv(q, k, v, layout)  # local sizes: Q and K are N/P here
+    local = prepare(q, k, v, scale=scale, softcap=softcap, layout=layout)  # this rank's shard: Q and K are N/P here
     backend = str(dist.get_backend(ring.group))
     if q.device.type == "cpu" and "nccl" in backend and "cpu" not in backend:
         raise RuntimeError(f"the process group uses {backend}, which needs CUDA tensors; q, k, v are on the CPU "
                            f"(use gloo on CPUs, or move them to cuda:LOCAL_RANK).")
-    if layout == "bnhd":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N/P, H, d] -> [B, H, N/P, d] (a view)
+    q, k, v, sizes = local.q, local.k, local.v, local.sizes  # [B, H, N/P, d], [B, Hkv, N/P, ·]
     P = ring.size
     Qg, Kg = sizes["Q"] * P, sizes["K"] * P
     ext = Extent(sizes["B"], sizes["H"], Qg, Kg)
@@ -309,20 +302,15 @@ def ring_attention(
         except MaskError as e:
             raise MaskError(f"{e}\n(ring attention: the mask lives in global positions, [B={ext.B}, H={ext.H}, "
                             f"Q={Qg}, K={Kg}] = P={P} ranks × the local shards.)") from None
-    if scale is None:
-        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0
-    if softcap is not None and not softcap > 0:
-        raise ShapeError(f"softcap must be a positive number, got {softcap}.")
     Ql, Kl = sizes["Q"], sizes["K"]
     ck, cq = _chunk("kv_chunk", kv_chunk, Kl), _chunk("q_chunk", q_chunk, Ql)
     plan = Plan(
         ring, mask, ext,
         index_map(Qg, ring.rank, P, sharding, what="query"),
         [index_map(Kg, r, P, sharding, what="key") for r in range(P)],
-        float(scale), softcap,
+        local.scale, local.softcap,
         [(a, min(a + ck, Kl)) for a in range(0, Kl, ck)],
         [(a, min(a + cq, Ql)) for a in range(0, Ql, cq)],
-        {},
     )
     out, lse = _RingAttention.apply(q, k, v, plan)  # [B, H, Q/P, dv], [B, H, Q/P]
     if layout == "bnhd":

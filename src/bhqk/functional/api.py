@@ -8,7 +8,7 @@ import torch
 from .. import observe
 from . import reference
 from .problem import Problem, prepare
-from .registry import resolve
+from .registry import select
 
 
 def attention(
@@ -34,13 +34,18 @@ def attention(
     [B, H, Q, K], True = may attend, or a ``bhqk.masks`` mask. ``bias``: float, added to the scores.
     ``softcap``: scores become ``softcap·tanh(S/softcap)`` before the bias. ``scale`` defaults to
     1/√d. Fully masked rows give 0. ``return_lse=True`` returns ``(out, lse [B, H, Q])``.
+
+    Edges, the same on every backend: NaN/inf in v (or k) at a key reach only the query rows that may
+    attend it; a query row holding NaN gives NaN (0 if fully masked); a finite bias is never -inf,
+    however negative; scale, softcap and bias must be finite (bias may hold -inf) or a ShapeError /
+    MaskError names them; B, Q or K = 0 gives out of shape [B, H, Q, dv] filled with 0 (lse -inf).
     """
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options)
-    be = resolve(backend, p, return_lse)
-    out, lse = be.run(p, return_lse)  # out [B, H, Q, dv]
+    choice = select(backend, p, return_lse)
+    out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
     if observe.active():
-        observe.emit("attention", problem=p, backend=be.name, out=out, lse=lse)
+        observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
     if layout == "bnhd":
         out = out.transpose(1, 2)  # [B, H, Q, dv] -> [B, Q, H, dv]
     return (out, lse) if return_lse else out

@@ -15,11 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-
-
-def _lse_dtype(*ts: torch.Tensor) -> torch.dtype:
-    """float32, or float64 when any input is float64: the dtype the weights are computed in."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+from ..shapes import compute_dtype
 
 
 def _check(out_a, lse_a, out_b, lse_b) -> None:
@@ -54,7 +50,7 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     Differentiable in all four inputs.
     """
     _check(out_a, lse_a, out_b, lse_b)
-    dt = _lse_dtype(lse_a, lse_b, out_a, out_b)
+    dt = compute_dtype(lse_a, lse_b, out_a, out_b)
     la, lb = lse_a.to(dt), lse_b.to(dt)
     lse, safe = _combine(la, lb)
     wa = torch.exp(la - safe)[..., None]  # [B, H, Q, 1]; 0 where side a saw no key

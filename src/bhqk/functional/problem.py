@@ -64,10 +64,30 @@ def prepare(
                 value.check(ext)
             except MaskError as e:
                 raise MaskError(f"{e}\n{sizes.table()}") from None
-    if scale is None:
-        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0
-    if softcap is not None and not softcap > 0:
-        raise ShapeError(f"softcap must be a positive number, got {softcap}.")
+    scale, softcap = check_scalars(sizes, scale, softcap)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}.")
-    return Problem(q, k, v, sizes, mask, bias, float(scale), softcap, float(dropout_p), dict(options or {}))
+    return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options or {}))
+
+
+def check_scalars(sizes: Sizes, scale, softcap) -> tuple[float, float | None]:
+    """``scale`` (default 1/√d) must be a finite number, ``softcap`` None or a finite positive number:
+    a NaN or infinite one would turn every score into NaN or ±inf."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0
+    scale = _number("scale", scale, "the factor on Q·Kᵀ, default 1/√d")
+    if softcap is not None:
+        softcap = _number("softcap", softcap, "scores become softcap·tanh(S/softcap)")
+        if not softcap > 0:
+            raise ShapeError(f"softcap must be a finite positive number (scores become softcap·tanh(S/softcap)), got {softcap}.")
+    return scale, softcap
+
+
+def _number(name: str, value, what: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ShapeError(f"{name} must be a finite number ({what}), got {value!r}.") from None
+    if isinstance(value, bool) or not math.isfinite(x):
+        raise ShapeError(f"{name} must be a finite number ({what}), got {value!r}.")
+    return x

@@ -13,7 +13,7 @@ from ..errors import BackendError
 from . import flex, reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
 
-Run = Callable[[Problem, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
+Run = Callable[[Problem, bool], tuple[torch.Tensor, "torch.Tensor | None"]]  # (out, lse): lse when asked, or when computed anyway
 WhyNot = Callable[[Problem, bool], "str | None"]
 
 TINY = 64 * 64  # Q·K at or below which the reference is as fast as anything (no tiling overhead)
@@ -24,8 +24,6 @@ class Backend:
     name: str
     run: Run
     why_not: WhyNot
-    doc: str
-    quadratic_memory: bool = False  # builds [B, H, Q, K]
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -46,13 +44,10 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-register(Backend("reference", reference.run, lambda p, need_lse: None,
-                 "the executable spec: builds S and P [B, H, Q, K]", quadratic_memory=True))
-register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not,
-                 "F.scaled_dot_product_attention (PyTorch's fused kernels)"))
-register(Backend("tiled", tiled.run, tiled.why_not,
-                 "online softmax over tiles (FlashAttention-2 in PyTorch): O(Q + K) memory, skips masked tiles"))
-register(Backend("flex", flex.run, flex.why_not, "PyTorch's FlexAttention, compiled, block-sparse from bhqk's tile classes; explicit only (auto does not weigh it)"))
+register(Backend("reference", reference.run, lambda p, need_lse: None))  # the executable spec: builds [B, H, Q, K]
+register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not))  # F.scaled_dot_product_attention
+register(Backend("tiled", tiled.run, tiled.why_not))  # online softmax over tiles: O(Q + K) memory, skips masked tiles
+register(Backend("flex", flex.run, flex.why_not))  # FlexAttention, compiled, block-sparse from the tile classes; explicit only
 
 
 # auto's cost model, measured on the 2-core reference machine (DESIGN.md §7; torch 2.13, B=1, H=8,
@@ -72,11 +67,19 @@ DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never han
 
 @dataclass(frozen=True)
 class Choice:
-    """What ``auto`` picked, why, and the estimated seconds of every backend it weighed."""
+    """What ``auto`` picked, why, and the estimated seconds of every backend it weighed; ``plan``:
+    the tiled backend's tile plan when it was made to estimate the call (the run reuses it)."""
 
     backend: Backend
     reason: str
     estimates: dict[str, float]
+    plan: tiled_plan.Plan | None = None
+
+    def run(self, p: Problem, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the chosen backend on ``p`` (the call this choice was made for)."""
+        if self.plan is not None:
+            return tiled.run(p, need_lse, self.plan)
+        return self.backend.run(p, need_lse)
 
 
 def _grad(p: Problem) -> bool:
@@ -107,10 +110,10 @@ def estimate_torch(p: Problem, grad: bool) -> float:
     return t
 
 
-def estimate_tiled(p: Problem, grad: bool) -> float:
-    """Estimated seconds of the tiled backend for this call, from its tile plan."""
+def estimate_tiled(p: Problem, grad: bool, plan: tiled_plan.Plan | None = None) -> float:
+    """Estimated seconds of the tiled backend for this call, from its tile plan (made here if not given)."""
     width = (p.sizes["d"] + p.sizes["dv"]) / 128
-    plan = tiled_plan.plan_for(p)
+    plan = plan if plan is not None else tiled_plan.plan_for(p)
     n = len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers()))
     t = plan.cost(p.ext.B * p.ext.H, n) * width * TILED_DTYPE.get(p.q.dtype, 1.0)
     return t * (BACKWARD["tiled"] if grad else 1.0)
@@ -157,23 +160,25 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         estimates["torch"] = estimate_torch(p, grad)
     else:
         refused["torch"] = reason
+    plan: tiled_plan.Plan | None = None
     reason = _REGISTRY["tiled"].why_not(p, need_lse)
     if reason is not None:
         refused["tiled"] = reason
     elif "torch" in estimates and _tiled_floor(p, grad) >= estimates["torch"]:
         refused["tiled"] = f"its fixed costs alone (≈ {1e3 * _tiled_floor(p, grad):.3g} ms) exceed that"
     else:
-        estimates["tiled"] = estimate_tiled(p, grad)
+        plan = tiled_plan.plan_for(p)
+        estimates["tiled"] = estimate_tiled(p, grad, plan)
     if not estimates:
         reasons = "; ".join(f"{n}: {r}" for n, r in refused.items())
         raise BackendError(
             "auto found no backend that avoids building [B, H, Q, K] for this call "
             f"({reasons}); pass backend='reference' to accept O(Q·K) memory."
         )
-    name = min(estimates, key=estimates.get)
+    name = min(estimates, key=estimates.__getitem__)
     costs = ", ".join(f"{n} ≈ {1e3 * t:.3g} ms" for n, t in sorted(estimates.items(), key=lambda x: x[1]))
     why = f"estimated {costs}" + "".join(f"; not {n}: {r}" for n, r in refused.items())
-    return Choice(_REGISTRY[name], why, estimates)
+    return Choice(_REGISTRY[name], why, estimates, plan if name == "tiled" else None)
 
 
 def choose(p: Problem, need_lse: bool) -> Backend:
@@ -181,15 +186,20 @@ def choose(p: Problem, need_lse: bool) -> Backend:
     return decide(p, need_lse).backend
 
 
-def resolve(backend: str, p: Problem, need_lse: bool) -> Backend:
-    """The backend that will run the call, or a BackendError that says why the named one cannot."""
+def select(backend: str, p: Problem, need_lse: bool) -> Choice:
+    """How the call will run (``Choice.run``), or a BackendError that says why the named backend cannot."""
     if backend == "auto":
-        return choose(p, need_lse)
+        return decide(p, need_lse)
     be = get(backend)
     reason = be.why_not(p, need_lse)
     if reason is not None:
         raise BackendError(f"backend {backend!r} cannot take this call: {reason}.")
-    return be
+    return Choice(be, f"backend={backend!r} was asked for", {})
+
+
+def resolve(backend: str, p: Problem, need_lse: bool) -> Backend:
+    """The backend that will run the call, or a BackendError that says why the named one cannot."""
+    return select(backend, p, need_lse).backend
 
 
 def why_not(backend: str, q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0,

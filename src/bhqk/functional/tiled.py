@@ -14,7 +14,8 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
 - every buffer is allocated once per call and filled with ``out=`` / in-place ops;
 - the scale is folded into the queries once, and the row offset (the running max m in the
   forward, lse in the backward) is folded into the Q·Kᵀ matmul as one extra column:
-  ``[q·scale, -m] · [k, 1]ᵀ = S - m``; in the backward ``[dO, -D] · [v, 1]ᵀ = dP - D``;
+  ``[q·scale, -m] · [k, 1]ᵀ = S - m``; in the backward ``[dO, -delta] · [v, 1]ᵀ = dP - delta``
+  (delta = rowsum(dO ∘ O));
 - scores are kept in base 2 (log2(e) folded into the scale) and exponentiated with ``exp2``, as
   FlashAttention does; here it also matters because ``torch.exp`` on the CPU takes a slow path
   for -inf (masked) and underflowing inputs, up to 90× slower than ``exp2``;
@@ -29,6 +30,28 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
 
 Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
 path; float64 stays float64.
+
+Non-finite input (the slow paths, taken only when a check over k and v finds NaN/inf): the mask is
+applied with masked_fill, key rows no row of a tile may attend are zeroed, and NaN/inf in v are
+replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
+those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
+
+Axes. The call keeps DESIGN.md's names: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
+G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
+
+    Bw, Hkvw    the batch elements and key/value heads of one worker (Hw = Hkvw·G query heads)
+    n = Bw·Hkvw the batch axis of every bmm
+    (q g)       a row group's rows: its queries q0:q1 times the G heads that share a K/V head;
+                R = (q1 - q0)·G of them; a rectangle's rows r0:r1 are the range a:b = G·(r0 - q0) : G·(r1 - q0)
+    kw          the keys k0:k1 of a rectangle (a "key span" in the backward)
+
+Score tiles are [n, rows, kw]; queries carry a folded column, [n, rows, d+1]; keys a column of ones, [n, kw, d+1].
+
+The optimistic protocol (forward): a row group's offset m starts as a stand-in 0. Until every row of
+the group has seen a finite score (``settled``), each rectangle takes the max pass (amax, raise m
+where needed, rescale). Once settled, a rectangle is exponentiated first; if some row's sum exceeds
+2^24 its max grew by more than 24 (base 2), so the rectangle's scores are recomputed and it takes
+the max pass after all ("redo"). Accepted rectangles are exact to rounding: 2^(S - m) < 2^24.
 """
 
 from __future__ import annotations
@@ -39,14 +62,16 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..bias import Bias, Dense as DenseBias, Sum as BiasSum
-from ..shapes import Sizes, tile_of
+from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
+from .nonfinite import finite_part, poison
 from .problem import Problem
-from .tiled_plan import Plan, plan_for, split, workers
+from .tiled_plan import Plan, Rect, RowGroup, plan_for, split, workers
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 TAU = 12.0  # rescale only when a row's max grows by more than this, in base 2 (2^12 = 4096)
@@ -57,15 +82,7 @@ _NEG_INF = float("-inf")
 __all__ = ["forward", "backward", "run", "why_not", "TAU"]
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in ``t``: a finite sum proves it without a bool copy of ``t``."""
-    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=_compute_dtype(t)))):
-        return True
-    return bool(torch.isfinite(t).all())
+# ---- the pieces of one call ------------------------------------------------------------------------
 
 
 class _Buffer:
@@ -78,18 +95,77 @@ class _Buffer:
         return self.flat[: math.prod(shape)].view(shape)
 
 
-def _as5(t: torch.Tensor, part: tuple[slice, slice], Hkv: int, G: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Kernel:
+    """What every rectangle of one worker's slice needs: the call, the slice and the settings."""
+
+    p: Problem
+    b: slice  # the slice's batch elements
+    hkv: slice  # its key/value heads
+    hq: slice  # the query heads they serve
+    Bw: int
+    Hkvw: int
+    G: int
+    finite: bool  # every score is finite: the mask may be added as 0 / -inf
+    floor_bias: bool  # the bias holds finite values that overflow in base 2: keep them finite
+    dt: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, p: Problem, part: tuple[slice, slice], finite: bool) -> _Kernel:
+        G = p.groups
+        hq = _query_heads(part[1], G)
+        Bw, Hkvw = p.k[part].shape[:2]
+        dt = compute_dtype(p.q)
+        floor_bias = p.bias is not None and p.bias.floor * LOG2E < -torch.finfo(dt).max
+        return cls(p, part[0], part[1], hq, Bw, Hkvw, G, finite, floor_bias, dt, p.q.device)
+
+    @property
+    def n(self) -> int:
+        return self.Bw * self.Hkvw
+
+    @property
+    def fold(self) -> bool:
+        """The row offset rides in the Q·Kᵀ matmul (without softcap; with it, it is subtracted after tanh)."""
+        return self.p.softcap is None
+
+    @property
+    def cap(self) -> float:
+        """The softcap c (only read when there is one)."""
+        assert self.p.softcap is not None
+        return self.p.softcap
+
+    @property
+    def qscale(self) -> float:
+        """What q is multiplied by: scores in base 2 (with softcap: tanh's argument)."""
+        return self.p.scale * LOG2E if self.fold else self.p.scale / self.cap
+
+
+def _query_heads(hs: slice, G: int) -> slice:
+    """The query heads served by the key/value heads ``hs``."""
+    return hs if hs.start is None and hs.stop is None else slice(hs.start * G, hs.stop * G)
+
+
+def _dense_parts(bias: Bias | None) -> list[DenseBias]:
+    if isinstance(bias, DenseBias):
+        return [bias]
+    if isinstance(bias, BiasSum):
+        return _dense_parts(bias.a) + _dense_parts(bias.b)
+    return []
+
+
+def _as5(t: torch.Tensor, kn: _Kernel) -> torch.Tensor:
     """A mask or bias tile [#B, #H, #q, #k] (or fewer leading axes) of the whole call -> the rows
-    of this worker's (batch, head) slice, broadcastable to its score view [B, Hkv, q, G, k]."""
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [#B, #H, #q, #k]
+    of the worker's slice, broadcastable to its score view [Bw, Hkvw, q, G, k]."""
+    t = as_4d(t)  # [#B, #H, #q, #k]
     if t.shape[0] != 1:
-        t = t[part[0]]
+        t = t[kn.b]
     if t.shape[1] == 1:
-        return t.unsqueeze(3)  # [#B, 1, #q, 1, #k]
-    return t[:, part[1]].unflatten(1, (Hkv, G)).transpose(2, 3)  # [#B, (Hkv G), #q, #k] -> [#B, Hkv, #q, G, #k]
+        return t.unsqueeze(3)  # [#Bw, 1, #q, 1, #k]
+    return t[:, kn.hq].unflatten(1, (kn.Hkvw, kn.G)).transpose(2, 3)  # [#Bw, (Hkvw G), #q, #k] -> [#Bw, Hkvw, #q, G, #k]
 
 
-def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: "_Buffer") -> None:
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: _Buffer) -> None:
     """``acc += a @ b`` (batched). ``baddbmm_`` into a non-contiguous ``acc`` (a row slice) falls
     back to one ``addmm_`` per batch entry; then the product goes through a scratch buffer."""
     if acc.is_contiguous():
@@ -98,31 +174,61 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: "_Buff
         acc.add_(torch.bmm(a, b, out=scratch.take(*acc.shape)))
 
 
-def _bias_and_mask_(s: torch.Tensor, p: Problem, part: tuple[slice, slice], shape: tuple[int, int, int, int, int],
-                    r0: int, r1: int, k0: int, k1: int, partial: bool, finite: bool) -> None:
-    """Add the bias (scaled to base 2) and, on a partial tile, the mask to the score tile ``s``
-    [(B Hkv), (q G), k] in place; ``shape`` = (B, Hkv, q, G, k) is the same tile's grouped view."""
-    B, Hkv, _, G, _ = shape
-    s5 = s.view(shape)  # [(B Hkv), (q G), k] -> [B, Hkv, q, G, k]
-    ext, dev, dt = p.ext, s.device, s.dtype
+def _bias_and_mask_(s: torch.Tensor, kn: _Kernel, rect: Rect) -> None:
+    """Add the bias (scaled to base 2) and, on a partial rectangle, the mask to its score tile ``s``
+    [n, (q G), kw] in place."""
+    p, (r0, r1, k0, k1, partial_) = kn.p, rect
+    s5 = s.view(kn.Bw, kn.Hkvw, r1 - r0, kn.G, k1 - k0)  # [n, (q G), kw] -> [Bw, Hkvw, q, G, kw]
     if p.bias is not None:
-        s5.add_(_as5(p.bias.block(ext, r0, r1, k0, k1, dev, dt), part, Hkv, G), alpha=LOG2E)
-    if partial:
-        mask5 = _as5(_mask_tile(p, r0, r1, k0, k1, dev, dt, finite), part, Hkv, G)
-        if finite:
-            s5.add_(mask5)  # 0 / -inf
+        bias = p.bias.block(p.ext, r0, r1, k0, k1, s.device, s.dtype)  # [#B, #H, #q, #k]
+        if kn.floor_bias:  # finite values below -max/log2(e) would become -inf (masked) in base 2
+            bias = torch.where(bias > _NEG_INF, bias.clamp(min=-torch.finfo(s.dtype).max * LN2), bias)
+        s5.add_(_as5(bias, kn), alpha=LOG2E)
+    if partial_ and p.mask is not None:
+        allowed = _as5(p.mask.block(p.ext, r0, r1, k0, k1, s.device), kn)  # bool, True = may attend
+        if kn.finite:  # adding 0 / -inf is cheaper than masked_fill over every row, but keeps NaN scores NaN
+            s5.add_(torch.zeros(allowed.shape, dtype=s.dtype, device=s.device).masked_fill_(~allowed, _NEG_INF))
         else:
-            s5.masked_fill_(~mask5, _NEG_INF)
+            s5.masked_fill_(~allowed, _NEG_INF)
 
 
-def _mask_tile(p: Problem, q0: int, q1: int, k0: int, k1: int, dev, dt, additive: bool) -> torch.Tensor:
-    """The mask on one tile: a bool tile (True = may attend) or, when ``additive``, a float tile of
-    0 / -inf (adding it is cheaper than masked_fill over every row, but keeps NaN scores NaN)."""
-    allowed = p.mask.block(p.ext, q0, q1, k0, k1, dev)  # [#B, #H, q, k] (or fewer leading axes)
-    if not additive:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dt, device=dev).masked_fill_(~allowed, _NEG_INF)
+def _key_span(kn: _Kernel, k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, KB: _Buffer, VB: _Buffer,
+              ones_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``k0:k1`` of the slice's k [Bw, Hkvw, K, d] as ``[n, kw, d+1]`` with a column of ones
+    (copied into ``KB``), and the values as ``[n, kw, dv]`` (``dv+1`` with ones when ``ones_v``):
+    a view of v where its dtype and strides allow, else copied into ``VB``."""
+    d, dv, kw = k.shape[-1], v.shape[-1], k1 - k0
+    kt = KB.take(kn.n, kw, d + 1)
+    kt.view(kn.Bw, kn.Hkvw, kw, d + 1)[..., :d].copy_(k[:, :, k0:k1])  # [Bw, Hkvw, kw, d] -> [n, kw, d]
+    kt[..., d] = 1.0
+    if not ones_v and v.dtype == kn.dt and (kn.Bw == 1 or kn.Hkvw == 1 or v.stride(0) == kn.Hkvw * v.stride(1)):
+        return kt, v[:, :, k0:k1].flatten(0, 1)  # [Bw, Hkvw, kw, dv] -> [n, kw, dv], a view
+    vt = VB.take(kn.n, kw, dv + int(ones_v))
+    vt.view(kn.Bw, kn.Hkvw, kw, -1)[..., :dv].copy_(v[:, :, k0:k1])  # [Bw, Hkvw, kw, dv] -> [n, kw, dv(+1)]
+    if ones_v:
+        vt[..., dv] = 1.0
+    return kt, vt
 
+
+def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero the key rows of ``blocks`` [n, kw, x] that no row of the score tile ``s`` [n, rows, kw]
+    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN."""
+    reach = (s > _NEG_INF).any(dim=1)  # [n, kw]
+    if bool(reach.all()):
+        return blocks
+    return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
+
+
+def _per_query_head(p: Problem) -> Problem:
+    """The same call with K and V repeated per query head (Hkv = H): the slow path taken only when
+    K or V hold NaN/inf, so that each query head can zero the rows it may not attend."""
+    k = p.k.repeat_interleave(p.groups, dim=1)  # [B, Hkv, K, d] -> [B, H, K, d]
+    v = p.v.repeat_interleave(p.groups, dim=1)  # [B, Hkv, K, dv] -> [B, H, K, dv]
+    sizes = Sizes(**{**p.sizes.size, "Hkv": p.q.shape[1]})
+    return dataclasses.replace(p, k=k, v=v, sizes=sizes)
+
+
+# ---- worker threads --------------------------------------------------------------------------------
 
 _POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, its number of threads)
 _POOL_LOCK = threading.Lock()
@@ -172,56 +278,18 @@ def _in_parallel(jobs: list[Callable[[], object]]) -> list:
     return [f.result() for f in futures]
 
 
-def _query_heads(hs: slice, G: int) -> slice:
-    """The query heads served by the key/value heads ``hs``."""
-    return hs if hs.start is None and hs.stop is None else slice(hs.start * G, hs.stop * G)
-
-
-def _balance(rows: list, n: int) -> list[list]:
+def _balance(rows: list[RowGroup], n: int) -> list[list[RowGroup]]:
     """Row groups dealt to ``n`` workers, each getting about the same number of rectangles."""
-    load, groups = [0] * n, [[] for _ in range(n)]
-    for row in sorted((r for r in rows if r[2]), key=lambda r: -len(r[2])):
+    load = [0] * n
+    groups: list[list[RowGroup]] = [[] for _ in range(n)]
+    for group in sorted((g for g in rows if g.rects), key=lambda g: -len(g.rects)):
         w = load.index(min(load))
-        groups[w].append(row)
-        load[w] += len(row[2]) + 1
+        groups[w].append(group)
+        load[w] += len(group.rects) + 1
     return [g for g in groups if g]
 
 
-def _per_query_head(p: Problem) -> Problem:
-    """The same call with K and V repeated per query head (Hkv = H): the slow path taken only when
-    K or V hold NaN/inf, so that each query head can zero the rows it may not attend."""
-    G = p.q.shape[1] // p.k.shape[1]
-    k = p.k.repeat_interleave(G, dim=1)  # [B, Hkv, K, d] -> [B, H, K, d]
-    v = p.v.repeat_interleave(G, dim=1)  # [B, Hkv, K, dv] -> [B, H, K, dv]
-    sizes = Sizes(**{**p.sizes.size, "Hkv": p.q.shape[1]})
-    return dataclasses.replace(p, k=k, v=v, sizes=sizes)
-
-
-def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Zero the key rows of ``blocks`` [n, k, x] that no row of the score tile ``s`` [n, r, k]
-    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN."""
-    reach = (s > _NEG_INF).any(dim=1)  # [n, k]
-    if bool(reach.all()):
-        return blocks
-    return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, k, x]
-
-
-def _key_span(k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, KB: "_Buffer", VB: "_Buffer", ones_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``k0:k1`` as ``[B·Hkv, k1-k0, d+1]`` with a column of ones (copied into ``KB``), and the
-    values as ``[B·Hkv, k1-k0, dv]`` (``dv+1`` with ones when ``ones_v``): a view of v where its
-    dtype and strides allow, else copied into ``VB``."""
-    B, Hkv, _, d = k.shape
-    dv, w, dt = v.shape[-1], k1 - k0, KB.flat.dtype
-    kt = KB.take(B * Hkv, w, d + 1)
-    kt.view(B, Hkv, w, d + 1)[..., :d].copy_(k[:, :, k0:k1])  # [B, Hkv, w, d] -> [(B Hkv), w, d]
-    kt[..., d] = 1.0
-    if not ones_v and v.dtype == dt and (B == 1 or Hkv == 1 or v.stride(0) == Hkv * v.stride(1)):
-        return kt, v[:, :, k0:k1].flatten(0, 1)  # [B, Hkv, w, dv] -> [(B Hkv), w, dv], a view
-    vt = VB.take(B * Hkv, w, dv + int(ones_v))
-    vt.view(B, Hkv, w, -1)[..., :dv].copy_(v[:, :, k0:k1])  # [B, Hkv, w, dv] -> [(B Hkv), w, dv(+1)]
-    if ones_v:
-        vt[..., dv] = 1.0
-    return kt, vt
+# ---- forward ---------------------------------------------------------------------------------------
 
 
 def forward(p: Problem, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,259 +303,332 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Q, _ = p.q.shape
     Hkv, dv = p.k.shape[1], p.v.shape[-1]
     out = torch.zeros(B, H, Q, dv, dtype=p.q.dtype, device=p.q.device)
-    lse = torch.full((B, H, Q), _NEG_INF, dtype=_compute_dtype(p.q), device=p.q.device)
-    if Q == 0 or plan.tiles == 0:
+    lse = torch.full((B, H, Q), _NEG_INF, dtype=compute_dtype(p.q), device=p.q.device)
+    if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
-    finite = _all_finite(p.k) and _all_finite(p.v)
+    finite = all_finite(p.k, p.v)
     if not finite and H > Hkv:
         return _forward(_per_query_head(p), plan)
-    finite = finite and _all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
+    v, flags = (p.v, None) if finite else finite_part(p.v)  # NaN/inf in v as 0; flags [B, Hkv, K, 3·dv] say where
+    finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
     parts = split(B, Hkv, workers())
     if len(parts) > 1 or workers() == 1 or len(plan.rows) == 1:
-        jobs = [partial(_forward_part, p, plan.rows, out, lse, part, finite) for part in parts]
+        shares = [(part, plan.rows) for part in parts]
     else:  # one batch element and one K/V head: the workers share out the row groups instead
-        jobs = [partial(_forward_part, p, rows, out, lse, parts[0], finite) for rows in _balance(plan.rows, workers())]
-    _in_parallel(jobs)
+        shares = [(parts[0], rows) for rows in _balance(plan.rows, workers())]
+    _in_parallel([partial(_forward_part, _Kernel.of(p, part, finite), rows, v, flags, out, lse) for part, rows in shares])
     return out, lse
 
 
-def _forward_part(p: Problem, rows: list, out: torch.Tensor, lse: torch.Tensor, part: tuple[slice, slice], finite: bool) -> None:
-    """The row groups ``rows`` of one (batch, key/value-head) slice, written into out and lse."""
-    G = p.groups
-    bs, hq = part[0], _query_heads(part[1], p.groups)
-    q, k, v = p.q[bs, hq], p.k[part], p.v[part]  # this worker's slice: [B, H, Q, d], [B, Hkv, K, ·]
-    B, H, Q, d = q.shape
-    Hkv, dv = k.shape[1], v.shape[-1]
-    n, dt, dev = B * Hkv, _compute_dtype(q), q.device
-    tiles_all = [t for _, _, tiles in rows for t in tiles]
-    if not tiles_all:
+class _ForwardWork:
+    """Every buffer of one worker's forward, allocated once per call and reused by each row group."""
+
+    def __init__(self, kn: _Kernel, rows: list[RowGroup], d: int, dv: int, nonfinite_v: bool) -> None:
+        n, G, dt, dev = kn.n, kn.G, kn.dt, kn.device
+        rects = [rect for group in rows for rect in group.rects]
+        span = max(rect.k1 - rect.k0 for rect in rects)
+        R = G * max(group.q1 - group.q0 for group in rows if group.rects)  # most rows (q g) of a group
+        self.keys = _Buffer(n * span * (d + 1), dt, dev)  # [n, kw, d+1]: k and a column of ones
+        self.values = _Buffer(n * span * dv, dt, dev)  # [n, kw, dv] where v cannot be viewed
+        self.scores = _Buffer(n * G * max(rect.elems for rect in rects), dt, dev)  # [n, rows, kw]
+        self.queries = _Buffer(n * R * (d + 1), dt, dev)  # [n, R, d+1]: q·scale and the folded column -m
+        self.acc = _Buffer(n * R * dv, dt, dev)  # [n, R, dv]: Σ 2^(S - m)·v
+        self.row_sum, self.offset = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # l and m, [n, R]
+        self.tile_max, self.tile_sum = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # one rectangle's, [n, R]
+        self.rescale, self.has_max = _Buffer(n * R, torch.bool, dev), _Buffer(n * R, torch.bool, dev)  # [n, R]
+        self.pv = _Buffer(n * R * dv, dt, dev)  # scratch for P·V of a rectangle that covers part of a group
+        self.hits = _Buffer(n * R * 3 * dv, dt, dev) if nonfinite_v else None  # [n, R, 3·dv]: NaN/inf values reached
+
+
+@dataclass
+class _GroupState:
+    """One row group's online-softmax state, [n, R, ·] views into the workspace."""
+
+    queries: torch.Tensor  # [n, R, d+1]: q·scale and -m (the folded column)
+    acc: torch.Tensor  # [n, R, dv]
+    row_sum: torch.Tensor  # l, [n, R]
+    offset: torch.Tensor  # m, [n, R]: a stand-in 0 until the row has seen a finite score
+    has_max: torch.Tensor  # [n, R]: the row has seen a finite score
+    hits: torch.Tensor | None  # [n, R, 3·dv]
+    settled: bool = False  # every row has a real offset: rectangles may skip the max pass
+
+
+def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The row groups ``rows`` of one worker's slice, written into out and lse."""
+    if not any(group.rects for group in rows):
         return  # every query of these groups is fully masked: out stays 0, lse -inf
-    fold = p.softcap is None  # with softcap the offset is subtracted after tanh instead
-    qscale = p.scale * LOG2E if fold else p.scale / p.softcap  # scores in base 2 (softcap: tanh's argument)
-    span = max(k1 - k0 for _, _, k0, k1, _ in tiles_all)
-    KB, VB = _Buffer(n * span * (d + 1), dt, dev), _Buffer(n * span * dv, dt, dev)  # one key span at a time
-    R = G * max(q1 - q0 for q0, q1, tiles in rows if tiles)  # most rows of a group
-    S = _Buffer(n * G * max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _ in tiles_all), dt, dev)
-    Qb, A = _Buffer(n * R * (d + 1), dt, dev), _Buffer(n * R * dv, dt, dev)
-    L, M, MT, T = (_Buffer(n * R, dt, dev) for _ in range(4))
-    NEED, HAS = _Buffer(n * R, torch.bool, dev), _Buffer(n * R, torch.bool, dev)
-    PV = _Buffer(n * R * dv, dt, dev)  # scratch for P·V of a rectangle that covers part of a group
-    q5 = q.unflatten(1, (Hkv, G))  # [B, Hkv, G, Q, d]
-    out5, lse5 = out[bs, hq].unflatten(1, (Hkv, G)), lse[bs, hq].unflatten(1, (Hkv, G))  # [B, Hkv, G, Q, ·]
-
-    for q0, q1, tiles in rows:
-        if not tiles:
-            continue  # every key masked: out stays 0, lse -inf
-        bq = q1 - q0
-        r = bq * G
-        qi = Qb.take(n, r, d + 1)  # rows (q, g) of this group: [q·scale, -m]
-        qv = qi.view(B, Hkv, bq, G, d + 1)[..., :d]  # [(B Hkv), (bq G), d+1] as [B, Hkv, bq, G, d]
-        qv.copy_(q5[:, :, :, q0:q1].transpose(2, 3))  # [B, Hkv, G, bq, d] -> [B, Hkv, bq, G, d]
-        qv.mul_(qscale)
-        qi[..., d] = 0.0
-        acc, l, m, has = A.take(n, r, dv).zero_(), L.take(n, r).zero_(), M.take(n, r).zero_(), HAS.take(n, r).zero_()
-        all_have = False  # m is a stand-in 0 until a row has seen a finite score (has)
-        for r0, r1, k0, k1, partial_tile in tiles:
-            a, b, kw = G * (r0 - q0), G * (r1 - q0), k1 - k0  # this rectangle's rows (q, g) of the group
-            qt, acct, lt, mt_, hast = qi[:, a:b], acc[:, a:b], l[:, a:b], m[:, a:b], has[:, a:b]
-            s = S.take(n, b - a, kw)
-            kt, vt = _key_span(k, v, k0, k1, KB, VB, ones_v=False)  # [n, kw, d+1], [n, kw, dv]
-
-            def scores() -> torch.Tensor:  # (S - m) in base 2 for this rectangle, masked, in s [n, rows, kw]
-                torch.bmm(qt, kt.transpose(1, 2), out=s)  # [n, rows, kw]  (S/c with softcap)
-                if not fold:
-                    s.tanh_().mul_(p.softcap * LOG2E).sub_(mt_[..., None])
-                _bias_and_mask_(s, p, (bs, hq), (B, Hkv, r1 - r0, G, kw), r0, r1, k0, k1, partial_tile, finite)
-                return s
-
-            scores()
-            if not finite:
-                vt = _reachable_rows(s, vt)[0]  # [n, kw, dv]
-            tmp = T.take(n, r)[:, a:b]
-            if all_have:  # optimistic: every row has a real offset m; exp2 without a max pass
-                s.exp2_()
-                torch.sum(s, dim=-1, out=tmp)
-                if not bool((tmp > _SUM_LIMIT).any()):  # no row grew by more than 2^24: accept
-                    lt.add_(tmp)
-                    _add_mm(acct, s, vt, PV)
-                    continue
-                scores()  # some row's max grew: redo this rectangle with the max pass
-            mx = MT.take(n, r)[:, a:b]
-            torch.amax(s, dim=-1, out=mx)  # [n, rows]
-            need = torch.gt(mx, TAU, out=NEED.take(n, r)[:, a:b])
-            if not all_have:
-                seen = mx > _NEG_INF  # NaN and -inf rows have not seen a finite score
-                need |= seen & ~hast
-                hast |= seen
-                all_have = bool(has.all())
-            if bool(need.any()):
-                delta = torch.where(need, mx, 0.0)  # [n, rows]: raise m by the excess
-                s.sub_(delta[..., None])
-                alpha = torch.exp2(-delta).clamp_(max=1.0)  # rows with nothing accumulated may get any value
-                acct.mul_(alpha[..., None])
-                lt.mul_(alpha)
-                mt_.add_(delta)
-                if fold:
-                    qt[..., d].sub_(delta)
-            s.exp2_()  # P·l (unnormalized)
-            torch.sum(s, dim=-1, out=tmp)
-            lt.add_(tmp)
-            _add_mm(acct, s, vt, PV)  # [n, rows, dv]
-        lse5[:, :, :, q0:q1] = ((m + torch.log2(l)) * LN2).view(B, Hkv, bq, G).transpose(2, 3)  # rows (q, g) -> [B, Hkv, G, q]
-        l_safe = torch.where(l > 0, l, 1.0)  # fully masked rows: acc = 0, out = 0
-        torch.div(acc.view(B, Hkv, bq, G, dv), l_safe.view(B, Hkv, bq, G, 1),
-                  out=out5[:, :, :, q0:q1].transpose(2, 3))  # [B, Hkv, q, G, dv] -> [B, Hkv, G, q, dv]
+    p = kn.p
+    q5 = p.q[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q, d]
+    k, v = p.k[kn.b, kn.hkv], v[kn.b, kn.hkv]  # [Bw, Hkvw, K, d], [Bw, Hkvw, K, dv]
+    flags = flags[kn.b, kn.hkv] if flags is not None else None  # [Bw, Hkvw, K, 3·dv]
+    out5 = out[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q, dv]
+    lse5 = lse[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q]
+    work = _ForwardWork(kn, rows, k.shape[-1], v.shape[-1], flags is not None)
+    for group in rows:
+        if group.rects:  # otherwise every key is masked: out stays 0, lse -inf
+            state = _start_group(kn, work, group, q5)
+            for rect in group.rects:
+                _forward_rect(kn, work, state, group.q0, rect, k, v, flags)
+            _finish_group(kn, state, group, out5, lse5)
 
 
-def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-             dlse: torch.Tensor | None = None, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _start_group(kn: _Kernel, work: _ForwardWork, group: RowGroup, q5: torch.Tensor) -> _GroupState:
+    """Fill the group's queries [q·scale, -m = 0] and zero its accumulators."""
+    n, bq, d, dv = kn.n, group.q1 - group.q0, q5.shape[-1], kn.p.v.shape[-1]
+    R = bq * kn.G
+    queries = work.queries.take(n, R, d + 1)
+    qv = queries.view(kn.Bw, kn.Hkvw, bq, kn.G, d + 1)[..., :d]  # [n, (q G), d+1] as [Bw, Hkvw, q, G, d]
+    qv.copy_(q5[:, :, :, group.q0:group.q1].transpose(2, 3))  # [Bw, Hkvw, G, q, d] -> [Bw, Hkvw, q, G, d]
+    qv.mul_(kn.qscale)
+    queries[..., d] = 0.0
+    hits = work.hits.take(n, R, 3 * dv).zero_() if work.hits is not None else None
+    return _GroupState(queries, work.acc.take(n, R, dv).zero_(), work.row_sum.take(n, R).zero_(),
+                       work.offset.take(n, R).zero_(), work.has_max.take(n, R).zero_(), hits)
+
+
+def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, offset: torch.Tensor,
+            rect: Rect) -> None:
+    """(S - m) in base 2 for one rectangle, biased and masked, into ``s`` [n, rows, kw]."""
+    torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw]  (S - m; S/c with softcap)
+    if not kn.fold:
+        s.tanh_().mul_(kn.cap * LOG2E).sub_(offset[..., None])
+    _bias_and_mask_(s, kn, rect)
+
+
+def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rect: Rect,
+                  k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
+    """Fold one rectangle into its group's state, by the optimistic protocol (file docstring)."""
+    a, b, kw = kn.G * (rect.r0 - q0), kn.G * (rect.r1 - q0), rect.k1 - rect.k0  # its rows (q g) of the group
+    R = st.acc.shape[1]
+    queries, acc, row_sum, offset = st.queries[:, a:b], st.acc[:, a:b], st.row_sum[:, a:b], st.offset[:, a:b]
+    keys, values = _key_span(kn, k, v, rect.k0, rect.k1, work.keys, work.values, ones_v=False)  # [n, kw, d+1], [n, kw, dv]
+    s = work.scores.take(kn.n, b - a, kw)
+    _scores(kn, s, queries, keys, offset, rect)
+    if flags is not None and st.hits is not None:  # NaN/inf values reach the rows that may attend their key
+        reach = (s > _NEG_INF).to(s.dtype)  # [n, rows, kw]
+        st.hits[:, a:b] += torch.bmm(reach, flags[:, :, rect.k0:rect.k1].reshape(kn.n, kw, -1))  # [n, rows, 3·dv]
+    tile_sum = work.tile_sum.take(kn.n, R)[:, a:b]
+    if st.settled:  # optimistic: exp2 without a max pass
+        s.exp2_()
+        torch.sum(s, dim=-1, out=tile_sum)
+        if not bool((tile_sum > _SUM_LIMIT).any()):  # no row's max grew by more than 24: accept
+            row_sum.add_(tile_sum)
+            _add_mm(acc, s, values, work.pv)  # [n, rows, dv]
+            return
+        _scores(kn, s, queries, keys, offset, rect)  # redo: some row's max grew
+    _max_pass(kn, work, st, s, a, b)
+    s.exp2_()  # P·l (unnormalized)
+    torch.sum(s, dim=-1, out=tile_sum)
+    row_sum.add_(tile_sum)
+    _add_mm(acc, s, values, work.pv)  # [n, rows, dv]
+
+
+def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
+    """Raise the offset m of rows a:b whose tile max exceeds it by more than TAU (or that see their
+    first finite score), rescaling what they have accumulated; ``s`` is shifted to match."""
+    R = st.acc.shape[1]
+    tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
+    rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
+    if not st.settled:
+        seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
+        has_max = st.has_max[:, a:b]
+        rescale |= seen & ~has_max
+        has_max |= seen
+        st.settled = bool(st.has_max.all())
+    if bool(rescale.any()):
+        raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
+        s.sub_(raise_by[..., None])
+        alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # rows with nothing accumulated may get any value
+        st.acc[:, a:b].mul_(alpha[..., None])
+        st.row_sum[:, a:b].mul_(alpha)
+        st.offset[:, a:b].add_(raise_by)
+        if kn.fold:
+            st.queries[:, a:b, -1].sub_(raise_by)
+
+
+def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
+    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views."""
+    bq, dv = group.q1 - group.q0, st.acc.shape[-1]
+    lse5[:, :, :, group.q0:group.q1] = ((st.offset + torch.log2(st.row_sum)) * LN2).view(
+        kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
+    l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+    dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
+    torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
+    if st.hits is not None:
+        dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))  # NaN/inf where the row attends them
+
+
+# ---- backward --------------------------------------------------------------------------------------
+
+
+def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+             grad_lse: torch.Tensor | None = None, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention-2 backward from the given ``out`` [B, H, Q, dv] and ``lse`` [B, H, Q] (which
-    may be global ones when ``p`` covers only part of the keys): ``D = rowsum(dout ∘ out) - dlse``;
-    per tile ``P = exp(S - lse)``, ``dV += Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - D)``, ``dQ += dS·K·scale``,
+    may be global ones when ``p`` covers only part of the keys): ``delta = rowsum(dO ∘ O) - dlse``;
+    per tile ``P = exp(S - lse)``, ``dV += Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - delta)``, ``dQ += dS·K·scale``,
     ``dK += dSᵀ·Q·scale`` (softcap's tanh' applied to dS; GQA heads summed into Hkv).
-    Returns (dq [B, H, Q, d], dk [B, Hkv, K, d], dv [B, Hkv, K, dv]) in the input dtypes."""
-    dq, dk, dv, _ = _backward(p, out, lse, dout, dlse, plan if plan is not None else plan_for(p), ())
-    return dq, dk, dv
+    Returns (grad_q [B, H, Q, d], grad_k [B, Hkv, K, d], grad_v [B, Hkv, K, dv]) in the input dtypes."""
+    grad_q, grad_k, grad_v, _ = _backward(p, out, lse, grad_out, grad_lse, plan if plan is not None else plan_for(p), ())
+    return grad_q, grad_k, grad_v
 
 
-def _backward(p: Problem, out, lse, dout, dlse, plan: Plan, biases: tuple[DenseBias, ...]):
-    """(dq, dk, dv, [grad of each dense bias in ``biases``])."""
+def _backward(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases: tuple[DenseBias, ...]):
+    """(grad_q, grad_k, grad_v, [grad of each dense bias in ``biases``])."""
     with torch.no_grad():
-        return _backward_ng(p, out, lse, dout, dlse, plan, biases)
+        return _backward_ng(p, out, lse, grad_out, grad_lse, plan, biases)
 
 
-def _backward_ng(p: Problem, out, lse, dout, dlse, plan: Plan, biases):
+def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     B, H, Q, _ = p.q.shape
     Hkv = p.k.shape[1]
-    G, dt = H // Hkv, _compute_dtype(p.q)
-    dq = torch.zeros_like(p.q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(p.k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(p.v, memory_format=torch.contiguous_format)
-    gbias = [torch.zeros(b.tensor.shape, dtype=dt, device=p.q.device) for b in biases]  # [#B, #H, #Q, #K]
+    G, dt = H // Hkv, compute_dtype(p.q)
+    grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (p.q, p.k, p.v)]
+    grad_bias = [torch.zeros(b.tensor.shape, dtype=dt, device=p.q.device) for b in biases]  # [#B, #H, #Q, #K]
     if Q == 0 or plan.tiles == 0:
-        return dq, dk, dv, [g.to(b.tensor.dtype) for g, b in zip(gbias, biases)]
-    finite = _all_finite(p.k) and _all_finite(p.v)
+        return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
+    finite = all_finite(p.k, p.v)
     if not finite and G > 1:
-        dq, dk, dv, gb = _backward_ng(_per_query_head(p), out, lse, dout, dlse, plan, biases)
-        return dq, dk.unflatten(1, (Hkv, G)).sum(2), dv.unflatten(1, (Hkv, G)).sum(2), gb  # [B, (Hkv G), K, ·] -> [B, Hkv, K, ·]
-    finite = finite and _all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
+        gq, gk, gv, gb = _backward_ng(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
+        return gq, gk.unflatten(1, (Hkv, G)).sum(2), gv.unflatten(1, (Hkv, G)).sum(2), gb  # [B, (Hkv G), K, ·] -> [B, Hkv, K, ·]
+    finite_v = finite
+    finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
     parts = split(B, Hkv, workers())
-    grads = _in_parallel([partial(_backward_part, p, plan, out, lse, dout, dlse, dq, dk, dv, biases, part, finite)
-                          for part in parts])
-    for (bs, hs), part_grads in zip(parts, grads):
+    shares = _in_parallel([partial(_backward_part, _Kernel.of(p, part, finite), plan, out, lse, grad_out, grad_lse,
+                                   grads, biases, finite_v) for part in parts])
+    for (bs, hs), share in zip(parts, shares):
         hq = _query_heads(hs, G)
-        for g, gp in zip(gbias, part_grads):
+        for g, gp in zip(grad_bias, share):
             g[bs if g.shape[0] != 1 else slice(None), hq if g.shape[1] != 1 else slice(None)] += gp
-    return dq, dk, dv, [g.to(b.tensor.dtype) for g, b in zip(gbias, biases)]
+    return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
 
 
-def _backward_part(p: Problem, plan: Plan, out, lse, dout, dlse, dq_all, dk_all, dv_all, biases, part, finite: bool) -> list:
-    """One (batch, key/value-head) slice: writes its rows of dq, dk, dv; returns its share of the
+@dataclass
+class _RowTerms:
+    """Per row (q g) of the whole slice, [n, Q·G]: kept whole, they are small."""
+
+    delta: torch.Tensor  # rowsum(dO ∘ O) - dlse
+    lse2: torch.Tensor  # lse in base 2 (_BIG for fully masked rows: 2^(S - BIG) = 0)
+
+
+def _row_terms(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse) -> _RowTerms:
+    Bw, Hkvw, G, dt = kn.Bw, kn.Hkvw, kn.G, kn.dt
+    Q = kn.p.q.shape[2]
+    o5 = out[kn.b, kn.hq].unflatten(1, (Hkvw, G))  # [Bw, Hkvw, G, Q, dv]
+    do5 = grad_out[kn.b, kn.hq].unflatten(1, (Hkvw, G))  # [Bw, Hkvw, G, Q, dv]
+    delta = torch.empty(Bw, Hkvw, Q, G, dtype=dt, device=kn.device)
+    for group in plan.rows:
+        sl = slice(group.q0, group.q1)
+        delta[:, :, sl] = torch.einsum("bhgqv,bhgqv->bhqg", o5[:, :, :, sl].to(dt), do5[:, :, :, sl].to(dt))
+    if grad_lse is not None:
+        delta -= grad_lse[kn.b, kn.hq].unflatten(1, (Hkvw, G)).transpose(2, 3).to(dt)  # lse's own gradient: dS += P·dlse
+    lse2 = lse[kn.b, kn.hq].unflatten(1, (Hkvw, G)).transpose(2, 3).to(dt)  # [Bw, Hkvw, Q, G]
+    lse2 = torch.where(lse2 > _NEG_INF, lse2 * LOG2E, _BIG)
+    return _RowTerms(delta.view(kn.n, Q * G), lse2.reshape(kn.n, Q * G))  # [n, (Q G)]
+
+
+class _BackwardWork:
+    """Every buffer of one worker's backward, allocated once per call."""
+
+    def __init__(self, kn: _Kernel, plan: Plan, d: int, dv: int) -> None:
+        n, G, dt, dev = kn.n, kn.G, kn.dt, kn.device
+        rects = plan.rects
+        span = max(ks.k1 - ks.k0 for ks in plan.cols)
+        rows = G * max(rect.r1 - rect.r0 for rect in rects)
+        rect_elems = G * max(rect.elems for rect in rects)
+        self.scores, self.grad_scores = _Buffer(n * rect_elems, dt, dev), _Buffer(n * rect_elems, dt, dev)  # P, dS [n, rows, kw]
+        self.tanh = _Buffer(n * rect_elems, dt, dev) if not kn.fold else None  # softcap's tanh, [n, rows, kw]
+        self.queries = _Buffer(n * rows * (d + 1), dt, dev)  # [n, rows, d+1]: q·scale and -lse
+        self.grad_out = _Buffer(n * rows * (dv + 1), dt, dev)  # [n, rows, dv+1]: dO and -delta
+        self.keys, self.values = _Buffer(n * span * (d + 1), dt, dev), _Buffer(n * span * (dv + 1), dt, dev)
+        self.grad_k, self.grad_v = _Buffer(n * span * d, dt, dev), _Buffer(n * span * dv, dt, dev)  # one key span's
+        self.grad_q = _Buffer(n * rows * d, dt, dev)  # scratch for dS·K into a row slice of grad_q
+
+
+def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads, biases, finite_v: bool) -> list:
+    """One worker's slice: writes its rows of grad_q, grad_k, grad_v; returns its share of the
     dense bias gradients (shaped as the bias, restricted to the slice)."""
-    G = p.groups
-    bs, hs = part
-    hq = _query_heads(hs, G)
-    q, k, v = p.q[bs, hq], p.k[part], p.v[part]  # this worker's slice
-    B, H, Q, d = q.shape
-    Hkv, dv = k.shape[1], v.shape[-1]
-    n, dt, dev = B * Hkv, _compute_dtype(q), q.device
-    fold = p.softcap is None
-    qscale = p.scale * LOG2E if fold else p.scale / p.softcap  # scores in base 2 (softcap: tanh's argument)
-    q5, do5 = q.unflatten(1, (Hkv, G)), dout[bs, hq].unflatten(1, (Hkv, G))  # [B, Hkv, G, Q, ·]
-
-    # per row (q, g): D = rowsum(dO∘O) - dlse and lse in base 2, [n, Q·G]; small, so kept whole
-    D = torch.empty(B, Hkv, Q, G, dtype=dt, device=dev)
-    o5 = out[bs, hq].unflatten(1, (Hkv, G))  # [B, Hkv, G, Q, dv]
-    for q0, q1, _ in plan.rows:
-        D[:, :, q0:q1] = torch.einsum("bhgqv,bhgqv->bhqg", o5[:, :, :, q0:q1].to(dt), do5[:, :, :, q0:q1].to(dt))
-    if dlse is not None:
-        D -= dlse[bs, hq].unflatten(1, (Hkv, G)).transpose(2, 3).to(dt)  # lse's own gradient: dS += P·dlse
-    D = D.view(n, Q * G)  # [(B Hkv), (Q G)]
-    lse2 = lse[bs, hq].unflatten(1, (Hkv, G)).transpose(2, 3).to(dt)  # [B, Hkv, Q, G]
-    lse2 = torch.where(lse2 > _NEG_INF, lse2 * LOG2E, _BIG).reshape(n, Q * G)  # base 2; fully masked: 2^(S - BIG) = 0
-    dq_w = dq_all[bs, hq]  # [B, H, Q, d]
-    direct = G == 1 and dq_w.dtype == dt and (B == 1 or H == 1 or dq_w.stride(0) == H * dq_w.stride(1))
-    dq3 = dq_w.flatten(0, 1) if direct else torch.zeros(n, Q * G, d, dtype=dt, device=dev)  # rows (q, g)
-
-    spans = [k1 - k0 for k0, k1, _ in plan.cols]
-    rect = max(G * (r1 - r0) * (k1 - k0) for k0, k1, tiles in plan.cols for _, r0, r1, _ in tiles)
-    rows_max = G * max(r1 - r0 for _, _, tiles in plan.cols for _, r0, r1, _ in tiles)
-    S, DP = _Buffer(n * rect, dt, dev), _Buffer(n * rect, dt, dev)
-    TH = _Buffer(n * rect, dt, dev) if not fold else None
-    QT, OT = _Buffer(n * rows_max * (d + 1), dt, dev), _Buffer(n * rows_max * (dv + 1), dt, dev)
-    KB, VB = _Buffer(n * max(spans) * (d + 1), dt, dev), _Buffer(n * max(spans) * (dv + 1), dt, dev)
-    DK, DV = _Buffer(n * max(spans) * d, dt, dev), _Buffer(n * max(spans) * dv, dt, dev)
-    DQ = _Buffer(n * rows_max * d, dt, dev)  # scratch for dS·K into a row slice of dq
-    gbias = [torch.zeros(_sliced_shape(b.tensor.shape, B, H), dtype=dt, device=dev) for b in biases]
-    dk_w, dv_w = dk_all[part], dv_all[part]  # [B, Hkv, K, ·]
-
-    for k0, k1, tiles in plan.cols:
-        kw = k1 - k0
-        kj, vj = _key_span(k, v, k0, k1, KB, VB, ones_v=True)  # [n, kw, d+1], [n, kw, dv+1]
-        dkj, dvj = DK.take(n, kw, d).zero_(), DV.take(n, kw, dv).zero_()
-        for _, r0, r1, partial_tile in tiles:
-            a, b = G * r0, G * r1  # rows (q, g) of this rectangle
-            qt, ot = QT.take(n, b - a, d + 1), OT.take(n, b - a, dv + 1)  # [q·scale, -lse], [dO, -D]
-            qv = qt.view(B, Hkv, r1 - r0, G, d + 1)[..., :d]  # [(B Hkv), (q G), d+1] as [B, Hkv, q, G, d]
-            qv.copy_(q5[:, :, :, r0:r1].transpose(2, 3))  # [B, Hkv, G, q, d] -> [B, Hkv, q, G, d]
-            qv.mul_(qscale)
-            if fold:
-                torch.neg(lse2[:, a:b], out=qt[..., d])
-            else:
-                qt[..., d] = 0.0
-            ot.view(B, Hkv, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))  # dO, rows (q, g)
-            torch.neg(D[:, a:b], out=ot[..., dv])
-            s = S.take(n, b - a, kw)
-            torch.bmm(qt, kj.transpose(1, 2), out=s)  # [n, rows, kw] = (S - lse) in base 2  (S/c with softcap)
-            if not fold:
-                th = TH.take(n, b - a, kw)
-                th.copy_(s.tanh_())
-                s.mul_(p.softcap * LOG2E).sub_(lse2[:, a:b, None])
-            _bias_and_mask_(s, p, (bs, hq), (B, Hkv, r1 - r0, G, kw), r0, r1, k0, k1, partial_tile, finite)
-            kt, vt = (kj, vj) if finite else _reachable_rows(s, kj, vj)
-            s.exp2_()  # P
-            dvj.baddbmm_(s.transpose(1, 2), ot[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
-            dp = DP.take(n, b - a, kw)
-            torch.bmm(ot, vt.transpose(1, 2), out=dp)  # dP - D  [n, rows, kw]
-            dp.mul_(s)  # dS = P ∘ (dP - D)
-            for g in gbias:
-                _add_bias_grad(g, dp, B, Hkv, G, r0, r1, k0, k1)
-            if not fold:
-                th.mul_(th)
-                dp.addcmul_(dp, th, value=-1.0)  # through softcap: dS ∘ (1 - tanh²)
-            _add_mm(dq3[:, a:b], dp, kt[..., :d], DQ)  # dQ += dS·K   [n, rows, d]
-            dkj.baddbmm_(dp.transpose(1, 2), qt[..., :d])  # dK += dSᵀ·(Q·scale)   [n, kw, d]
-        dkj.mul_(p.softcap if not fold else LN2)  # qt held q·scale/c, or q·scale·log2(e)
-        dk_w[:, :, k0:k1] += dkj.view(B, Hkv, kw, d)  # [(B Hkv), kw, d] -> [B, Hkv, kw, d]; spans may overlap
-        dv_w[:, :, k0:k1] += dvj.view(B, Hkv, kw, dv)  # [(B Hkv), kw, dv] -> [B, Hkv, kw, dv]
-
+    p, n, G, dt = kn.p, kn.n, kn.G, kn.dt
+    q, k, v = p.q[kn.b, kn.hq], p.k[kn.b, kn.hkv], p.v[kn.b, kn.hkv]  # [Bw, Hw, Q, d], [Bw, Hkvw, K, ·]
+    Q, d, dv = q.shape[2], q.shape[3], v.shape[-1]
+    terms = _row_terms(kn, plan, out, lse, grad_out, grad_lse)
+    q5, do5 = q.unflatten(1, (kn.Hkvw, G)), grad_out[kn.b, kn.hq].unflatten(1, (kn.Hkvw, G))  # [Bw, Hkvw, G, Q, ·]
+    grad_q = grads[0][kn.b, kn.hq]  # [Bw, Hw, Q, d]
+    direct = G == 1 and grad_q.dtype == dt and (kn.Bw == 1 or grad_q.shape[1] == 1 or grad_q.stride(0) == grad_q.shape[1] * grad_q.stride(1))
+    grad_q3 = grad_q.flatten(0, 1) if direct else torch.zeros(n, Q * G, d, dtype=dt, device=kn.device)  # rows (q g)
+    work = _BackwardWork(kn, plan, d, dv)
+    grad_bias = [torch.zeros(_sliced_shape(b.tensor.shape, kn.Bw, grad_q.shape[1]), dtype=dt, device=kn.device) for b in biases]
+    grad_k_w, grad_v_w = grads[1][kn.b, kn.hkv], grads[2][kn.b, kn.hkv]  # [Bw, Hkvw, K, ·]
+    for span in plan.cols:
+        kw = span.k1 - span.k0
+        keys, values = _key_span(kn, k, v, span.k0, span.k1, work.keys, work.values, ones_v=True)  # [n, kw, d+1], [n, kw, dv+1]
+        grad_k, grad_v = work.grad_k.take(n, kw, d).zero_(), work.grad_v.take(n, kw, dv).zero_()
+        for rect in span.rects:
+            _backward_rect(kn, work, rect, q5, do5, terms, keys, values, grad_q3, grad_k, grad_v, grad_bias, finite_v)
+        grad_k.mul_(kn.cap if not kn.fold else LN2)  # the queries held q·scale/c, or q·scale·log2(e)
+        grad_k_w[:, :, span.k0:span.k1] += grad_k.view(kn.Bw, kn.Hkvw, kw, d)  # [n, kw, d] -> [Bw, Hkvw, kw, d]; spans may overlap
+        grad_v_w[:, :, span.k0:span.k1] += grad_v.view(kn.Bw, kn.Hkvw, kw, dv)  # [n, kw, dv] -> [Bw, Hkvw, kw, dv]
     if direct:
-        dq3.mul_(p.scale)
+        grad_q3.mul_(p.scale)
+    else:  # rows (q g) -> [Bw, Hkvw, G, Q, d]
+        grad_q.unflatten(1, (kn.Hkvw, G)).copy_(grad_q3.view(kn.Bw, kn.Hkvw, Q, G, d).transpose(2, 3).mul_(p.scale))
+    return grad_bias
+
+
+def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms: _RowTerms, keys, values,
+                   grad_q3, grad_k, grad_v, grad_bias, finite_v: bool) -> None:
+    """One rectangle: P recomputed from lse; dV, dS, dQ, dK and the dense bias gradients accumulated."""
+    n, G, p = kn.n, kn.G, kn.p
+    r0, r1, k0, k1, _ = rect
+    a, b, kw, d, dv = G * r0, G * r1, k1 - k0, q5.shape[-1], do5.shape[-1]  # rows (q g) a:b of the slice
+    queries, gout = work.queries.take(n, b - a, d + 1), work.grad_out.take(n, b - a, dv + 1)  # [q·scale, -lse], [dO, -delta]
+    qv = queries.view(kn.Bw, kn.Hkvw, r1 - r0, G, d + 1)[..., :d]  # [n, (q G), d+1] as [Bw, Hkvw, q, G, d]
+    qv.copy_(q5[:, :, :, r0:r1].transpose(2, 3))  # [Bw, Hkvw, G, q, d] -> [Bw, Hkvw, q, G, d]
+    qv.mul_(kn.qscale)
+    if kn.fold:
+        torch.neg(terms.lse2[:, a:b], out=queries[..., d])
     else:
-        dq_w.unflatten(1, (Hkv, G)).copy_(dq3.view(B, Hkv, Q, G, d).transpose(2, 3).mul_(p.scale))  # rows (q, g) -> [B, Hkv, G, Q, d]
-    return gbias
+        queries[..., d] = 0.0
+    gout.view(kn.Bw, kn.Hkvw, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))  # dO, rows (q g)
+    torch.neg(terms.delta[:, a:b], out=gout[..., dv])
+    s = work.scores.take(n, b - a, kw)
+    torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw] = (S - lse) in base 2  (S/c with softcap)
+    th = None
+    if work.tanh is not None:  # softcap: S = c·tanh(S/c)
+        th = work.tanh.take(n, b - a, kw)
+        th.copy_(s.tanh_())
+        s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])
+    _bias_and_mask_(s, kn, rect)
+    kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
+    s.exp2_()  # P
+    grad_v.baddbmm_(s.transpose(1, 2), gout[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
+    ds = work.grad_scores.take(n, b - a, kw)
+    torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP - delta  [n, rows, kw]
+    ds.mul_(s)  # dS = P ∘ (dP - delta)
+    if not finite_v:
+        ds.masked_fill_(s == 0, 0.0)  # a row that may not attend a NaN/inf value gets no gradient from it
+    for g in grad_bias:
+        _add_bias_grad(g, ds, kn, rect)
+    if th is not None:
+        th.mul_(th)
+        ds.addcmul_(ds, th, value=-1.0)  # through softcap: dS ∘ (1 - tanh²)
+    _add_mm(grad_q3[:, a:b], ds, kt[..., :d], work.grad_q)  # dQ += dS·K   [n, rows, d]
+    grad_k.baddbmm_(ds.transpose(1, 2), queries[..., :d])  # dK += dSᵀ·(Q·scale)   [n, kw, d]
 
 
-def _sliced_shape(shape, B: int, H: int) -> tuple[int, ...]:
-    """A bias shape [#B, #H, #Q, #K] restricted to a worker's B batch elements and H heads."""
-    return (B if shape[0] != 1 else 1, H if shape[1] != 1 else 1, shape[2], shape[3])
+def _sliced_shape(shape, Bw: int, Hw: int) -> tuple[int, ...]:
+    """A bias shape [#B, #H, #Q, #K] restricted to a worker's Bw batch elements and Hw query heads."""
+    return (Bw if shape[0] != 1 else 1, Hw if shape[1] != 1 else 1, shape[2], shape[3])
 
 
-def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, B: int, Hkv: int, G: int, q0: int, q1: int, k0: int, k1: int) -> None:
-    """Add the tile dS [(B Hkv), (q G), k] into a dense bias gradient g [#B, #H, #Q, #K]."""
-    t = ds.view(B, Hkv, q1 - q0, G, k1 - k0).transpose(2, 3).reshape(B, Hkv * G, q1 - q0, k1 - k0)  # -> [B, H, q, k]
+def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, kn: _Kernel, rect: Rect) -> None:
+    """Add the tile dS [n, (q G), kw] into a dense bias gradient g [#B, #H, #Q, #K] (the slice's)."""
+    r0, r1, k0, k1, _ = rect
+    t = ds.view(kn.Bw, kn.Hkvw, r1 - r0, kn.G, k1 - k0).transpose(2, 3).reshape(kn.Bw, kn.Hkvw * kn.G, r1 - r0, k1 - k0)  # -> [Bw, Hw, q, kw]
     axes = [a for a in range(4) if g.shape[a] == 1 and t.shape[a] != 1]
     if axes:
         t = t.sum(dim=axes, keepdim=True)  # broadcast axes of the bias get the sum
-    tile_of(g, q0, q1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
-
-
-def _dense_parts(bias: Bias | None) -> list[DenseBias]:
-    if isinstance(bias, DenseBias):
-        return [bias]
-    if isinstance(bias, BiasSum):
-        return _dense_parts(bias.a) + _dense_parts(bias.b)
-    return []
+    tile_of(g, r0, r1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -497,23 +638,23 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, *bias_tensors):
         out, lse = _forward(p, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)
+        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)  # type: ignore[arg-type]  # saved by save_for_backward
         ctx.plan, ctx.dense = plan, dense
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         p = dataclasses.replace(ctx.p, q=q, k=k, v=v)
-        if dout is None:
-            dout = torch.zeros_like(out)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
         dense = tuple(b for b, need in zip(ctx.dense, ctx.needs_input_grad[6:]) if need)
-        dq, dk, dv, gb = _backward(p, out, lse, dout, dlse, ctx.plan, dense)
-        it = iter(gb)
+        grad_q, grad_k, grad_v, grad_bias = _backward(p, out, lse, grad_out, grad_lse, ctx.plan, dense)
+        it = iter(grad_bias)
         grads = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
-        return None, None, None, dq, dk, dv, *grads
+        return None, None, None, grad_q, grad_k, grad_v, *grads
 
 
 def why_not(p: Problem, need_lse: bool) -> str | None:
@@ -522,13 +663,15 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registry entry: out [B, H, Q, dv] and, when asked, lse [B, H, Q]; differentiable in
-    q, k, v, a dense bias, and lse itself when the inputs require grad."""
-    plan = plan_for(p)
+def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry: out [B, H, Q, dv] and lse [B, H, Q] (computed anyway, so returned even
+    when not asked: observers get it); differentiable in q, k, v, a dense bias, and lse itself when
+    the inputs require grad. ``plan``: one made for this call already (``auto`` makes one to
+    estimate the cost), else planned here."""
+    plan = plan if plan is not None else plan_for(p)
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
     if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in (p.q, p.k, p.v))):
         out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, *(b.tensor for b in dense))
     else:
         out, lse = forward(p, plan)
-    return out, (lse if need_lse else None)
+    return out, lse

@@ -17,6 +17,7 @@ case and only its diagonal with small tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -45,30 +46,66 @@ COST_PARTIAL_ELEM = 0.5e-9
 COST_PARTIAL_TILE = 40e-6
 
 
+class Rect(NamedTuple):
+    """One computed rectangle of the score grid: query rows ``r0:r1``, keys ``k0:k1``; ``partial``:
+    the mask must be evaluated on it (otherwise every entry may be attended)."""
+
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    partial: bool
+
+    @property
+    def elems(self) -> int:
+        return (self.r1 - self.r0) * (self.k1 - self.k0)
+
+
+class RowGroup(NamedTuple):
+    """Query rows ``q0:q1`` that share one online-softmax state, and their rectangles in the order
+    they are processed (``q0 <= r0 < r1 <= q1`` for each)."""
+
+    q0: int
+    q1: int
+    rects: list[Rect]
+
+
+class KeySpan(NamedTuple):
+    """Keys ``k0:k1`` and the rectangles over them (the backward walks the plan by key span)."""
+
+    k0: int
+    k1: int
+    rects: list[Rect]
+
+
 @dataclass
 class Plan:
-    """The computed rectangles, by row group: ``rows[g] = (q0, q1, [(r0, r1, k0, k1, partial), ...])``
-    with ``q0 <= r0 < r1 <= q1``, in the order they are processed."""
+    """The computed rectangles, by row group (``rows``) and by key span (``cols``)."""
 
     block_q: int
     block_k: int
-    rows: list[tuple[int, int, list[tuple[int, int, int, int, bool]]]]
+    rows: list[RowGroup]
     computed: int = 0  # Σ (r1 - r0)·(k1 - k0) over the computed rectangles
     tiles: int = 0
     partial: int = 0  # rectangles where the mask is evaluated
     partial_elems: int = 0  # Σ (r1 - r0)·(k1 - k0) over the partial ones
-    _cols: list | None = field(default=None, repr=False)
+    _cols: list[KeySpan] | None = field(default=None, repr=False)
 
     @property
-    def cols(self) -> list[tuple[int, int, list[tuple[int, int, int, bool]]]]:
-        """The same rectangles by key span: ``cols[j] = (k0, k1, [(g, r0, r1, partial), ...])``."""
+    def cols(self) -> list[KeySpan]:
+        """The same rectangles by key span, in key order."""
         if self._cols is None:
-            by_key: dict[tuple[int, int], list[tuple[int, int, int, bool]]] = {}
-            for g, (_, _, tiles) in enumerate(self.rows):
-                for r0, r1, k0, k1, part in tiles:
-                    by_key.setdefault((k0, k1), []).append((g, r0, r1, part))
-            self._cols = [(k0, k1, by_key[(k0, k1)]) for k0, k1 in sorted(by_key)]
+            by_key: dict[tuple[int, int], list[Rect]] = {}
+            for group in self.rows:
+                for rect in group.rects:
+                    by_key.setdefault((rect.k0, rect.k1), []).append(rect)
+            self._cols = [KeySpan(k0, k1, by_key[(k0, k1)]) for k0, k1 in sorted(by_key)]
         return self._cols
+
+    @property
+    def rects(self) -> list[Rect]:
+        """Every computed rectangle."""
+        return [rect for group in self.rows for rect in group.rects]
 
     def fraction(self, ext: Extent) -> float:
         """Share of the [Q, K] grid that is computed (1.0 = everything)."""
@@ -77,12 +114,12 @@ class Plan:
     @property
     def blocks(self) -> int:
         """Row groups with at least one rectangle."""
-        return sum(1 for _, _, tiles in self.rows if tiles)
+        return sum(1 for group in self.rows if group.rects)
 
     def cost(self, rows_per_q: int, n_workers: int = 1) -> float:
         """Estimated seconds of one float32 forward at d = dv = 64 (``rows_per_q`` = B·H), by the
         cost model above; ``n_workers`` threads share the score entries."""
-        Q = self.rows[-1][1] if self.rows else 0
+        Q = self.rows[-1].q1 if self.rows else 0
         per_worker = (self.computed * COST_ELEM + self.partial_elems * COST_PARTIAL_ELEM + Q * COST_ROW) * rows_per_q / n_workers
         return COST_CALL + self.tiles * COST_TILE + self.blocks * COST_BLOCK + self.partial * COST_PARTIAL_TILE + per_worker
 
@@ -141,53 +178,48 @@ def make_plan(p: Problem, block_q: int, block_k: int, group_q: int | None = None
     qcuts, kcuts = _cuts(ext.Q, block_q), _cuts(ext.K, block_k)
     per_q = max(1, ext.B * ext.H // len(split(ext.B, p.sizes["Hkv"], workers())))  # a worker's rows per query
     step = group_q // block_q  # blocks per row group
-    groups: list[list[tuple[int, int, int, int, bool]]] = [[] for _ in range(0, max(1, len(qcuts) - 1), step)]
+    groups: list[list[Rect]] = [[] for _ in range(0, max(1, len(qcuts) - 1), step)]
     for i0, i1, j0, j1, t in classify_leaves(p.mask, ext, qcuts, kcuts):
         if t is Tile.EMPTY:
             continue
         for g in range(i0 // step, (i1 - 1) // step + 1):  # a leaf may straddle row groups
             a, b = max(i0, g * step), min(i1, (g + 1) * step)
-            groups[g].append((qcuts[a], qcuts[b], kcuts[j0], kcuts[j1], t is Tile.PARTIAL))
-    rows, computed, tiles, partial, partial_elems = [], 0, 0, 0, 0
+            groups[g].append(Rect(qcuts[a], qcuts[b], kcuts[j0], kcuts[j1], t is Tile.PARTIAL))
+    rows = []
     for g, pieces in enumerate(groups):
         q0, q1 = qcuts[g * step], qcuts[min(len(qcuts) - 1, (g + 1) * step)]
-        out = [x for x in pieces if x[4]]
-        for r0, r1, k0, k1 in _merged_full(pieces):
-            wide = max(block_k, TILE_ELEMS // (per_q * (r1 - r0)) // block_k * block_k)  # widest rectangle
-            n = -(-(k1 - k0) // wide)
-            cuts = [k0 + (k1 - k0) * c // n for c in range(n + 1)]
-            out.extend((r0, r1, a, b, False) for a, b in zip(cuts, cuts[1:]))
-        for r0, r1, k0, k1, part in out:
-            elems = (r1 - r0) * (k1 - k0)
-            computed += elems
-            if part:
-                partial += 1
-                partial_elems += elems
-        tiles += len(out)
-        rows.append((q0, q1, _diagonal_first(out, ext)))
-    return Plan(block_q, block_k, rows, computed, tiles, partial, partial_elems)
+        rects = [x for x in pieces if x.partial]
+        for full in _merged_full(pieces):
+            wide = max(block_k, TILE_ELEMS // (per_q * (full.r1 - full.r0)) // block_k * block_k)  # widest rectangle
+            n = -(-(full.k1 - full.k0) // wide)
+            cuts = [full.k0 + (full.k1 - full.k0) * c // n for c in range(n + 1)]
+            rects.extend(full._replace(k0=a, k1=b) for a, b in zip(cuts, cuts[1:]))
+        rows.append(RowGroup(q0, q1, _diagonal_first(rects, ext)))
+    every = [rect for group in rows for rect in group.rects]
+    partial = [rect for rect in every if rect.partial]
+    return Plan(block_q, block_k, rows, sum(r.elems for r in every), len(every), len(partial), sum(r.elems for r in partial))
 
 
-def _merged_full(pieces: list[tuple[int, int, int, int, bool]]) -> list[tuple[int, int, int, int]]:
+def _merged_full(pieces: list[Rect]) -> list[Rect]:
     """Full rectangles with the same rows and touching key ranges, merged."""
-    merged: list[list[int]] = []
-    for r0, r1, k0, k1, _ in sorted(x for x in pieces if not x[4]):
+    merged: list[Rect] = []
+    for rect in sorted(x for x in pieces if not x.partial):
         last = merged[-1] if merged else None
-        if last and last[0] == r0 and last[1] == r1 and last[3] == k0:
-            last[3] = k1
+        if last and (last.r0, last.r1, last.k1) == (rect.r0, rect.r1, rect.k0):
+            merged[-1] = last._replace(k1=rect.k1)
         else:
-            merged.append([r0, r1, k0, k1])
-    return [tuple(m) for m in merged]
+            merged.append(rect)
+    return merged
 
 
-def _diagonal_first(tiles: list[tuple[int, int, int, int, bool]], ext: Extent) -> list[tuple[int, int, int, int, bool]]:
+def _diagonal_first(tiles: list[Rect], ext: Extent) -> list[Rect]:
     """Processing order in a row group: partial rectangles nearest the diagonal (either alignment)
     first, then the full ones. The online softmax takes keys in any order, but needs a max pass
     until every row has a max; the diagonal blocks are small and, for causal, window, document and
     padding masks, give every row some key, so the large full rectangles skip the max pass."""
-    def distance(t: tuple[int, int, int, int, bool]) -> tuple[bool, float, int]:
-        rc, kc = (t[0] + t[1]) / 2, (t[2] + t[3]) / 2
-        return (not t[4], min(abs(kc - rc), abs(kc - rc - (ext.K - ext.Q))), t[0])
+    def distance(t: Rect) -> tuple[bool, float, int]:
+        rc, kc = (t.r0 + t.r1) / 2, (t.k0 + t.k1) / 2
+        return (not t.partial, min(abs(kc - rc), abs(kc - rc - (ext.K - ext.Q))), t.r0)
 
     return sorted(tiles, key=distance)
 
@@ -243,16 +275,11 @@ def plan_for(p: Problem) -> Plan:
     """The tile plan for a call. ``block_q`` / ``block_k`` from ``p.options`` set the grid (and
     the row group is block_q rows); otherwise the row group comes from the heuristic and, with a
     mask, the grid is the candidate (``block_q`` = group/1 … /16, ``block_k`` = 256 or 128) whose
-    estimated cost is lowest, so masks that skip work get blocks small enough to skip it."""
-    cached = p.options.get("_tiled_plan")
-    if cached is not None:
-        return cached
-    p.options["_tiled_plan"] = plan = _plan_for(p)
-    return plan
-
-
-def _plan_for(p: Problem) -> Plan:
+    estimated cost is lowest, so masks that skip work get blocks small enough to skip it.
+    No queries or no keys: an empty plan (every row fully masked)."""
     bq_given, bk_given = _given(p, "block_q"), _given(p, "block_k")
+    if p.ext.Q == 0 or p.ext.K == 0:
+        return Plan(bq_given or 1, bk_given or 1, [])
     group, bk0 = default_blocks(p, bk_given or BLOCK_K)
     if bq_given:
         return make_plan(p, bq_given, bk0)

@@ -1,13 +1,20 @@
 """The "torch" backend: an adapter to ``F.scaled_dot_product_attention``, used only where it gives
 the reference's answer. PyTorch's bool mask has bhqk's polarity (True = may attend); its
-``is_causal`` is top-left, so a bottom-right causal mask with Q ≠ K becomes a dense mask."""
+``is_causal`` is top-left, so a bottom-right causal mask with Q ≠ K becomes a dense mask.
+
+PyTorch's kernels let NaN/inf cross the mask (0·NaN, inf - inf) and its fused kernel turns a NaN
+query row into zeros, so a call whose q (or, with a mask or bias, k or v) holds NaN/inf is computed
+by the tiled backend (the reference with dropout) instead: the same answer as every other backend."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..bias import Bias
 from ..masks import Causal, to_sdpa
+from ..shapes import all_finite
+from . import reference, tiled
 from .problem import Problem
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -33,37 +40,36 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in ``t``: a finite sum proves it cheaply; only a non-finite sum needs the full check."""
-    dt = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=dt))) or bool(torch.isfinite(t).all())
+def _bias(p: Problem, bias_: Bias) -> torch.Tensor:
+    """The bias [#B, #H, Q, K] in q's dtype; finite values below that dtype's lowest (a float32
+    ``finfo.min`` padding bias with bf16 inputs) become its lowest, not -inf (which would mask)."""
+    B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
+    lowest = torch.finfo(p.q.dtype).min
+    if bias_.floor >= lowest:
+        return bias_.materialize(B, H, Q, K, device=p.q.device, dtype=p.q.dtype)
+    bias = bias_.materialize(B, H, Q, K, device=p.q.device, dtype=torch.float32)
+    return torch.where(bias > float("-inf"), bias.clamp(min=lowest), bias).to(p.q.dtype)
 
 
-def _sanitize(p: Problem, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero K/V rows that no query may attend, but only if they hold NaN/inf (pytorch#101967)."""
-    k, v = p.k, p.v
-    if allowed is None or (_finite(k) and _finite(v)):
-        return k, v
-    H = p.ext.H
-    k = k.repeat_interleave(p.groups, dim=1)  # [B, Hkv, K, d] -> [B, H, K, d]
-    v = v.repeat_interleave(p.groups, dim=1)
-    reachable = allowed.expand(p.ext.B, H, p.ext.Q, p.ext.K).any(dim=-2)[..., None]  # [B, H, K, 1]
-    return k.masked_fill(~reachable, 0.0), v.masked_fill(~reachable, 0.0)
+def _nonfinite(p: Problem) -> bool:
+    """q, or (with a mask or bias) k or v, holds NaN/inf. Without a mask or bias every row attends
+    every key, so NaN/inf in k or v reach every row in SDPA as in the formula; only q is checked."""
+    structured = p.mask is not None or p.bias is not None
+    return not all_finite(p.q, *((p.k, p.v) if structured else ()))
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, None]:
+def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if _nonfinite(p):
+        return (reference.run if p.dropout_p > 0 else tiled.run)(p, need_lse)
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
     attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
-    allowed = attn_mask
-    if is_causal and (p.bias is not None or (Q < K and not (_finite(p.k) and _finite(p.v)))):
-        allowed = p.mask.materialize(B, H, Q, K, device=p.q.device)  # SDPA takes no is_causal with a mask
-        attn_mask, is_causal = allowed, False
+    if is_causal and p.bias is not None and p.mask is not None:
+        attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # SDPA takes no is_causal with a mask
     if p.bias is not None:
-        bias = p.bias.materialize(B, H, Q, K, device=p.q.device, dtype=p.q.dtype)
+        bias = _bias(p, p.bias)
         attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
-        allowed = torch.isfinite(attn_mask)
-    k, v = _sanitize(p, allowed)
+    k, v = p.k, p.v
     gqa = k.shape[1] != H
     if gqa and not HAS_GQA:
         k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))  # [B, Hkv, K, x] -> [B, H, K, x]

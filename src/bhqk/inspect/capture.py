@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import observe
+from .. import bias as bias_, masks, observe
+from ..functional import reference
 from ..functional.problem import Problem
-from ..functional.reference import softmax_rows
 from ..masks import Mask
+from ..shapes import Sizes, as_4d, compute_dtype
 
 WHAT = ("scores", "weights", "lse", "head_outputs")
 # The named axes of each intermediate (H and Q hold only the captured heads and rows).
@@ -104,8 +105,7 @@ def _tile(get, rows: list[int] | None, Q: int, K: int, heads: list[int], H: int)
     spans = [(0, Q)] if rows is None else _runs(rows)
     parts = []
     for q0, q1 in spans:
-        t = get(q0, q1)
-        t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [#B, #H, #q, #K]
+        t = as_4d(get(q0, q1))  # [#B, #H, #q, #K]
         parts.append(t.expand(*t.shape[:2], q1 - q0, K))  # [#B, #H, q, K]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [#B, #H, r, K]
     if t.shape[1] == H and H != 1:
@@ -113,35 +113,40 @@ def _tile(get, rows: list[int] | None, Q: int, K: int, heads: list[int], H: int)
     return t
 
 
+def narrow(p: Problem, heads: list[int], rows: list[int] | None) -> Problem:
+    """The call restricted to the query heads ``heads`` and the query rows ``rows`` (None: all):
+    q [B, h, r, d], k and v [B, h, K, ·] (the K/V head of each selected head), the mask and the bias
+    as dense [#B, #h, r, K] tiles. Nothing of the other heads' [Q, K] is built."""
+    ext, dev = p.ext, p.q.device
+    hi = torch.tensor(heads, device=dev)
+    q = p.q.index_select(1, hi)  # [B, H, Q, d] -> [B, h, Q, d]
+    if rows is not None:
+        q = q.index_select(2, torch.tensor(rows, device=dev))  # [B, h, Q, d] -> [B, h, r, d]
+    k, v = (t.index_select(1, hi // p.groups) for t in (p.k, p.v))  # [B, Hkv, K, ·] -> [B, h, K, ·]: head h reads K/V head h // G
+    mask = bias = None
+    if p.mask is not None:
+        mask = masks.dense(_tile(lambda q0, q1: p.mask.block(ext, q0, q1, 0, ext.K, dev), rows, ext.Q, ext.K, heads, ext.H))
+    if p.bias is not None:
+        dt = compute_dtype(p.q)
+        bias = bias_.dense(_tile(lambda q0, q1: p.bias.block(ext, q0, q1, 0, ext.K, dev, dt), rows, ext.Q, ext.K, heads, ext.H))
+    sizes = Sizes(B=ext.B, H=len(heads), Hkv=len(heads), Q=q.shape[2], K=ext.K, d=q.shape[3], dv=v.shape[3])
+    return Problem(q, k, v, sizes, mask, bias, p.scale, p.softcap)
+
+
 def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor | None = None):
     """(S, P, lse) for the selected heads and rows of one call: [B, h, r, K], [B, h, r, K], [B, h, r].
 
-    The same math as the reference backend, on [B, h, r, K] instead of [B, H, Q, K]. With ``lse``
+    The reference's scores on the call narrowed to those heads and rows (:func:`narrow`). With ``lse``
     (the call's log-sum-exp [B, H, Q]) P = exp(S − lse) and no row reduction is needed.
     """
-    ext = p.ext
-    dt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
-    hi = torch.tensor(heads, device=p.q.device)
-    q = p.q.index_select(1, hi)  # [B, H, Q, d] -> [B, h, Q, d]
-    k = p.k.index_select(1, hi // p.groups)  # [B, Hkv, K, d] -> [B, h, K, d]: head h reads kv head h // (H/Hkv)
-    if rows is not None:
-        q = q.index_select(2, torch.tensor(rows, device=q.device))  # [B, h, Q, d] -> [B, h, r, d]
-    S = torch.einsum("bhqd,bhkd->bhqk", q.to(dt), k.to(dt)) * p.scale  # [B, h, r, K]
-    if p.softcap is not None:
-        S = p.softcap * torch.tanh(S / p.softcap)
-    if p.bias is not None:
-        S = S + _tile(lambda q0, q1: p.bias.block(ext, q0, q1, 0, ext.K, S.device, dt), rows, ext.Q, ext.K, heads, ext.H)
-    if p.mask is not None:
-        allowed = _tile(lambda q0, q1: p.mask.block(ext, q0, q1, 0, ext.K, S.device), rows, ext.Q, ext.K, heads, ext.H)
-        S = S.masked_fill(~allowed, float("-inf"))
+    S, _ = reference.scores(narrow(p, heads, rows))  # [B, h, r, K]
     if lse is None:
-        P, lse_sel = softmax_rows(S)
-    else:
-        lse_sel = lse.index_select(1, hi).to(dt)  # [B, H, Q] -> [B, h, Q]
-        if rows is not None:
-            lse_sel = lse_sel.index_select(2, torch.tensor(rows, device=lse.device))  # [B, h, r]
-        finite = torch.isfinite(lse_sel)[..., None]  # [B, h, r, 1]; -inf marks a fully masked row
-        P = torch.where(finite, torch.exp(S - torch.where(finite, lse_sel[..., None], 0.0)), 0.0)
+        return (S, *reference.softmax_rows(S))
+    lse_sel = lse.index_select(1, torch.tensor(heads, device=lse.device)).to(S.dtype)  # [B, H, Q] -> [B, h, Q]
+    if rows is not None:
+        lse_sel = lse_sel.index_select(2, torch.tensor(rows, device=lse.device))  # [B, h, r]
+    finite = torch.isfinite(lse_sel)[..., None]  # [B, h, r, 1]; -inf marks a fully masked row
+    P = torch.where(finite, torch.exp(S - torch.where(finite, lse_sel[..., None], 0.0)), 0.0)
     return S, P, lse_sel
 
 
@@ -272,4 +277,4 @@ def capture(
         yield cap
 
 
-__all__ = ["capture", "Capture", "Record", "recompute"]
+__all__ = ["capture", "Capture", "Record", "recompute", "narrow"]

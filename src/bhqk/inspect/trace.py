@@ -24,6 +24,7 @@ class Call:
     mask: str
     module: str = ""
     steps: list[tuple[str, str]] = field(default_factory=list)
+    module_id: int | None = field(default=None, repr=False)  # id() of the module that made the call
 
 
 class Trace:
@@ -43,16 +44,16 @@ class Trace:
                 "out": named_shape(("B", "H", "Q", "dv"), data["out"].shape),
             }
             mask = repr(p.mask) if p.mask is not None else "none"
-            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask))
-        elif event == "mha" and self.calls:
-            m = data["module"]
-            call = self.calls[-1]
+            module = data.get("module")
+            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask,
+                                   module_id=None if module is None else id(module)))
+        elif event == "mha" and self.calls and self.calls[-1].module_id == id(data["module"]):
+            m, call = data["module"], self.calls[-1]
             call.module = self._names.get(id(m), f"{type(m).__name__}")
-            x, out = data["x"], data["out"]
-            if x is not None:
-                call.steps.append(("x", named_shape(("B", "Q", "D"), x.shape)))
-            call.steps.append(("merge heads", named_shape(("B", "Q", "H·dv"), data["merged"].shape)))
-            call.steps.append(("out", named_shape(("B", "Q", "D"), out.shape)))
+            s = call.sizes
+            call.steps.append(("x", named_shape(("B", "Q", "D"), data["x"].shape)))
+            call.steps.append(("merge heads", named_shape(("B", "Q", "H·dv"), (s["B"], s["Q"], s["H"] * s["dv"]))))
+            call.steps.append(("out", named_shape(("B", "Q", "D"), data["out"].shape)))
 
     def __len__(self) -> int:
         return len(self.calls)

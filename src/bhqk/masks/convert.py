@@ -6,7 +6,7 @@ import torch
 
 from ..errors import MaskError
 from .args import _what, count
-from .base import Extent, Mask
+from .base import Extent, Mask, _as_mask
 from .causal import Causal
 from .dense import dense
 from .padding import key_padding
@@ -87,10 +87,14 @@ def to_sdpa(mask: Mask | None, B: int, H: int, Q: int, K: int, device=None) -> d
 
 
 def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
-    """Accept a bhqk mask, a bool tensor (wrapped by ``dense``) or None."""
-    if mask is None or isinstance(mask, Mask):
-        return mask
-    return dense(mask)
+    """Accept a bhqk mask, a bool tensor (wrapped by ``dense``) or None: the ``mask`` argument of
+    every attention call (the same conversion as ``&`` and ``|`` use)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, (Mask, torch.Tensor)):
+        raise MaskError(f"mask must be a bhqk mask or a bool tensor broadcastable to [B, H, Q, K] (True = may attend), "
+                        f"got {type(mask).__name__}.")
+    return _as_mask(mask)
 
 
 __all__ = ["from_torch_mha", "from_hf", "to_sdpa", "as_mask", "Extent"]

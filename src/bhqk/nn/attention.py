@@ -141,21 +141,19 @@ class MultiHeadAttention(nn.Module):
         v = split_heads(self.v_proj(value), self.num_kv_heads, "v_proj(value)")  # [B, Hkv, K, dv]
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, K_past + Q, d], [B, Hkv, K_past + Q, dv]
-        return self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, x=x, backend=backend)
+        result = self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, backend=backend)
+        if observe.active():
+            out = result[0] if return_weights else result
+            observe.emit("mha", module=self, x=x, q=q, k=k, v=v, out=out)
+        return result
 
-    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, x=None, backend=None):
+    def attend(self, q, k, v, *, mask=None, bias=None, return_weights=False, backend=None):
         """Heads in, model width out: attention [B, H, Q, dv] → merge [B, Q, H·dv] → W_O [B, Q, D]."""
         dropout_p = self.dropout if self.training else 0.0
         backend = self.backend if backend is None else backend
-        if observe.active():
-            with observe.scope(self):
-                o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
-        else:
+        with observe.scope(self):  # observers see this module as the caller
             o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
-        merged = merge_heads(o)  # [B, Q, H·dv]
-        out = self.out_proj(merged)  # [B, Q, D]
-        if observe.active():
-            observe.emit("mha", module=self, x=x, q=q, k=k, v=v, o=o, merged=merged, out=out)
+        out = self.out_proj(merge_heads(o))  # [B, Q, H·dv] -> [B, Q, D]
         if return_weights:
             return out, attention_weights(q, k, mask, bias=bias)  # [B, H, Q, K]
         return out

@@ -1,9 +1,9 @@
-"""Peak memory of this process, for the demo and the benchmark: CUDA allocator stats on GPUs, the
+"""Peak memory of this process, for the benchmarks (benchmarks/ring.py): CUDA allocator stats on GPUs, the
 kernel's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) on CPUs.
 
 On the CPU, glibc keeps freed blocks below its (adaptive) mmap threshold in its heap and hands them
 out again without the resident set growing, which hides allocations from VmHWM. Call
-:func:`exact_cpu_peaks` before the first large allocation (the demo and the benchmark do): it fixes
+:func:`exact_cpu_peaks` before the first large allocation (the benchmark does): it fixes
 the threshold at 128 KiB (``mallopt``), so every tensor of that size or more is mapped when
 allocated and unmapped when freed, and the high-water mark counts what was really held.
 """
