@@ -189,7 +189,7 @@ def test_flex_sinks_seam_matches_the_formula():
     q, k, v = qkv(B, H, 2, Q, K, 8)
     p = prepare(q, k, v, _kinds(B, H, Q, K)["causal&padding"])
     p.sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)  # [H]
-    S = reference.scores(p, reference.allowed(p))  # [B, H, Q, K]
+    S, _ = reference.scores(p)  # [B, H, Q, K]
     S = torch.cat([S, p.sinks[None, :, None, None].expand(B, H, Q, 1)], dim=-1)  # the sink as one more column
     P = torch.softmax(S, dim=-1)[..., :K].nan_to_num(0.0)  # weights of the real keys
     want = P @ v.repeat_interleave(2, dim=1)  # [B, H, Q, dv]

@@ -38,7 +38,7 @@ from ..bias import ALiBi, Bias, Dense as DenseBias, Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from .problem import Problem
-from .torch_sdpa import _finite, _sanitize
+from ..shapes import all_finite
 
 BLOCK = 128  # FlexAttention's sparse block (tile) size
 
@@ -213,10 +213,10 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     q, k, v = p.q, p.k, p.v
     if not _grad(p):  # FlexAttention refuses CPU tensors that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    if not (_finite(k) and _finite(v)):  # zero K/V rows no query may attend (O(Q·K) only in this case)
-        from .reference import allowed
+    if not all_finite(q, k, v):  # FlexAttention lets NaN/inf cross the mask: the tiled backend keeps them where they belong
+        from . import tiled
 
-        k, v = _sanitize(p, allowed(p))  # may expand K/V to H heads
+        return tiled.run(p, need_lse)
     gqa = k.shape[1] != e.H
     bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
     mod = score_mod(p)
