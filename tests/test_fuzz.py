@@ -9,10 +9,9 @@ argument — never another exception type, a NaN the formula does not have, or a
 Bounded: derandomized, a few dozen examples per test. ``BHQK_FUZZ_EXAMPLES=500`` runs more, with
 fresh random examples.
 
-Cases the kernel branch fixes (NaN/inf in a value a row may not attend, +inf in a key, a
-``finfo.min`` bias, scale/softcap/bias non-finite or not numbers, K = 0) live in
-``test_fuzz_nonfinite_values_in_unattended_keys`` and ``test_kernel_cases``, marked
-``xfail(strict=True)``: remove the marks (``KERNEL``) once that branch is merged.
+Numerical edges (NaN/inf in a value a row may not attend, +inf in a key, a ``finfo.min`` bias,
+scale/softcap/bias non-finite or not numbers, K = 0) live in
+``test_fuzz_nonfinite_values_in_unattended_keys`` and ``test_kernel_cases``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
 
-KERNEL = pytest.mark.xfail(strict=True, reason="fixed on the kernel branch (NaN/inf values, finfo.min bias, scale/softcap, K=0)")
 
 _MORE = int(os.environ.get("BHQK_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
@@ -310,7 +308,6 @@ def nonfinite_in_unattended_values(draw):
     return q, k, v, mask, allowed, dtype, draw(st.sampled_from(["reference", "tiled", "torch", "auto"])), block
 
 
-@KERNEL
 @settings(FUZZ, max_examples=_MORE or 25, phases=[Phase.explicit, Phase.generate])
 @given(nonfinite_in_unattended_values())
 def test_fuzz_nonfinite_values_in_unattended_keys(case):
@@ -379,7 +376,6 @@ KERNEL_CASES = {
 }
 
 
-@KERNEL
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_cases(case):
     with no_hang():

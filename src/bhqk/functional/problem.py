@@ -65,8 +65,8 @@ def prepare(
             except MaskError as e:
                 raise MaskError(f"{e}\n{sizes.table()}") from None
     scale, softcap = check_scalars(sizes, scale, softcap)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}.")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}.")
     return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options or {}))
 
 
