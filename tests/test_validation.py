@@ -47,7 +47,7 @@ from bhqk.nn import MultiHeadAttention
     (lambda: masks.from_hf([[1, 0]]), r"from_hf: attention_mask must be a tensor \[B, K\]"),
     (lambda: masks.causal().materialize(1, 1, -3, 4), r"materialize: Q must be an integer with Q >= 0, got -3"),
     (lambda: masks.causal().materialize(1, 1.5, 3, 3), r"materialize: H must be an integer"),
-    (lambda: masks.causal().materialize(0, 1, 3, 3), r"materialize: B must be an integer with B >= 1"),
+    (lambda: masks.causal().materialize(-1, 1, 3, 3), r"materialize: B must be an integer with B >= 0"),
     (lambda: masks.and_masks(), r"and_masks needs at least one mask"),
     (lambda: masks.or_masks(), r"or_masks needs at least one mask"),
     (lambda: masks.and_masks(masks.causal(), 3), r"cannot combine a mask with int"),

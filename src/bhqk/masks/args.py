@@ -58,6 +58,7 @@ def alignment(who: str, align: object) -> str | None:
 
 
 def extent(who: str, B: object, H: object, Q: object, K: object) -> tuple[int, int, int, int]:
-    """The sizes a mask is materialized or drawn at: B, H >= 1 and Q, K >= 0."""
-    return (count(who, "B", B, minimum=1), count(who, "H", H, minimum=1),
+    """The sizes a mask is materialized or drawn at: H >= 1 and B, Q, K >= 0 (empty sizes are
+    allowed everywhere: they give fully-masked semantics, docs/design.md §2)."""
+    return (count(who, "B", B), count(who, "H", H, minimum=1),
             count(who, "Q", Q), count(who, "K", K))
