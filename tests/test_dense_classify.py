@@ -4,6 +4,8 @@ the tile; combinations combine their parts' classes), for any mask, broadcast sh
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ from bhqk.masks.dense import GRID_CODES
 
 def per_tile(mask: Mask, ext: Extent, bq: int, bk: int) -> list[list[Tile]]:
     qc, kc = _cuts(ext.Q, bq), _cuts(ext.K, bk)
-    return [[mask.classify(ext, q0, q1, k0, k1) for k0, k1 in zip(kc, kc[1:])] for q0, q1 in zip(qc, qc[1:])]
+    return [[mask.classify(ext, q0, q1, k0, k1) for k0, k1 in pairwise(kc)] for q0, q1 in pairwise(qc)]
 
 
 @st.composite

@@ -522,10 +522,11 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registry entry: out [B, H, Q, dv] and, when asked, lse [B, H, Q]; differentiable in
-    q, k, v, a dense bias, and lse itself when the inputs require grad."""
-    plan = plan_for(p)
+    q, k, v, a dense bias, and lse itself when the inputs require grad. ``plan``: the tile plan
+    ``auto`` made while estimating (default: plan now)."""
+    plan = plan_for(p) if plan is None else plan
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
     if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in (p.q, p.k, p.v))):
         out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, *(b.tensor for b in dense))

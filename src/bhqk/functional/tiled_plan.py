@@ -17,12 +17,13 @@ case and only its diagonal with small tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
 from ..errors import BackendError
-from ..masks import And, Causal, Dense, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, SlidingWindow, Tile
-from ..masks.dense import GRID_CODES
+from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, SlidingWindow, Tile
+from ..masks.dense import GRID_CODES, Dense
 from .problem import Problem
 
 # Score-tile size the heuristic aims for, per worker thread (one core), in elements of its slice
@@ -152,8 +153,8 @@ def grid_codes(mask: Mask, ext: Extent, block_q: int, block_k: int) -> torch.Ten
     if _arithmetic(mask):
         qcuts, kcuts = _cuts(ext.Q, block_q), _cuts(ext.K, block_k)
         code = {Tile.EMPTY: 0, Tile.FULL: 1, Tile.PARTIAL: 2}
-        return torch.tensor([[code[mask.classify(ext, q0, q1, k0, k1)] for k0, k1 in zip(kcuts, kcuts[1:])]
-                             for q0, q1 in zip(qcuts, qcuts[1:])], dtype=torch.int8).reshape(len(qcuts) - 1, len(kcuts) - 1)
+        return torch.tensor([[code[mask.classify(ext, q0, q1, k0, k1)] for k0, k1 in pairwise(kcuts)]
+                             for q0, q1 in pairwise(qcuts)], dtype=torch.int8).reshape(len(qcuts) - 1, len(kcuts) - 1)
     return None
 
 
