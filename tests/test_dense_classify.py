@@ -88,3 +88,14 @@ def test_empty_extent_and_broadcast_mask():
     codes = m.classify_grid(Extent(2, 1, 5, 3), 2, 1)
     assert codes.tolist() == [[1, 0, 1]] * 3
     assert masks.dense(torch.ones(1, 1, 0, 4, dtype=torch.bool)).classify_grid(Extent(1, 1, 0, 4), 2, 2).shape == (0, 2)
+
+
+def test_classification_is_shared_by_masks_on_one_tensor_until_it_changes():
+    t = torch.zeros(1, 1, 32, 32, dtype=torch.bool)
+    t[..., :16] = True
+    ext = Extent(1, 1, 32, 32)
+    first = masks.dense(t).classify_grid(ext, 16, 16)
+    assert first.tolist() == [[1, 0], [1, 0]]
+    assert masks.dense(t)._grids is masks.dense(t)._grids  # a model's layers share one classification
+    t[0, 0, 20, 20] = True  # changed in place: classified again, never stale
+    assert masks.dense(t).classify_grid(ext, 16, 16).tolist() == [[1, 0], [1, 2]]

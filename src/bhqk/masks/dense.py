@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -27,7 +28,7 @@ class Dense(Mask):
         if tensor.dim() > 4:
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
-        self._grids: dict[tuple, torch.Tensor] = {}  # classify_grid's results, per extent and grid
+        self._grids = _grids_of(tensor)  # classify_grid's results, per extent and grid
 
     def check(self, ext: Extent) -> None:
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
@@ -84,6 +85,23 @@ class Dense(Mask):
 
     def __repr__(self) -> str:
         return f"dense(<bool {list(self.tensor.shape)}>)"
+
+
+_SHARED: dict[int, tuple[weakref.ref, int, dict]] = {}  # id(tensor) -> (tensor, its version, grids)
+
+
+def _grids_of(tensor: torch.Tensor) -> dict:
+    """The grid classifications of ``tensor``, shared by every ``Dense`` built on the same tensor
+    while it is unchanged (its in-place version counter): a model hands the same mask tensor to
+    every layer, and a new ``Dense`` wraps it at each call."""
+    entry = _SHARED.get(id(tensor))
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2]
+    if entry is None or entry[0]() is not tensor:
+        weakref.finalize(tensor, _SHARED.pop, id(tensor), None)
+    grids: dict = {}
+    _SHARED[id(tensor)] = (weakref.ref(tensor), tensor._version, grids)
+    return grids
 
 
 @contextlib.contextmanager
