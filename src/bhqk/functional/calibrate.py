@@ -34,7 +34,7 @@ from .. import masks
 from . import tiled, tiled_plan, torch_sdpa
 from .problem import prepare
 
-VERSION = 1  # bump when what is measured changes: old cache entries are then ignored
+VERSION = 2  # bump when what is measured changes: old cache entries are then ignored
 
 
 @dataclass(frozen=True)
@@ -180,16 +180,17 @@ def tiled_parts(p, plan) -> tuple[float, float]:
 
 
 def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Forward+backward / forward of SDPA and of the tiled backend (causal, the measured size)."""
+    """Forward+backward / forward of SDPA and of the tiled backend (no mask, the measured size:
+    SDPA's causal backward at this size gains less than its forward, which skewed the ratio)."""
     q, k, v = _inputs(device, dtype, grad=True)
     fns = {}
     for name, run in (("sdpa", torch_sdpa.run), ("tiled", tiled.run)):
         def fwd(run=run):
             with torch.no_grad():
-                run(prepare(q, k, v, masks.causal()))
+                run(prepare(q, k, v))
 
         def both(run=run):
-            out, _ = run(prepare(q, k, v, masks.causal()))
+            out, _ = run(prepare(q, k, v))
             out.sum().backward()
 
         fns[name], fns[name + "_both"] = fwd, both

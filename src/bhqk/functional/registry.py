@@ -1,6 +1,9 @@
-"""Backends are registry entries, not flags. ``why_not`` says in words why one cannot take a call;
-``auto`` picks by what each can do and what each costs, and never falls back silently to a path
-whose memory grows with Q·K."""
+"""Backends are registry entries, not flags. Each says in words why it cannot take a call
+(``why_not``) and what a call would cost it (``estimate``, from costs measured on this machine:
+``calibrate``). ``auto`` (:func:`decide`) weighs every registered backend that can take the call,
+runs the cheapest with the plan its estimate made, and says why (:func:`choose_backend`). A backend
+without an estimate (the reference, whose memory grows with Q·K) is never picked: auto never falls
+back silently to an O(Q·K)-memory path."""
 
 from __future__ import annotations
 
