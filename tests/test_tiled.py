@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
-from bhqk.functional import prepare, registry, tiled
+from bhqk.functional import prepare, tiled
 from bhqk.functional.merge import merge
 from bhqk.functional.tiled_plan import TILE_ELEMS, classify_leaves, make_plan, plan_for, split, workers
 from bhqk.masks import Tile

@@ -34,7 +34,7 @@ from .. import masks
 from . import tiled, tiled_plan, torch_sdpa
 from .problem import prepare
 
-VERSION = 3  # bump when what is measured changes: old cache entries are then ignored
+VERSION = 4  # bump when what is measured changes: old cache entries are then ignored
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[Non
 N, H, D = 512, 4, 64  # the measured call: [1, H, N, D]; ~1 M score entries, a few ms on a CPU core
 
 
-def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, float]:
+def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5) -> dict[str, float]:
     """Fastest of ``rounds`` timed runs of each function, the functions interleaved round by round
     after one warm-up each: the machines are shared, and interleaving lets a burst of load hit
     every function alike (only the ratios between them decide anything)."""
@@ -138,7 +138,7 @@ def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H, gr
 
 def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     """Time SDPA (no mask, is_causal, a dense mask; a tiny call), building a mask, and the tiled
-    backend (an element-bound and an overhead-bound call), forward only, interleaved: 28
+    backend (an element-bound and an overhead-bound call), forward only, interleaved: 42
     runs of 0.1-5 ms."""
     q, k, v = _inputs(device, dtype)
     tq, tk, tv = _inputs(device, dtype, 16, 1)
@@ -194,7 +194,7 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
             out.sum().backward()
 
         fns[name], fns[name + "_both"] = fwd, both
-    t = _fastest(fns, device, rounds=3)
+    t = _fastest(fns, device)
     q.grad = k.grad = v.grad = None
     return {f"{n}_backward": max(1.5, t[n + "_both"] / t[n]) for n in ("sdpa", "tiled")}
 
