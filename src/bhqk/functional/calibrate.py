@@ -34,7 +34,7 @@ from .. import masks
 from . import tiled, tiled_plan, torch_sdpa
 from .problem import prepare
 
-VERSION = 4  # bump when what is measured changes: old cache entries are then ignored
+VERSION = 5  # bump when what is measured changes: old cache entries are then ignored
 
 
 @dataclass(frozen=True)
@@ -115,19 +115,29 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[Non
 N, H, D = 512, 4, 64  # the measured call: [1, H, N, D]; ~1 M score entries, a few ms on a CPU core
 
 
+SAMPLE_S = 4e-3  # each timed sample repeats a call until it lasts about this long
+
+
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5) -> dict[str, float]:
-    """Fastest of ``rounds`` timed runs of each function, the functions interleaved round by round
-    after one warm-up each: the machines are shared, and interleaving lets a burst of load hit
-    every function alike (only the ratios between them decide anything)."""
+    """Seconds per call of each function: the fastest of ``rounds`` samples, the functions
+    interleaved round by round after one warm-up each (the machines are shared: interleaving lets
+    a burst of load hit every function alike, and only the ratios between them decide anything).
+    A sample repeats a short call until it lasts ``SAMPLE_S``: a 0.5 ms call that loses the core
+    for a scheduler slice measured 20-40× too slow in every round, a 10 ms one tiled call 5×."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = dict.fromkeys(fns, float("inf"))
+    reps = dict.fromkeys(fns, 1)
     for r in range(rounds + 1):
         for name, fn in fns.items():
             t = time.perf_counter()
-            fn()
+            for _ in range(reps[name]):
+                fn()
             sync()
+            took = (time.perf_counter() - t) / reps[name]
             if r:
-                best[name] = min(best[name], time.perf_counter() - t)
+                best[name] = min(best[name], took)
+            else:
+                reps[name] = max(1, min(50, round(SAMPLE_S / max(took, 1e-6))))
     return best
 
 
@@ -138,8 +148,8 @@ def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H, gr
 
 def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     """Time SDPA (no mask, is_causal, a dense mask; a tiny call), building a mask, and the tiled
-    backend (an element-bound and an overhead-bound call), forward only, interleaved: 42
-    runs of 0.1-5 ms."""
+    backend (an element-bound and an overhead-bound call), forward only, interleaved,
+    each sample about ``SAMPLE_S`` long: about 0.2 s in all on a quiet 2-core machine."""
     q, k, v = _inputs(device, dtype)
     tq, tk, tv = _inputs(device, dtype, 16, 1)
     dense = masks.dense(torch.rand(1, 1, N, N, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
