@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,12 +37,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 import bhqk
+import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 from bhqk import masks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a developer's machine
-MASKS = ["none", "causal", "window256", "window1024", "document", "padding"]
-IMPLS = ["tiled", "auto", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex"]  # flex: raw FlexAttention; bhqk_flex: backend="flex"
+MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
+IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex"]  # flex: raw FlexAttention; bhqk_flex: backend="flex"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwdbwd"]
 NS = [1024, 2048, 4096, 8192, 16384]
@@ -52,6 +52,11 @@ NS = [1024, 2048, 4096, 8192, 16384]
 # ---- one configuration -------------------------------------------------------------------------
 
 def bhqk_mask(name: str, N: int):
+    """The mask of a kind; ``hf_*`` kinds are what Hugging Face hands attention: a dense bool
+    tensor [B, 1, Q, K] (B = 1 here) of the same pattern as the structured kind."""
+    if name.startswith("hf_"):
+        m = bhqk_mask(name[3:], N)
+        return m.materialize(1, 1, N, N).contiguous()  # [1, 1, N, N] bool
     if name == "none":
         return None
     if name == "causal":
@@ -66,6 +71,7 @@ def bhqk_mask(name: str, N: int):
 
 
 def flex_mask_mod(name: str, N: int):
+    name = name.removeprefix("hf_")  # the same pattern, as FlexAttention would build it
     if name == "causal":
         return lambda b, h, q, k: q >= k
     if name.startswith("window"):
@@ -94,12 +100,12 @@ class Case:
 
     def fn(self, impl: str):
         q, k, v, m = self.q, self.k, self.v, self.m
-        if impl in ("tiled", "auto", "reference"):
+        if impl in ("tiled", "auto", "reference", "torch"):
             return lambda: bhqk.attention(q, k, v, m, backend=impl)
         if impl in ("sdpa_flash", "sdpa_math"):
             kind = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.MATH
             causal = self.mask == "causal"
-            dense = None if self.mask in ("none", "causal") else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
+            dense = None if self.mask in ("none", "causal") else m if isinstance(m, torch.Tensor) else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
 
             def call():
                 with sdpa_kernel(kind):
@@ -140,7 +146,7 @@ def estimate_gib(impl: str, mask: str, N: int, mode: str, H: int = 8) -> float:
         return nn * (3.5 if mode == "fwd" else 7)
     if impl == "sdpa_math":
         return nn * (2.5 if mode == "fwd" else 5) + dense
-    if impl == "sdpa_flash":
+    if impl in ("sdpa_flash", "torch"):
         return dense + 0.1
     return 0.3
 
@@ -244,7 +250,7 @@ def tables(records: list[dict], impls: list[str]) -> str:
     for key in sorted(by, key=lambda k: (MASKS.index(k[0]) if k[0] in MASKS else 99, k[2], k[3], k[1])):
         row = by[key]
         tf = ratio(row.get("tiled"), row.get("sdpa_flash"))
-        best = [row[i]["median_ms"] for i in ("tiled", "sdpa_flash") if i in row and "median_ms" in row[i]]
+        best = [row[i]["median_ms"] for i in ("tiled", "sdpa_flash", "torch") if i in row and "median_ms" in row[i]]
         ab = row["auto"]["median_ms"] / min(best) if best and "auto" in row and "median_ms" in row["auto"] else None
         cells = [fmt_time(row.get(i)) if not (row.get(i) or {}).get("skipped") else "skip" for i in impls]
         cells += [f"{tf:.2f}×" if tf else "—", f"{ab:.2f}×" if ab else "—"]
@@ -298,19 +304,49 @@ def targets(records: list[dict]) -> str:
     for (impl, mask, N, dtype, mode), r in get.items():
         if impl != "auto" or "median_ms" not in r:
             continue
-        best = [x for x in (t("tiled", mask, N, mode, dtype), t("sdpa_flash", mask, N, mode, dtype)) if x]
+        best = [x for x in (t("tiled", mask, N, mode, dtype), t("sdpa_flash", mask, N, mode, dtype),
+                            t("torch", mask, N, mode, dtype)) if x]
         if best:
             q = r["median_ms"] / min(best)
             if worst is None or q > worst[0]:
                 worst = (q, f"{mask}, N={N}, {dtype}, {mode}")
     if worst:
-        add(f"auto / min(SDPA-flash, tiled) ≤ 1.10 on every configuration (worst: {worst[1]})", worst[0], worst[0] <= 1.10)
+        add(f"auto / min(SDPA-flash, torch, tiled) ≤ 1.10 on every configuration (worst: {worst[1]})", worst[0], worst[0] <= 1.10)
+    for (impl, mask, N, dtype, mode), r in sorted(get.items()):
+        if impl != "auto" or not mask.startswith("hf_") or "median_ms" not in r:
+            continue  # a dense HF mask: auto against torch given it and tiled given the structured mask
+        best = [x for x in (t("torch", mask, N, mode, dtype), t("tiled", mask[3:], N, mode, dtype)) if x]
+        if best:
+            q = r["median_ms"] / min(best)
+            add(f"{mask} (dense [1, 1, N, N]), N={N}, {dtype}, {mode}: auto / min(torch given it, tiled given "
+                f"{mask[3:]}) ≤ 1.10", q, q <= 1.10)
     for mode in MODES:
         m = mem("tiled", "none", 16384, mode)
         add(f"tiled peak extra memory, no mask, N=16384, fp32, {mode} < 256 MiB", m, m is not None and m < 256, unit=" MiB")
     if not rows:
         return ""
     return "\n".join(["Targets (this run):", "", "| target | measured | |", "|---|---|---|", *rows])
+
+
+def planning(mask: str, N: int, repeat: int, H: int = 8, d: int = 64) -> dict:
+    """Median seconds of the tiled backend's tile planning for ``mask`` at [1, H, N, N], each time
+    with a fresh mask object (no classification cached from the run before)."""
+    from bhqk.functional import prepare
+    from bhqk.functional.tiled_plan import plan_for
+
+    q = torch.empty(1, H, N, d)
+    times, cpu, plan = [], [], None
+    for _ in range(repeat):
+        m = bhqk_mask(mask, N)
+        m = m.clone() if isinstance(m, torch.Tensor) else m
+        p = prepare(q, q, q, m)
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = plan_for(p)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return {"mask": mask, "N": N, "plan_ms": 1e3 * statistics.median(times), "plan_ms_all": [1e3 * x for x in times],
+            "plan_cpu_ms": 1e3 * statistics.median(cpu),
+            "block_q": plan.block_q, "block_k": plan.block_k, "tiles": plan.tiles, "computed": plan.computed}
 
 
 def plot(records: list[dict], impls: list[str], stem: str, folder: Path = RESULTS) -> list[str]:
@@ -375,6 +411,7 @@ def main() -> None:
     ap.add_argument("--tag", default="attention", help="file stem of the JSON and PNGs")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for the JSON and PNGs (default benchmarks/results/; --quick: benchmarks/results/local/)")
+    ap.add_argument("--planning", action="store_true", help="only time the tiled backend's tile planning per mask and N")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -389,9 +426,17 @@ def main() -> None:
 
     folder = a.out or (LOCAL if a.quick else RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "B": 1, "H": 8, "d": 64}
+    meta = {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]), **machine.describe(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "B": 1, "H": 8, "d": 64}
+    if a.planning:
+        rows = [planning(mask, N, repeat) for mask in mks for N in ns]
+        for r in rows:
+            print(f"{r['mask']:>13} N={r['N']:<6} planning {r['plan_ms']:8.1f} ms, CPU time {r['plan_cpu_ms']:.1f} ms (median of {repeat}; all "
+                  f"{', '.join(f'{x:.1f}' for x in r['plan_ms_all'])}), grid {r['block_q']}×{r['block_k']}, {r['tiles']} tiles")
+        out = folder / f"{a.tag}.json"
+        out.write_text(json.dumps({"meta": {**meta, "loadavg_end": os.getloadavg()}, "planning": rows}, indent=1))
+        print(f"wrote {out}")
+        return
     records = []
     bar = tqdm(total=len(dts) * len(modes) * len(mks) * len(ns) * len(impls), unit=" result", leave=False,
                disable=not (sys.stderr.isatty() and sys.stdout.isatty()))  # a terminal only; quiet when piped

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# auto's costs: the built-in reference table, not this machine's measurement, so the choices tests
+# see do not depend on the machine or its load (tests/test_auto.py measures on its own)
+os.environ.setdefault("BHQK_COSTS", "reference")
+
 from bhqk import masks
 from bhqk.functional import names
 

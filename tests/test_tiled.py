@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
-from bhqk.functional import prepare, registry, tiled
+from bhqk.functional import prepare, tiled
 from bhqk.functional.merge import merge
 from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, classify_leaves, make_plan, plan_for, split, workers
 from bhqk.masks import Tile
@@ -453,30 +453,7 @@ def test_heuristic_tile_sizes():
 
 # ---- the auto policy -----------------------------------------------------------------------------
 
-def test_auto_policy_choices_and_reasons():
-    big = torch.empty(1, 8, 4096, 64)
-    q = k = v = big
-    choice = registry.decide(prepare(q, k, v), False)
-    assert choice.backend.name == "torch" and "as is" in choice.reason  # no mask: the fused kernel
-    assert registry.decide(prepare(q, k, v, masks.causal()), False).backend.name == "torch"
-    assert registry.decide(prepare(q, k, v), True).backend.name == "tiled"  # lse wanted
-    assert registry.decide(prepare(q, k, v, softcap=30.0), False).backend.name == "tiled"
-    for m in (masks.sliding_window(256), masks.document(torch.arange(4096) // 512)):
-        c = registry.decide(prepare(q, k, v, m), False)  # masks SDPA takes only dense: the cheaper by the cost model
-        assert set(c.estimates) == {"torch", "tiled"} and c.backend.name == min(c.estimates, key=c.estimates.get)
-        assert (c.plan is not None) == (c.backend.name == "tiled")  # the plan made for the estimate travels with the choice
-    small = torch.empty(1, 2, 16, 8)
-    assert registry.decide(prepare(small, small, small), False).backend.name == "torch"  # tiny, no mask: one fused op
-    tiny_masked = prepare(small, small, small, masks.padding(torch.tensor([small.shape[2] - 1] * small.shape[0])))
-    assert registry.decide(tiny_masked, False).backend.name == "reference"  # tiny with a dense-only mask
-    huge = torch.empty(1, 1, 8192, 8)
-    far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
-    assert 8192 * 8192 > registry.DENSE_LIMIT
-    assert far.backend.name == "tiled" and "dense mask" in far.reason  # SDPA would need a 2^26 dense mask
-    with pytest.raises(BackendError, match="no dropout"):
-        registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)
-    assert "dropout" in bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1)
-    assert bhqk.why_not("tiled", huge, huge, huge, masks.padding(6000), return_lse=True) is None
+# (the policy's choices and reasons: tests/test_auto.py)
 
 
 def test_auto_runs_tiled_with_gradients_and_lse():

@@ -6,7 +6,7 @@ Scores live in [B, H, Q, K]; masks use True = may attend; errors name the dimens
 from . import bias, distributed, masks
 from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
-from .functional import Problem, attention, attention_weights, why_not
+from .functional import Problem, attention, attention_weights, choose_backend, why_not
 from .functional.merge import merge
 from .inspect import capture, trace
 from .nn import KVCache, MultiHeadAttention, merge_heads, split_heads
@@ -14,7 +14,7 @@ from .nn import KVCache, MultiHeadAttention, merge_heads, split_heads
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_weights", "why_not", "merge", "Problem",
+    "attention", "attention_weights", "why_not", "choose_backend", "merge", "Problem",
     "MultiHeadAttention", "KVCache", "split_heads", "merge_heads",
     "masks", "bias", "distributed", "explain", "trace", "capture",
     "ShapeError", "MaskError", "BackendError", "LoadError",

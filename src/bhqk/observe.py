@@ -1,6 +1,9 @@
 """Observers: how trace and capture see attention calls without anything stored on modules.
 
-Lower layers call :func:`emit`; nothing happens unless an observer is active (one tuple lookup).
+Lower layers call :func:`emit`; nothing happens unless an observer is active (one integer test).
+:func:`active` reads a plain module-level count before the ``ContextVar``: ``torch.compile`` traces
+the count (and guards on it) but cannot trace a ``ContextVar``, so with no observer anywhere the
+compiled path never touches one (a capture inside a compiled call is not supported).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ class Observer(Protocol):
 
 _ACTIVE: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar("bhqk_observers", default=())
 _MODULE: contextvars.ContextVar[object | None] = contextvars.ContextVar("bhqk_module", default=None)
+_LISTENING = 0  # observing() blocks open in any thread or context; 0: nobody listens anywhere
 
 
 def active() -> tuple[Observer, ...]:
     """The observers listening now (empty almost always)."""
+    if not _LISTENING:  # compile-safe: a module global, not the ContextVar
+        return ()
     return _ACTIVE.get()
 
 
@@ -44,8 +50,11 @@ def scope(module: object) -> Iterator[None]:
 @contextlib.contextmanager
 def observing(observer: Observer) -> Iterator[Observer]:
     """Make ``observer`` active inside the ``with`` block."""
+    global _LISTENING
     token = _ACTIVE.set(_ACTIVE.get() + (observer,))
+    _LISTENING += 1
     try:
         yield observer
     finally:
+        _LISTENING -= 1
         _ACTIVE.reset(token)

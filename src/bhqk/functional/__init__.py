@@ -3,6 +3,7 @@
 from .api import attention, attention_weights
 from .merge import merge
 from .problem import Problem, prepare
-from .registry import Backend, choose, get, names, register, resolve, why_not
+from .registry import Backend, Choice, Estimate, choose, choose_backend, get, names, register, resolve, unregister, why_not
 
-__all__ = ["attention", "attention_weights", "merge", "why_not", "Problem", "prepare", "Backend", "register", "get", "names", "choose", "resolve"]
+__all__ = ["attention", "attention_weights", "merge", "why_not", "choose_backend", "Problem", "prepare", "Backend", "Choice",
+           "Estimate", "register", "unregister", "get", "names", "choose", "resolve"]

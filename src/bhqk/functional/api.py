@@ -8,7 +8,7 @@ import torch
 from .. import observe
 from . import reference
 from .problem import Problem, prepare
-from .registry import select
+from .registry import resolve
 
 
 def attention(
@@ -42,7 +42,7 @@ def attention(
     """
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options)
-    choice = select(backend, p, return_lse)
+    choice = resolve(backend, p, return_lse)
     out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
     if observe.active():
         observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)

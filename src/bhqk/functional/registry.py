@@ -1,37 +1,66 @@
-"""Backends are registry entries, not flags. ``why_not`` says in words why one cannot take a call;
-``auto`` picks by what each can do and what each costs, and never falls back silently to a path
-whose memory grows with Q·K."""
+"""Backends are registry entries, not flags. Each says in words why it cannot take a call
+(``why_not``) and what a call would cost it (``estimate``, from costs measured on this machine:
+``calibrate``). ``auto`` (:func:`decide`) weighs every registered backend that can take the call,
+runs the cheapest with the plan its estimate made, and says why (:func:`choose_backend`). A backend
+without an estimate (the reference, whose memory grows with Q·K) is never picked: auto never falls
+back silently to an O(Q·K)-memory path."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
+from ..bias import Dense as DenseBias
 from ..errors import BackendError
-from . import flex, reference, tiled, tiled_plan, torch_sdpa
+from ..masks import Dense
+from . import calibrate, flex, reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
 
-Run = Callable[[Problem, bool], tuple[torch.Tensor, "torch.Tensor | None"]]  # (out, lse): lse when asked, or when computed anyway
-WhyNot = Callable[[Problem, bool], "str | None"]
+Run = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan=None) -> (out, lse)
+WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why it cannot take the call
 
-TINY = 64 * 64  # Q·K at or below which the reference is as fast as anything (no tiling overhead)
+
+class Estimate(NamedTuple):
+    """What a backend expects a call to cost: ``seconds`` (inf: auto must not pick it, ``note`` says
+    why), a ``note`` on what the figure rests on, and the ``plan`` its run reuses (the tile plan)."""
+
+    seconds: float
+    note: str = ""
+    plan: Any = None
 
 
 @dataclass(frozen=True)
 class Backend:
+    """A registry entry. ``estimate(problem, grad)`` is what ``auto`` weighs (None: auto never
+    picks it, e.g. the reference, whose memory grows with Q·K); ``floor(problem, grad)`` is an
+    optional cheap lower bound of the estimate, so auto skips estimating a backend (planning its
+    tiles) that cannot win. ``traceable``: ``torch.compile`` can trace its run (else the run
+    happens outside the compiled graph, see :meth:`Choice.run`)."""
+
     name: str
     run: Run
     why_not: WhyNot
+    estimate: Callable[[Problem, bool], Estimate] | None = None
+    floor: Callable[[Problem, bool], float] | None = None
+    traceable: bool = True
 
 
 _REGISTRY: dict[str, Backend] = {}
 
 
 def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend; ``auto`` weighs it from the next call on."""
     _REGISTRY[backend.name] = backend
     return backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
 
 
 def names() -> list[str]:
@@ -44,55 +73,17 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-register(Backend("reference", reference.run, lambda p, need_lse: None))  # the executable spec: builds [B, H, Q, K]
-register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not))  # F.scaled_dot_product_attention
-register(Backend("tiled", tiled.run, tiled.why_not))  # online softmax over tiles: O(Q + K) memory, skips masked tiles
-register(Backend("flex", flex.run, flex.why_not))  # FlexAttention, compiled, block-sparse from the tile classes; explicit only
+# ---- the cost models of the built-in backends (costs measured on this machine: calibrate) -------
 
-
-# auto's cost model, measured on the 2-core reference machine (DESIGN.md §7; torch 2.13, B=1, H=8,
-# d = dv = 64, benchmarks/attention.py); only the ratios between backends matter. SDPA: seconds per
-# score entry (one query-key pair of one head) of its flash kernel; its causal kernel does not halve
-# the time; a dense mask / bias costs per [Q, K] entry. The tiled backend's model (per tile, per
-# row group, per entry, per partial tile) is in tiled_plan; it computes fp16/bf16 in float32.
-SDPA_ELEM = {torch.float32: 1.08e-9, torch.bfloat16: 0.45e-9, torch.float16: 1.1e-9, torch.float64: 2.4e-9}
-SDPA_CAUSAL = {torch.bfloat16: 0.75}  # time with is_causal / without; 0.6 for the other dtypes
-SDPA_DENSE_ELEM = 2.5e-9  # per entry of a dense [Q, K] mask or bias handed to SDPA
-TILED_DTYPE = {torch.float64: 2.2, torch.bfloat16: 1.1, torch.float16: 1.1}  # tiled time relative to float32
-BACKWARD = {"torch": 3.6, "tiled": 3.1}  # forward+backward time / forward time
-SDPA_BACKWARD = {torch.bfloat16: 6.0}  # SDPA's bf16 backward gains less from bf16 than its forward
-DENSE_GRAD = 1.8  # the dense mask's cost with a backward / without
 DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What ``auto`` picked, why, and the estimated seconds of every backend it weighed; ``plan``:
-    the tiled backend's tile plan when it was made to estimate the call (the run reuses it)."""
-
-    backend: Backend
-    reason: str
-    estimates: dict[str, float]
-    plan: tiled_plan.Plan | None = None
-
-    def run(self, p: Problem, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the chosen backend on ``p`` (the call this choice was made for)."""
-        if self.plan is not None:
-            return tiled.run(p, need_lse, self.plan)
-        return self.backend.run(p, need_lse)
 
 
 def _grad(p: Problem) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
 
 
-def _sdpa_time(p: Problem) -> float:
-    """Seconds of SDPA's score work for a forward, without the dense-mask part."""
-    ext = p.ext
-    t = ext.B * ext.H * ext.Q * ext.K * SDPA_ELEM.get(p.q.dtype, SDPA_ELEM[torch.float32])
-    if p.mask is not None and torch_sdpa.structure_free(p):  # causal, aligned as PyTorch's is_causal
-        t *= SDPA_CAUSAL.get(p.q.dtype, 0.6)
-    return t
+def _width(p: Problem) -> float:
+    return (p.sizes["d"] + p.sizes["dv"]) / 128  # the costs were measured at d = dv = 64
 
 
 def _dense_entries(p: Problem) -> int:
@@ -101,84 +92,157 @@ def _dense_entries(p: Problem) -> int:
     return e.Q * e.K * e.B * (e.H if p.bias is not None else 1)
 
 
-def estimate_torch(p: Problem, grad: bool) -> float:
-    """Estimated seconds of the torch (SDPA) backend for this call (forward, or forward+backward)."""
-    width = (p.sizes["d"] + p.sizes["dv"]) / 128
-    t = _sdpa_time(p) * width * (SDPA_BACKWARD.get(p.q.dtype, BACKWARD["torch"]) if grad else 1.0)
-    if not torch_sdpa.structure_free(p):
-        t += _dense_entries(p) * SDPA_DENSE_ELEM * (DENSE_GRAD if grad else 1.0)
-    return t
+def estimate_torch(p: Problem, grad: bool) -> Estimate:
+    """SDPA: per score entry (its causal kernel skips part), plus per entry of a dense mask/bias
+    it must be handed, plus building that mask when it is structured."""
+    c = calibrate.costs(p.q.device, p.q.dtype, grad)
+    e = p.ext
+    entries = e.B * e.H * e.Q * e.K
+    t, note = entries * c.sdpa_elem * _width(p), ""
+    if torch_sdpa.structure_free(p):
+        if p.mask is not None:
+            t *= c.sdpa_causal
+    else:
+        dense = _dense_entries(p)
+        if dense > DENSE_LIMIT:
+            return Estimate(math.inf, f"it would need a dense mask/bias of {dense} entries (> {DENSE_LIMIT}); "
+                            "auto does not build O(Q·K) tensors for it")
+        t += entries * c.sdpa_mask_elem
+        built = isinstance(p.mask, (Dense, type(None))) and (p.bias is None or isinstance(p.bias, DenseBias))
+        t += 0.0 if built else dense * c.sdpa_build_elem
+        note = f"dense mask {dense / 1e6:.3g} M entries" + ("" if built else ", built for it")
+    if grad:
+        t *= c.sdpa_backward
+    return Estimate(t + c.sdpa_call, note)
 
 
-def estimate_tiled(p: Problem, grad: bool, plan: tiled_plan.Plan | None = None) -> float:
-    """Estimated seconds of the tiled backend for this call, from its tile plan (made here if not given)."""
-    width = (p.sizes["d"] + p.sizes["dv"]) / 128
-    plan = plan if plan is not None else tiled_plan.plan_for(p)
-    n = len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers()))
-    t = plan.cost(p.ext.B * p.ext.H, n) * width * TILED_DTYPE.get(p.q.dtype, 1.0)
-    return t * (BACKWARD["tiled"] if grad else 1.0)
+def estimate_tiled(p: Problem, grad: bool) -> Estimate:
+    """The tiled backend: its tile plan's cost model (fixed and per-entry parts scaled to this
+    machine), plus the time it took to plan (classifying a dense mask is part of the call)."""
+    c = calibrate.costs(p.q.device, p.q.dtype, grad)
+    t0 = time.perf_counter()
+    plan = tiled_plan.plan_for(p)
+    planning = time.perf_counter() - t0 if c.source != "fixed" else 0.0  # fixed costs: deterministic estimates
+    fixed, per_entry = calibrate.tiled_parts(p, plan)
+    t = (fixed * c.tiled_fixed + per_entry * c.tiled_elem * _width(p)) * (c.tiled_backward if grad else 1.0)
+    note = f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles, planned in {1e3 * planning:.2g} ms"
+    return Estimate(t + planning, note, plan)
 
 
-def _tiled_floor(p: Problem, grad: bool) -> float:
-    """A lower bound of ``estimate_tiled`` that needs no tile plan (per call and per query row)."""
+def tiled_floor(p: Problem, grad: bool) -> float:
+    """A lower bound of ``estimate_tiled`` without a tile plan: per call and per query row."""
+    c = calibrate.costs(p.q.device, p.q.dtype, grad)
     ext = p.ext
     n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers()))
-    t = tiled_plan.COST_CALL + tiled_plan.COST_ROW * ext.Q * ext.B * ext.H / n
-    return t * TILED_DTYPE.get(p.q.dtype, 1.0) * (BACKWARD["tiled"] if grad else 1.0)
+    t = tiled_plan.COST_CALL * c.tiled_fixed + tiled_plan.COST_ROW * ext.Q * ext.B * ext.H / n * c.tiled_elem * _width(p)
+    return t * (c.tiled_backward if grad else 1.0)
+
+
+def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
+    def run_(p: Problem, need_lse: bool, plan: Any = None) -> tuple:
+        return run(p, need_lse)
+
+    run_.__doc__ = run.__doc__
+    return run_
+
+
+register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: None))  # the spec: builds [B, H, Q, K]
+register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch))
+register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
+register(Backend("flex", _plan_free(flex.run), flex.why_not))  # FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
+
+
+# ---- the policy -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend that runs a call, why, and the estimated seconds of every backend ``auto``
+    weighed; ``plan`` is the work the run reuses (the tiled backend's tile plan)."""
+
+    backend: Backend
+    reason: str
+    estimates: dict[str, float]
+    plan: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def run(self, p: Problem, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out [B, H, Q, dv] and lse [B, H, Q] or None, from the chosen backend with its plan."""
+        if not self.backend.traceable and torch.compiler.is_compiling():
+            return _outside_graph(self.backend.run, p, need_lse, self.plan)
+        return self.backend.run(p, need_lse, self.plan)
+
+
+@torch.compiler.disable
+def _outside_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one place where ``torch.compile``d code leaves its graph: a backend run that dynamo
+    cannot trace runs here eagerly (the graph breaks; with ``fullgraph=True`` compiling fails).
+    That is the tiled backend — worker threads; per-tile decisions read from the data, ``bool(t)``
+    = ``t.item()``: lazy rescaling, the redo of a tile whose max grew, the finiteness checks; a
+    padding mask's classification reads its lengths — and ``auto`` under compile (its choice
+    times a tile plan and reads this machine's measured costs, so it is made at run time, here).
+    Compile with ``backend="torch"`` for one graph (``fullgraph=True`` works)."""
+    return run(p, need_lse, plan)
+
+
+def _decide_and_run(p: Problem, need_lse: bool, plan: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    choice = decide(p, need_lse)
+    return choice.backend.run(p, need_lse, choice.plan)
+
+
+_AT_RUN_TIME = Backend("auto", _decide_and_run, lambda p, need_lse: None, traceable=False)  # auto under compile
+
+
+def _ms(t: float) -> str:
+    return f"{1e3 * t:.3g} ms"
 
 
 def decide(p: Problem, need_lse: bool) -> Choice:
-    """The ``auto`` policy, with its reasons:
-
-    1. tiny calls (Q·K ≤ TINY, e.g. a decode step): PyTorch's fused kernel when it can take the
-       call without a dense mask (one fused op beats the reference's several), else the reference —
-       nothing to gain from tiling;
-    2. PyTorch's fused kernel when it takes the call as is (no mask or a causal mask it aligns the
-       same way, no bias, softcap, lse or dropout it cannot do): it skips what the tiled backend
-       would skip, and is faster per score;
-    3. otherwise the cheaper, by the cost model above, of the tiled backend (which skips masked
-       tiles, returns lse, takes softcap) and SDPA handed a dense mask / bias of at most
-       ``DENSE_LIMIT`` entries (never silently O(Q·K) memory beyond that). The reference is never
-       picked for non-tiny calls.
-    """
-    ext = p.ext
-    if ext.Q * ext.K <= TINY:
-        if torch_sdpa.structure_free(p) and torch_sdpa.why_not(p, need_lse) is None:
-            return Choice(_REGISTRY["torch"], f"tiny call (Q·K = {ext.Q * ext.K} ≤ {TINY}) SDPA takes as one fused op", {})
-        return Choice(_REGISTRY["reference"], f"tiny call (Q·K = {ext.Q * ext.K} ≤ {TINY}): the reference has no tiling overhead", {})
+    """The ``auto`` policy: every registered backend with an ``estimate`` that can take the call
+    (``why_not`` is None) is weighed, and the cheapest by its estimate runs. Backends are
+    estimated in order of their ``floor``; one whose floor already exceeds the best estimate is
+    not estimated. Backends without an estimate (the reference: O(Q·K) memory) are never picked:
+    auto never falls back to a path whose memory grows with Q·K silently."""
     grad = _grad(p)
-    if torch_sdpa.structure_free(p) and torch_sdpa.why_not(p, need_lse) is None:
-        return Choice(_REGISTRY["torch"], "PyTorch's fused kernel takes this call as is (no mask, or a causal mask it aligns the "
-                      "same way): the tiled backend cannot skip more, and is slower per score", {})
-    estimates: dict[str, float] = {}
     refused: dict[str, str] = {}
-    reason = torch_sdpa.why_not(p, need_lse)
-    if reason is None and not torch_sdpa.structure_free(p) and _dense_entries(p) > DENSE_LIMIT:
-        reason = (f"it would need a dense mask/bias of {_dense_entries(p)} entries (> {DENSE_LIMIT}); "
-                  "auto does not build O(Q·K) tensors for it")
-    if reason is None:
-        estimates["torch"] = estimate_torch(p, grad)
-    else:
-        refused["torch"] = reason
-    plan: tiled_plan.Plan | None = None
-    reason = _REGISTRY["tiled"].why_not(p, need_lse)
-    if reason is not None:
-        refused["tiled"] = reason
-    elif "torch" in estimates and _tiled_floor(p, grad) >= estimates["torch"]:
-        refused["tiled"] = f"its fixed costs alone (≈ {1e3 * _tiled_floor(p, grad):.3g} ms) exceed that"
-    else:
-        plan = tiled_plan.plan_for(p)
-        estimates["tiled"] = estimate_tiled(p, grad, plan)
-    if not estimates:
+    floors: dict[str, float] = {}
+    for be in _REGISTRY.values():
+        if be.estimate is None:
+            continue
+        reason = be.why_not(p, need_lse)
+        if reason is not None:
+            refused[be.name] = reason
+        else:
+            floors[be.name] = be.floor(p, grad) if be.floor is not None else 0.0
+    found: dict[str, Estimate] = {}
+    for name in sorted(floors, key=floors.get):
+        best = min((e.seconds for e in found.values()), default=math.inf)
+        if floors[name] >= best:
+            refused[name] = f"its fixed costs alone (≈ {_ms(floors[name])}) exceed that"
+            continue
+        est = _REGISTRY[name].estimate(p, grad)
+        if math.isinf(est.seconds):
+            refused[name] = est.note
+        else:
+            found[name] = est
+    if not found:
         reasons = "; ".join(f"{n}: {r}" for n, r in refused.items())
         raise BackendError(
             "auto found no backend that avoids building [B, H, Q, K] for this call "
             f"({reasons}); pass backend='reference' to accept O(Q·K) memory."
         )
-    name = min(estimates, key=estimates.__getitem__)
-    costs = ", ".join(f"{n} ≈ {1e3 * t:.3g} ms" for n, t in sorted(estimates.items(), key=lambda x: x[1]))
-    why = f"estimated {costs}" + "".join(f"; not {n}: {r}" for n, r in refused.items())
-    return Choice(_REGISTRY[name], why, estimates, plan if name == "tiled" else None)
+    ranked = sorted(found, key=lambda n: found[n].seconds)
+    win = ranked[0]
+
+    def said(n: str) -> str:
+        return f"{_ms(found[n].seconds)}" + (f" ({found[n].note})" if found[n].note else "")
+
+    why = f"{win}: estimated {said(win)}" + "".join(f" vs {n} {said(n)}" for n in ranked[1:])
+    why += " (forward+backward)" if grad else ""
+    why += "".join(f"; not {n}: {r}" for n, r in refused.items())
+    return Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan)
 
 
 def choose(p: Problem, need_lse: bool) -> Backend:
@@ -186,20 +250,27 @@ def choose(p: Problem, need_lse: bool) -> Backend:
     return decide(p, need_lse).backend
 
 
-def select(backend: str, p: Problem, need_lse: bool) -> Choice:
-    """How the call will run (``Choice.run``), or a BackendError that says why the named backend cannot."""
+def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0, layout="bhnd",
+                   return_lse=False, block_q=None, block_k=None) -> Choice:
+    """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run, without running it:
+    the :class:`Choice` (``.name``, ``.estimates`` in seconds per backend weighed, ``.reason``
+    naming the winner). Gradients count when q, k or v require them and grad mode is on."""
+    options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
+    return decide(prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options), return_lse)
+
+
+def resolve(backend: str, p: Problem, need_lse: bool) -> Choice:
+    """What will run the call (``.name``, ``.run(p, need_lse)``), or a BackendError that says why
+    the named backend cannot."""
     if backend == "auto":
+        if torch.compiler.is_compiling():
+            return Choice(_AT_RUN_TIME, "auto under torch.compile: decided at run time, outside the graph", {})
         return decide(p, need_lse)
     be = get(backend)
     reason = be.why_not(p, need_lse)
     if reason is not None:
         raise BackendError(f"backend {backend!r} cannot take this call: {reason}.")
-    return Choice(be, f"backend={backend!r} was asked for", {})
-
-
-def resolve(backend: str, p: Problem, need_lse: bool) -> Backend:
-    """The backend that will run the call, or a BackendError that says why the named one cannot."""
-    return select(backend, p, need_lse).backend
+    return Choice(be, f"{backend}: requested", {})
 
 
 def why_not(backend: str, q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0,

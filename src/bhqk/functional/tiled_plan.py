@@ -17,12 +17,14 @@ case and only its diagonal with small tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
 
 from ..errors import BackendError
-from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, SlidingWindow, Tile
+from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, Predicate, SlidingWindow, Tile
+from ..masks.dense import GRID_CODES
 from .problem import Problem
 
 # Score-tile size the heuristic aims for, per worker thread (one core), in elements of its slice
@@ -148,8 +150,7 @@ def classify_leaves(mask: Mask | None, ext: Extent, qcuts: list[int], kcuts: lis
     if mask is None:
         return [(0, nq, 0, nk, Tile.FULL)]
     if not _arithmetic(mask):
-        return [(i, i + 1, j, j + 1, mask.classify(ext, qcuts[i], qcuts[i + 1], kcuts[j], kcuts[j + 1]))
-                for i in range(nq) for j in range(nk)]
+        return grid_leaves(mask, ext, qcuts, kcuts)
     leaves: list[tuple[int, int, int, int, Tile]] = []
 
     def visit(i0: int, i1: int, j0: int, j1: int) -> None:  # blocks [i0, i1) × [j0, j1)
@@ -166,6 +167,60 @@ def classify_leaves(mask: Mask | None, ext: Extent, qcuts: list[int], kcuts: lis
             visit(i0, i1, mid, j1)
 
     visit(0, nq, 0, nk)
+    return leaves
+
+
+def grid_codes(mask: Mask, ext: Extent, block_q: int, block_k: int) -> torch.Tensor | None:
+    """Every tile of a uniform grid at once, int8 [nq, nk] of ``GRID_CODES`` (0 empty, 1 full,
+    2 partial), from the mask's own ``classify_grid`` (dense masks: one vectorised reduction per
+    grid, cached on the mask; structured masks: closed forms; ``& | ~``: combined). None for masks
+    holding a predicate, which are evaluated tile by tile (never the whole [Q, K] at once)."""
+    if _holds_predicate(mask):
+        return None
+    empty, full = mask.classify_grid(ext, block_q, block_k)  # [nq, nk] each
+    codes = torch.full(empty.shape, 2, dtype=torch.int8)  # partial
+    codes[full] = 1
+    codes[empty] = 0
+    return codes
+
+
+def _holds_predicate(mask: Mask) -> bool:
+    if isinstance(mask, Predicate):
+        return True
+    if isinstance(mask, (And, Or)):
+        return _holds_predicate(mask.a) or _holds_predicate(mask.b)
+    return isinstance(mask, Not) and _holds_predicate(mask.a)
+
+
+def grid_leaves(mask: Mask, ext: Extent, qcuts: list[int], kcuts: list[int]) -> list[tuple[int, int, int, int, Tile]]:
+    """``classify_leaves`` for masks that are not arithmetic: the whole grid classified at once
+    (``grid_codes``), then equal empty / full tiles merged into rectangles (runs along the keys,
+    then identical runs down the rows); tile by tile only for a predicate or an uneven grid."""
+    nq, nk = len(qcuts) - 1, len(kcuts) - 1
+    bq, bk = qcuts[1] - qcuts[0], kcuts[1] - kcuts[0]
+    codes = grid_codes(mask, ext, bq, bk) if qcuts == _cuts(ext.Q, bq) and kcuts == _cuts(ext.K, bk) else None
+    if codes is None:
+        return [(i, i + 1, j, j + 1, mask.classify(ext, qcuts[i], qcuts[i + 1], kcuts[j], kcuts[j + 1]))
+                for i in range(nq) for j in range(nk)]
+    leaves: list[tuple[int, int, int, int, Tile]] = []
+    open_runs: dict[tuple[int, int, int], int] = {}  # (j0, j1, code) of empty/full runs -> first row
+    for i, row in enumerate(codes.tolist() + [[]]):  # an empty last row closes every run
+        runs, j = [], 0
+        while j < len(row):
+            j1 = j + 1
+            if row[j] != 2:
+                while j1 < len(row) and row[j1] == row[j]:
+                    j1 += 1
+            runs.append((j, j1, row[j]))
+            j = j1
+        still: dict[tuple[int, int, int], int] = {}
+        for run in runs:
+            if run[2] == 2:
+                leaves.append((i, i + 1, run[0], run[1], Tile.PARTIAL))
+            else:
+                still[run] = open_runs.pop(run, i)
+        leaves.extend((i0, i, j0, j1, GRID_CODES[c]) for (j0, j1, c), i0 in open_runs.items())
+        open_runs = still
     return leaves
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, check_broadcast, tile_of
-from .base import NEGATED, Extent, Mask, grid_of_dense
+from .base import NEGATED, Extent, Mask, Tile
 
 
 class Dense(Mask):
@@ -24,6 +29,7 @@ class Dense(Mask):
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
         self._polarity_checked = False
+        self._grids = _grids_of(tensor)  # classify_grid's results, per extent and grid
 
     def check(self, ext: Extent) -> None:
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
@@ -36,14 +42,60 @@ class Dense(Mask):
         t = tile_of(self.tensor, q0, q1, k0, k1)  # [#B, #H, #q, #k]
         return t if device is None else t.to(device)
 
+    def classify_grid(self, ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(empty, full): bool [⌈Q/block_q⌉, ⌈K/block_k⌉], every tile of the grid at once (see
+        :meth:`grid_codes`)."""
+        codes = self.grid_codes(ext, block_q, block_k)  # [nq, nk]
+        return codes == 0, codes == 1
+
+    def grid_codes(self, ext: Extent, block_q: int, block_k: int) -> torch.Tensor:
+        """Every tile of the ``block_q × block_k`` grid at once: int8 [⌈Q/block_q⌉, ⌈K/block_k⌉] of
+        ``GRID_CODES`` (0 empty, 1 full, 2 partial), over every batch element and head; the last
+        row/column of tiles may be smaller. One pass over the tensor (row blocks of ``gcd(block_q,
+        16)``, kept), then reductions of small tensors; cached per grid on this mask, so the tile
+        planner's candidate grids, a forward and its backward, and ``block_mask`` share the work."""
+        key = (ext.Q, ext.K, block_q, block_k)
+        if ext.Q == 0 or ext.K == 0:
+            return torch.zeros(-(-ext.Q // block_q), -(-ext.K // block_k), dtype=torch.int8)
+        if key not in self._grids:
+            with _one_thread():
+                self._grids[key] = self._classify_grid(ext, block_q, block_k)
+        return self._grids[key]
+
+    def _classify_grid(self, ext: Extent, block_q: int, block_k: int) -> torch.Tensor:
+        base = math.gcd(block_q, 16)
+        hi, lo = self._row_blocks(base)  # [#K, ⌈Q/base⌉ | 1]: max and min per key and row block
+        if hi.shape[0] != 1:
+            hi, lo = _blocks(hi, 0, block_k, torch.amax), _blocks(lo, 0, block_k, torch.amin)  # [nk, #nq']
+        if hi.shape[1] != 1 and block_q != base:
+            hi, lo = _blocks(hi, 1, block_q // base, torch.amax), _blocks(lo, 1, block_q // base, torch.amin)  # [#nk, nq]
+        codes = torch.full(hi.shape, 2, dtype=torch.int8, device=hi.device)  # partial
+        codes[lo == 1] = 1  # full: every entry True
+        codes[hi == 0] = 0  # empty: no entry True
+        nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
+        return codes.cpu().t().expand(nq, nk)  # [#nk, #nq] -> [nq, nk]
+
+    def _row_blocks(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Max and min of the mask (as uint8) over B, H and each ``rows`` query rows, transposed
+        (later reductions then run along the outer axis, the fast one): [#K, ⌈Q/rows⌉ | 1] each;
+        cached per ``rows``."""
+        key = ("rows", rows)
+        if key not in self._grids:
+            t = self.tensor.detach().view(torch.uint8)  # [#B, #H, #Q, #K], 0/1 bytes
+            if t.shape[0] * t.shape[1] == 1:
+                hi = lo = t[0, 0]  # [#Q, #K]
+            else:
+                hi, lo = t.amax(dim=(0, 1)), t.amin(dim=(0, 1))  # [#Q, #K]: any / all over batch and heads
+            if hi.shape[0] != 1:
+                hi, lo = _blocks(hi, 0, rows, torch.amax), _blocks(lo, 0, rows, torch.amin)  # [⌈Q/rows⌉, #K]
+            self._grids[key] = hi.t().contiguous(), lo.t().contiguous()  # [#K, ⌈Q/rows⌉ | 1]
+        return self._grids[key]
+
     def natural_size(self):
         return (self.tensor.shape[2], self.tensor.shape[3])
 
     def __repr__(self) -> str:
         return f"dense(<bool {list(self.tensor.shape)}>)"
-
-    def classify_grid(self, ext, block_q, block_k):
-        return grid_of_dense(self.tensor, ext, block_q, block_k)
 
 
 def warn_if_inverted(t: torch.Tensor) -> None:
@@ -59,6 +111,51 @@ def warn_if_inverted(t: torch.Tensor) -> None:
             "with bhqk.masks.from_torch_mha(attn_mask=..., num_heads=H), invert with ~mask, or use "
             "bhqk.masks.causal()."
         )
+
+
+_SHARED: dict[int, tuple[weakref.ref, int, dict]] = {}  # id(tensor) -> (tensor, its version, grids)
+
+
+def _grids_of(tensor: torch.Tensor) -> dict:
+    """The grid classifications of ``tensor``, shared by every ``Dense`` built on the same tensor
+    while it is unchanged (its in-place version counter): a model hands the same mask tensor to
+    every layer, and a new ``Dense`` wraps it at each call."""
+    entry = _SHARED.get(id(tensor))
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2]
+    if entry is None or entry[0]() is not tensor:
+        weakref.finalize(tensor, _SHARED.pop, id(tensor), None)
+    grids: dict = {}
+    _SHARED[id(tensor)] = (weakref.ref(tensor), tensor._version, grids)
+    return grids
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Small reductions run single-threaded: with intra-op threads they waited at barriers for
+    descheduled threads on the shared 2-core machines (0.02 ms alone, 20-35 ms with two threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+GRID_CODES = {0: Tile.EMPTY, 1: Tile.FULL, 2: Tile.PARTIAL}  # classify_grid's int8 codes
+
+
+def _blocks(x: torch.Tensor, dim: int, size: int, reduce) -> torch.Tensor:
+    """``reduce`` (torch.amax / amin) over consecutive runs of ``size`` along ``dim``; the last run
+    may be shorter: [.., n, ..] -> [.., ⌈n/size⌉, ..]."""
+    n = x.shape[dim]
+    whole = n // size * size
+    parts = []
+    if whole:
+        parts.append(reduce(x.narrow(dim, 0, whole).unflatten(dim, (n // size, size)), dim=dim + 1))  # [.., n//size, ..]
+    if whole < n:
+        parts.append(reduce(x.narrow(dim, whole, n - whole), dim=dim, keepdim=True))  # the shorter last run
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
 
 def dense(tensor: torch.Tensor) -> Dense:

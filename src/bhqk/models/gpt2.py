@@ -20,7 +20,7 @@ from ..errors import LoadError
 from ..masks import causal, key_padding
 from ..nn import KVCache, MultiHeadAttention
 from ..shapes import Sizes
-from .common import activation, backend_for, check_ids
+from .common import activation, check_ids
 from .loading import config_float, config_int, config_str, load_gpt2, read_config
 
 
@@ -146,7 +146,7 @@ class GPT2(nn.Module):
                       f"this GPT-2 has {self.config.n_positions} positions")
         if K > self.config.n_positions:
             raise sizes.fail(f"{K} tokens exceed this GPT-2's {self.config.n_positions} positions.")
-        backend = backend_for(self.backend, mask)
+        backend = self.backend
         x = self.tokens(input_ids) + self.positions(position_ids)  # [B, N, D]
         for i, block in enumerate(self.blocks):
             x = block(x, mask, None if cache is None else cache[i], backend)  # [B, N, D]

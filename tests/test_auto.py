@@ -1,0 +1,175 @@
+"""The ``auto`` policy as a registry policy: every registered backend with an estimate is weighed
+(a fake backend registered here is considered, wins when cheapest, loses when it refuses); the
+tile plan travels in the Choice; costs are measured per machine and cached, and tests inject fixed
+costs so the choices they check do not depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import qkv
+
+import bhqk
+from bhqk import masks
+from bhqk.errors import BackendError
+from bhqk.functional import (
+    Backend,
+    Estimate,
+    calibrate,
+    prepare,
+    register,
+    registry,
+    tiled,
+    unregister,
+)
+from bhqk.functional.tiled_plan import Plan
+
+
+@pytest.fixture
+def reference_costs():
+    with calibrate.fixed():
+        yield
+
+
+@pytest.fixture
+def fake():
+    """A backend that computes with the reference, costs what the test says, and refuses on demand."""
+    state = {"seconds": 1e-6, "refuse": None, "runs": 0}
+
+    def run(p, need_lse, plan=None):
+        state["runs"] += 1
+        assert plan == "fake-plan"  # the plan its estimate made reaches its run
+        return registry.get("reference").run(p, need_lse)
+
+    register(Backend("fake", run, lambda p, need_lse: state["refuse"],
+                     lambda p, grad: Estimate(state["seconds"], "fake note", "fake-plan")))
+    try:
+        yield state
+    finally:
+        unregister("fake")
+    assert "fake" not in bhqk.functional.names()
+
+
+def test_a_registered_backend_is_weighed_and_wins_when_cheapest(fake, reference_costs):
+    q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
+    choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
+    assert choice.name == "fake" and set(choice.estimates) >= {"fake", "torch"}
+    assert choice.reason.startswith("fake: estimated") and "fake note" in choice.reason
+    out = bhqk.attention(q, k, v, masks.sliding_window(16))
+    assert fake["runs"] == 1
+    torch.testing.assert_close(out, bhqk.attention(q, k, v, masks.sliding_window(16), backend="reference"))
+
+
+def test_a_registered_backend_loses_when_dearer_or_refusing(fake, reference_costs):
+    q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
+    fake["seconds"] = 10.0
+    choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
+    assert choice.name != "fake" and "fake" in choice.estimates and choice.estimates["fake"] == 10.0
+    fake["seconds"], fake["refuse"] = 1e-9, "the fake backend refuses"
+    choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
+    assert choice.name != "fake" and "fake" not in choice.estimates and "not fake: the fake backend refuses" in choice.reason
+    assert fake["runs"] == 0
+
+
+def test_policy_choices_and_reasons(reference_costs):
+    big = torch.empty(1, 8, 4096, 64)
+    q = k = v = big
+
+    def decide(*args, lse=False, **kw):
+        return registry.decide(prepare(q, k, v, *args, **kw), lse)
+
+    plain = decide()
+    assert plain.name == "torch" and plain.reason.startswith("torch: estimated") and "tiled" in plain.reason
+    assert decide(masks.causal()).name == "torch"
+    assert decide(lse=True).name == "tiled"  # only tiled returns lse
+    assert decide(softcap=30.0).name == "tiled"
+    win = decide(masks.sliding_window(256))
+    assert win.name == "tiled" and win.estimates["tiled"] * 3 < win.estimates["torch"]
+    assert isinstance(win.plan, Plan) and win.plan.fraction(prepare(q, k, v).ext) < 0.2
+    dense_win = decide(masks.sliding_window(256).materialize(1, 1, 4096, 4096))
+    assert dense_win.name == "tiled" and "dense mask 16.8 M entries" in dense_win.reason
+    assert decide(masks.document(torch.arange(4096) // 512)).name == "tiled"
+    huge = torch.empty(1, 1, 8192, 8)
+    far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
+    assert far.name == "tiled" and "not torch: it would need a dense mask" in far.reason
+    with pytest.raises(BackendError, match="no dropout"):
+        registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)
+    assert "dropout" in bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1)
+    assert bhqk.why_not("tiled", huge, huge, huge, masks.padding(6000), return_lse=True) is None
+
+
+def test_tiny_calls_go_to_sdpa_even_masked(reference_costs):
+    q, k, v = qkv(2, 4, 2, 1, 9, d=8, dtype=torch.float32)  # a decode step with a KV cache
+    pad = masks.key_padding(torch.tensor([[True] * 9, [False] * 3 + [True] * 6]))
+    for mask in (None, masks.causal("bottom_right"), pad, pad & masks.causal("bottom_right")):
+        choice = bhqk.choose_backend(q, k, v, mask)
+        assert choice.name == "torch", choice.reason
+        assert "not tiled: its fixed costs alone" in choice.reason  # no tile plan was made
+    torch.testing.assert_close(bhqk.attention(q, k, v, pad), bhqk.attention(q, k, v, pad, backend="reference"))
+
+
+def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, monkeypatch):
+    q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32, requires_grad=True)
+    fwd = bhqk.choose_backend(q.detach(), k.detach(), v.detach(), masks.sliding_window(8), return_lse=True)
+    both = bhqk.choose_backend(q, k, v, masks.sliding_window(8), return_lse=True)
+    assert both.name == fwd.name == "tiled" and "(forward+backward)" in both.reason
+    assert both.estimates["tiled"] > 2 * fwd.estimates["tiled"]
+    monkeypatch.setattr(tiled, "plan_for", lambda p: pytest.fail("the run planned again"))
+    out, lse = both.run(prepare(q, k, v, masks.sliding_window(8)), True)
+    ref, ref_lse = bhqk.attention(q, k, v, masks.sliding_window(8), backend="reference", return_lse=True)
+    torch.testing.assert_close(out, ref)
+    g = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.sum() + ref_lse.sum(), (q, k, v))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_no_backend_possible_names_every_refusal(reference_costs):
+    q, k, v = qkv(1, 2, None, 8, 8, d=4, dtype=torch.float32)
+    with pytest.raises(BackendError, match="torch: .*log-sum-exp.*tiled: .*dropout"):
+        bhqk.choose_backend(q, k, v, dropout_p=0.5, return_lse=True)
+
+
+# ---- the costs: measured once per machine, cached, overridable -----------------------------------
+
+FAKE = calibrate.Costs(1e-5, 1e-9, 0.6, 1e-10, 2.0, 3.0, 1e-10, source="measured")
+
+
+def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(calibrate, "measure", lambda dev, dt: calls.append(dt) or FAKE)
+    monkeypatch.setattr(calibrate, "measure_backward", lambda dev, dt: {"sdpa_backward": 4.0, "tiled_backward": 3.0})
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    path = tmp_path / "costs.json"
+    monkeypatch.setenv("BHQK_COSTS", str(path))
+    cpu = torch.device("cpu")
+    assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [torch.float32]
+    assert calibrate.costs(cpu, torch.float32).sdpa_elem == 1e-9 and len(calls) == 1  # in-process memo
+    with_grad = calibrate.costs(cpu, torch.float32, grad=True)
+    assert (with_grad.sdpa_backward, with_grad.tiled_backward) == (4.0, 3.0) and len(calls) == 1
+    monkeypatch.setattr(calibrate, "_MEMO", {})  # a new process: read from the file, nothing measured
+    assert calibrate.costs(cpu, torch.float32, grad=True) == with_grad and len(calls) == 1
+    data = json.loads(path.read_text())
+    (key,) = data
+    assert key == calibrate.machine_key("cpu") and torch.__version__ in key and "float32" in data[key]
+    monkeypatch.setenv("BHQK_COSTS", "reference")
+    assert calibrate.costs(cpu, torch.bfloat16) == calibrate.REFERENCE[torch.bfloat16]
+
+
+def test_measuring_gives_positive_finite_costs(monkeypatch):
+    monkeypatch.setenv("BHQK_COSTS", "measure")
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    c = calibrate.measure(torch.device("cpu"), torch.float32)
+    for name in ("sdpa_call", "sdpa_elem", "tiled_fixed", "tiled_elem", "sdpa_build_elem"):
+        value = getattr(c, name)
+        assert math.isfinite(value) and value > 0, (name, value)
+    assert 0.3 <= c.sdpa_causal <= 1.0 and c.sdpa_mask_elem >= 0
+
+
+def test_models_use_auto_directly():
+    from bhqk.models import common
+
+    assert not hasattr(common, "backend_for")
