@@ -39,7 +39,11 @@ def emit(event: str, **data: Any) -> None:
 
 @contextlib.contextmanager
 def scope(module: object) -> Iterator[None]:
-    """Mark ``module`` as the one whose attention calls follow (observers see it as ``module``)."""
+    """Mark ``module`` as the one whose attention calls follow (observers see it as ``module``).
+    With nobody listening it does nothing (so a compiled module never touches the ``ContextVar``)."""
+    if not _LISTENING:
+        yield
+        return
     token = _MODULE.set(module)
     try:
         yield
