@@ -181,30 +181,33 @@ def _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, l
     def evaluate(q0, q1):
         return _evaluate(mask_function, B, q0, q1, K, q_offset, kv_offset, use_vmap, device)
 
-    sizes = {int(s) for s in (local_size, getattr(config, "sliding_window", None),
-                              getattr(config, "attention_chunk_size", None)) if isinstance(s, int) and s > 0}
+    def ints(*xs):
+        return sorted({int(x) for x in xs if isinstance(x, int) and x > 0})
+
+    # transformers passes local_size = the window or the chunk size; the config says which it has
+    chunk = getattr(config, "attention_chunk_size", None)
+    window_sizes = ints(local_size if config is None or chunk is None else None, getattr(config, "sliding_window", None))
+    chunk_sizes = ints(chunk, local_size if config is None else None)
     windows = []
-    for W in sorted(sizes):
+    for W in window_sizes:
         windows.append(_band(c, Q, K, W - 1, 0))  # causal window: the W keys ending at the query's own
         windows.append(_band(c, Q, K, W, W))  # bidirectional window: |i - j| <= W
     cands = [_band(c, Q, K, None, 0), AllKeys(K), *windows]
-    if sizes:  # chunked attention: chunks of C positions counted after the left padding
+    if chunk_sizes:  # chunked attention: chunks of C positions counted after the left padding
         lp = torch.zeros(B, dtype=torch.long)
         if attention_mask is not None:
-            am = attention_mask.long()
-            lp = (am.cumsum(-1) == 0).sum(-1).cpu()  # [B] left-padding tokens
-        for C in sorted(sizes):
+            lp = (attention_mask.long().cumsum(-1) == 0).sum(-1).cpu()  # [B] left-padding tokens
+        for C in chunk_sizes:
             q_ids = torch.div(torch.arange(Q) + q_offset - lp[:, None], C, rounding_mode="floor")  # [B, Q]
             k_ids = torch.div(torch.arange(K) + kv_offset - lp[:, None], C, rounding_mode="floor")  # [B, K]
             cands.append(_band(c, Q, K, None, 0) & document(q_ids, k_ids))
-    packed = Q == K and c == 0
-    first = torch.full((B, Q), -1, dtype=torch.long) if packed else None
-    found = _matches(cands, evaluate, B, Q, K, first)
-    if found is not None or not packed:
+    found = _matches(cands, evaluate, B, Q, K)
+    if found is not None or not (Q == K and c == 0):  # packed sequences only come without a cache
         return found
     # packed sequences: a document starts at each row whose first visible key is itself
-    rows = torch.arange(Q)
-    starts = first == rows  # [B, Q]
+    first = torch.full((B, Q), -1, dtype=torch.long)
+    _matches([], evaluate, B, Q, K, first)
+    starts = first == torch.arange(Q)  # [B, Q]
     starts[:, 0] = True
     ids = starts.long().cumsum(-1) - 1  # [B, Q] document index of each position
     docs = document(ids)
