@@ -11,7 +11,7 @@ from transformers import masking_utils as mu
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
-from bhqk.integrations.transformers import AllKeys, attention_forward, build_mask, load_folder, names, register
+from bhqk.integrations.transformers import AllKeys, attention_forward, build_mask, encode, load_folder, names, register
 
 NAMES = register()
 TOL = 1e-5  # max abs logit difference over real tokens, fp32
@@ -61,10 +61,10 @@ def _bert():
         vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96))
 
 
-def _t5():
+def _t5(dropout_rate=0.1):
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0))
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, dropout_rate=dropout_rate))
 
 
 DECODERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "gpt2": _gpt2}
@@ -235,21 +235,44 @@ def test_greedy_generation_equals_eager(kind):
     assert torch.equal(out["bhqk"], out["eager"])
 
 
+def _grads(model, impl, inputs, am):
+    model.set_attn_implementation(impl)
+    model.zero_grad()
+    logits = model(**inputs).logits
+    (logits * am[..., None]).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("name", ["bhqk", "bhqk:tiled"])
-def test_gradients_equal_sdpa(name):
-    model = _model(_llama)
-    model.train()
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_gradients_equal_sdpa(name, kind):
+    """Every parameter's gradient, T5's relative-position bias table (through bias=) included."""
+    model = _model(_llama if kind == "llama" else lambda: _t5(dropout_rate=0.0)).train()
+    ids, am = _batch(left=kind == "llama")
+    inputs = dict(input_ids=ids, attention_mask=am)
+    if kind == "t5":
+        inputs["decoder_input_ids"] = torch.randint(1, V, (2, 6), generator=torch.Generator().manual_seed(1))
+        am = torch.ones(2, 6, dtype=torch.long)
+    ref, ours = _grads(model, "sdpa", inputs, am), _grads(model, name, inputs, am)
+    assert ref.keys() == ours.keys() and len(ours) > 0
+    if kind == "t5":
+        assert any("relative_attention_bias" in n for n in ours)
+    for n in ref:
+        torch.testing.assert_close(ours[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_dropout_only_in_training():
+    model = _model(lambda: _llama(attention_dropout=0.5))
     ids, am = _batch()
-    grads = {}
-    for impl in ("sdpa", name):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        logits = model(ids, attention_mask=am).logits
-        (logits * am[..., None]).square().mean().backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert grads["sdpa"].keys() == grads[name].keys() and len(grads[name]) > 0
-    for n in grads["sdpa"]:
-        torch.testing.assert_close(grads[name][n], grads["sdpa"][n], atol=1e-5, rtol=1e-4, msg=n)
+    model.set_attn_implementation("bhqk")
+    runs = []
+    for train in (True, True, False, False):
+        model.train(train)
+        with torch.no_grad():
+            runs.append(model(ids, attention_mask=am).logits)
+    assert not torch.allclose(runs[0], runs[1])  # dropout on P, a fresh draw each call
+    assert torch.equal(runs[2], runs[3]) and torch.isfinite(runs[0]).all()
+    assert _real_diff(runs[2], _out(model, "eager", input_ids=ids, attention_mask=am), am) <= TOL
 
 
 def test_output_attentions_equal_eager():
@@ -324,6 +347,21 @@ def test_minilm_automodel_equals_bhqk_encoder():
         ours = loaded.model(**enc).last_hidden_state
         own = BertEncoder.from_pretrained(folder)(enc["input_ids"], enc["attention_mask"])
     assert _real_diff(ours, own, enc["attention_mask"]) <= TOL
+
+
+def test_capture_a_local_folder_by_text():
+    """What ``bhqk show --model DIR "text"`` needs: folder → model + tokenizer → capture by module path."""
+    from bhqk.models.bert import bundled_model_dir
+
+    loaded = load_folder(bundled_model_dir())
+    inputs, tokens = encode(loaded, "The cat sat on the mat.")
+    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and len(tokens) == inputs["input_ids"].shape[1]
+    with torch.no_grad(), bhqk.capture(model=loaded.model, layers=["encoder.layer.*"], heads=[0, 3]) as cap:
+        loaded.model(**inputs)
+    assert [r.name for r in cap] == [f"encoder.layer.{i}.attention.self" for i in range(6)]
+    N = len(tokens)
+    assert cap.stack().shape == (6, 1, 2, N, N)  # [L, B, h, Q, K]
+    torch.testing.assert_close(cap.stack().sum(-1), torch.ones(6, 1, 2, N))
 
 
 def test_load_folder_finds_decoders(tmp_path):

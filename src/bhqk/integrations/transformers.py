@@ -351,4 +351,14 @@ def load_folder(folder: str | Path, name: str = "bhqk", dtype: torch.dtype = tor
     return Loaded(model, tokenizer, decoder, folder)
 
 
-__all__ = ["register", "names", "build_mask", "attention_forward", "AllKeys", "load_folder", "Loaded", "is_decoder_config"]
+def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
+    """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens."""
+    if loaded.tokenizer is None:
+        raise LoadError(f"{loaded.folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass token ids instead.")
+    enc = loaded.tokenizer(text, return_tensors="pt")
+    inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    return inputs, loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+
+
+__all__ = ["register", "names", "build_mask", "attention_forward", "AllKeys", "load_folder", "Loaded", "encode",
+           "is_decoder_config"]
