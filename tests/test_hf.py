@@ -223,15 +223,18 @@ def test_models_get_structured_masks():
     assert "sliding_window(3" in repr(window) and "key_padding" in repr(window)
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_greedy_generation_equals_eager(kind):
+def test_greedy_generation_equals_eager(kind, cache):
+    """Decoding with a KV cache: offsets, the window over the cache, and (static) masks built once."""
     model = _model(DECODERS[kind])
     ids, am = _batch(N=9)
     out = {}
     for name in ("eager", "bhqk"):
         model.set_attn_implementation(name)
         with torch.no_grad():
-            out[name] = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            out[name] = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                       cache_implementation=cache)
     assert torch.equal(out["bhqk"], out["eager"])
 
 

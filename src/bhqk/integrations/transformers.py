@@ -154,6 +154,11 @@ def build_mask(
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     B, Q, K = int(batch_size), int(q_length), int(kv_length)
+    if isinstance(attention_mask, Mask):  # built before (generate() with a static cache) and handed back
+        if getattr(attention_mask, "shape", None) != (B, 1, Q, K):
+            raise MaskError(f"bhqk mask builder: got a prepared mask for {getattr(attention_mask, 'shape', '?')} "
+                            f"but this call is [B={B}, 1, Q={Q}, K={K}].")
+        return attention_mask
     q_offset, kv_offset = int(q_offset), int(kv_offset)  # a StaticCache gives q_offset as a tensor
     attention_mask = None if attention_mask is None else attention_mask.bool()  # [B, ≥ kv_offset + K]
     c = q_offset - kv_offset  # query i sits at key index i + c
@@ -170,10 +175,19 @@ def build_mask(
         full = sdpa_mask(batch_size=B, q_length=Q, kv_length=K, q_offset=q_offset, kv_offset=kv_offset,
                          mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
                          allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)  # [B, 1, Q, K]
-        return dense(full.bool())
-    if isinstance(structure, AllKeys):
-        return AllKeys(K) if pad is None else pad
-    return structure if pad is None else structure & pad
+        out: Mask = dense(full.bool())
+    elif isinstance(structure, AllKeys):
+        out = AllKeys(K) if pad is None else pad
+    else:
+        out = structure if pad is None else structure & pad
+    return _stamp(out, B, Q, K)
+
+
+def _stamp(mask: Mask, B: int, Q: int, K: int) -> Mask:
+    """Give a fresh mask value the ``ndim``/``shape`` transformers reads from an attention_mask it is
+    handed back (``generate`` with a static cache builds masks once and passes them to ``forward``)."""
+    mask.ndim, mask.shape = 4, (B, 1, Q, K)
+    return mask
 
 
 def _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, local_size, config, use_vmap, device):
