@@ -185,6 +185,20 @@ def test_gpt_oss_sinks_equal_eager():
     assert _real_diff(_out(model, "bhqk", input_ids=ids, attention_mask=am), ref, am) <= TOL
 
 
+def test_custom_4d_masks_pass_through():
+    """A prepared 4-D mask reaches the attention function as is: float (additive) and bool both work."""
+    model = _model(_llama)
+    ids, _ = _batch(B=1)
+    N = ids.shape[1]
+    allowed = torch.rand(1, 1, N, N, generator=torch.Generator().manual_seed(3)) > 0.5
+    allowed |= torch.eye(N, dtype=torch.bool)  # every query sees itself
+    additive = torch.zeros(1, 1, N, N).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref = _out(model, "eager", input_ids=ids, attention_mask=additive)
+    ones = torch.ones_like(ids)
+    assert _real_diff(_out(model, "bhqk", input_ids=ids, attention_mask=additive), ref, ones) <= TOL
+    assert _real_diff(_out(model, "bhqk", input_ids=ids, attention_mask=allowed), ref, ones) <= TOL
+
+
 def test_s_aux_is_refused_by_name():
     q = torch.randn(1, 4, 3, 8)
     with pytest.raises(BackendError, match="s_aux"):
