@@ -13,7 +13,7 @@ LAYERS = {
     "shapes": 1, "masks": 1, "bias": 1,
     "functional": 2,
     "nn": 3,
-    "models": 4, "distributed": 4,
+    "models": 4, "distributed": 4, "integrations": 4,
     "inspect": 5, "viz": 5,
     "demo": 6, "cli": 6, "__init__": 7, "__main__": 7,
 }

@@ -1,0 +1,299 @@
+"""Hugging Face models on bhqk: ``attn_implementation="bhqk"`` against ``"sdpa"`` and ``"eager"``.
+
+1. A Mistral-shaped model (real attention widths: D=4096, H=32, Hkv=8, d=128; a few layers; random
+   weights) with sliding window 256 at N=4096: forward and forward+backward, time and peak memory.
+2. A Llama-shaped dense-causal model, the same.
+3. Capture of one head of one layer (``bhqk.capture(model=..., layers=[...], heads=[5])``) at
+   N=16384 against a plain forward, and against ``eager`` with ``output_attentions``.
+
+Times: median over repeats, implementations interleaved run by run (the machine is shared); peak
+extra resident memory of one call in a fresh process (model and inputs excluded). ``eager`` is
+skipped where its [B, H, N, N] tensors would exceed ``--mem-limit-gib``; the table says so.
+
+    python benchmarks/hf.py                 # the full configuration (long on 2 cores)
+    python benchmarks/hf.py --quick         # small widths and N, no memory runs: a smoke run (about a minute)
+    python benchmarks/hf.py --out results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+IMPLS = ("bhqk", "sdpa", "eager")
+
+FULL = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 4096, "layers": 2,
+        "vocab": 1000, "window": 256, "N": 4096, "capture_N": 16384, "capture_layers": 1, "repeat": 3}
+QUICK = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 512, "layers": 2,
+         "vocab": 1000, "window": 64, "N": 512, "capture_N": 1024, "capture_layers": 1, "repeat": 2}
+
+
+def cpu_info() -> dict:
+    """CPU model and flags (benchmarks on these shared machines are compared only within one CPU)."""
+    info = {"machine": platform.machine(), "processor": platform.processor()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and "model" not in info:
+                info["model"] = value.strip()
+            elif key == "flags" and "flags" not in info:
+                info["flags"] = value.split()
+    except OSError:
+        pass
+    info["simd"] = sorted(f for f in info.get("flags", []) if f.startswith(("avx", "amx", "fma", "sse4")))
+    return info
+
+
+def build(kind: str, impl: str, c: dict, layers: int | None = None):
+    """A random model: ``kind`` "window" (Mistral-shaped) or "dense" (Llama-shaped)."""
+    import transformers
+
+    from bhqk.integrations.transformers import register
+
+    register()
+    torch.manual_seed(0)
+    common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+                  num_hidden_layers=layers or c["layers"], num_attention_heads=c["heads"],
+                  num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
+                  max_position_embeddings=max(c["N"], c["capture_N"]), attn_implementation=impl)
+    if kind == "window":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=c["window"], **common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return model
+
+
+def inputs(c: dict, N: int) -> torch.Tensor:
+    return torch.randint(0, c["vocab"], (1, N), generator=torch.Generator().manual_seed(1))  # [B=1, N]
+
+
+def step(model, ids, mode: str, capture: bool = False) -> None:
+    """One forward (``fwd``), forward+backward (``fwdbwd``), or forward with one head captured."""
+    import bhqk
+
+    if mode == "fwdbwd":
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(ids).logits.float().square().mean().backward()
+        return
+    model.eval()
+    with torch.no_grad():
+        if mode == "capture":
+            with bhqk.capture(model=model, layers=["model.layers.0.self_attn"], heads=[5]) as cap:
+                model(ids)
+            assert len(cap) == 1 and cap[0].weights.shape[1] == 1  # one head of one layer
+        elif mode == "attentions":
+            out = model(ids, output_attentions=True)
+            assert out.attentions[0].shape[-1] == ids.shape[1]
+        else:
+            model(ids)
+
+
+def eager_gib(c: dict, N: int, mode: str, layers: int) -> float:
+    """Rough peak of eager's [B, H, N, N] fp32 tensors: scores, mask add and weights per call; with
+    a backward the weights of every layer are kept, and output_attentions keeps them all too."""
+    one = c["heads"] * N * N * 4 / 2**30
+    return one * (3 if mode == "fwd" else 3 + layers)
+
+
+# ---- memory in a fresh process -------------------------------------------------------------------
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def child(spec: dict) -> None:
+    """Build the model, warm up on a short input, then print the peak extra resident MiB of one step."""
+    c = spec["config"]
+    model = build(spec["kind"], spec["impl"], c, spec.get("layers"))
+    step(model, inputs(c, 64), spec["mode"])  # threads and allocator warmed up
+    ids = inputs(c, spec["N"])
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the peak (VmHWM) to the current resident size
+    step(model, ids, spec["mode"])
+    print(json.dumps({"peak_mib": (_status_kib("VmHWM") - base) / 1024}))
+
+
+def memory(spec: dict, timeout: float) -> dict:
+    log(f"memory {spec['kind']} {spec['impl']} {spec['mode']} N={spec['N']}")
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    try:
+        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                           text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"mem_note": f"memory run timed out after {timeout:.0f} s"}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"mem_note": f"memory run failed: {tail[:160]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def timing(runs: dict[str, tuple], repeat: int) -> dict[str, dict]:
+    """runs: name -> (model, ids, mode). Interleaved, one warm-up each, medians."""
+    log(f"timing {list(runs)} ({repeat} repeats)")
+    res: dict[str, dict] = {}
+    for name, (model, ids, mode) in runs.items():
+        t0 = time.perf_counter()
+        step(model, ids, mode)
+        res[name] = {"warmup_s": time.perf_counter() - t0, "times_s": []}
+    for _ in range(repeat):
+        for name, (model, ids, mode) in runs.items():
+            t0 = time.perf_counter()
+            step(model, ids, mode)
+            res[name]["times_s"].append(time.perf_counter() - t0)
+    for name, r in res.items():
+        r["median_s"] = statistics.median(r["times_s"])
+    return res
+
+
+def paired(res: dict, a: str, b: str) -> float | None:
+    """Median over repeats of t_b / t_a (how many times faster ``a`` is than ``b``), pairs back to back."""
+    if a not in res or b not in res:
+        return None
+    return statistics.median(tb / ta for ta, tb in zip(res[a]["times_s"], res[b]["times_s"]))
+
+
+def bench_model(kind: str, c: dict, impls, modes, limit: float, mem: bool, timeout: float) -> list[dict]:
+    N = c["N"]
+    rows = []
+    for mode in modes:
+        run, skipped = {}, {}
+        for impl in impls:
+            if impl == "eager" and eager_gib(c, N, mode, c["layers"]) > limit:
+                skipped[impl] = f"skipped: eager needs ≈ {eager_gib(c, N, mode, c['layers']):.0f} GiB > {limit:g} GiB"
+                continue
+            run[impl] = (build(kind, impl, c), inputs(c, N), mode)
+        res = timing(run, c["repeat"])
+        for impl in impls:
+            row = {"model": kind, "mode": mode, "impl": impl, "N": N}
+            if impl in skipped:
+                row["note"] = skipped[impl]
+            else:
+                row.update(res[impl])
+                row["sdpa_over_this"] = paired(res, impl, "sdpa")
+                if mem:
+                    row.update(memory({"kind": kind, "impl": impl, "mode": mode, "N": N, "config": c}, timeout))
+            rows.append(row)
+        del run
+    return rows
+
+
+def bench_capture(c: dict, limit: float, mem: bool, timeout: float) -> list[dict]:
+    """One head of one layer captured at capture_N, vs a plain forward and eager + output_attentions."""
+    N, L = c["capture_N"], c["capture_layers"]
+    cases = {"plain forward (bhqk)": ("bhqk", "fwd"), "capture 1 head, 1 layer (bhqk)": ("bhqk", "capture"),
+             "eager + output_attentions": ("eager", "attentions")}
+    run, rows, skipped = {}, [], {}
+    models = {}
+    for name, (impl, mode) in cases.items():
+        if impl == "eager" and eager_gib(c, N, mode, L) > limit:
+            skipped[name] = f"skipped: eager needs ≈ {eager_gib(c, N, mode, L):.0f} GiB > {limit:g} GiB"
+            continue
+        models.setdefault(impl, build("dense", impl, c, L))
+        run[name] = (models[impl], inputs(c, N), mode)
+    res = timing(run, c["repeat"])
+    for name, (impl, mode) in cases.items():
+        row = {"model": "dense", "mode": name, "impl": impl, "N": N, "layers": L}
+        if name in skipped:
+            row["note"] = skipped[name]
+        else:
+            row.update(res[name])
+            row["vs_plain"] = paired(res, "plain forward (bhqk)", name)  # median of t_this / t_plain
+            if mem:
+                row.update(memory({"kind": "dense", "impl": impl, "mode": mode, "N": N, "config": c, "layers": L}, timeout))
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | peak extra MiB | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = f"{r['median_s']:.2f} s" if "median_s" in r else "—"
+        ratio = r.get("sdpa_over_this")
+        ratio_s = f"{ratio:.2f}×" if ratio else "—"
+        if r.get("vs_plain"):  # capture rows: this time / the plain forward's
+            ratio_s = f"time {r['vs_plain']:.2f}× plain"
+        mem = f"{r['peak_mib']:.0f}" if "peak_mib" in r else r.get("mem_note", "—")
+        out.append(f"| {r['model']} | {r['N']} | {r['mode']} | {r['impl']} | {t} | {ratio_s} | {mem} | {r.get('note', '')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small widths and N: a smoke run")
+    ap.add_argument("--out", type=Path, help="JSON output path (default results/hf.json; --quick: results/hf-quick.json)")
+    ap.add_argument("--n", type=int, help="sequence length of parts 1 and 2")
+    ap.add_argument("--capture-n", type=int, help="sequence length of part 3")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--intermediate", type=int, help="MLP width (the attention widths stay real)")
+    ap.add_argument("--repeat", type=int)
+    ap.add_argument("--parts", nargs="+", default=["window", "dense", "capture"], choices=["window", "dense", "capture"])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip eager above this estimated peak")
+    ap.add_argument("--memory", choices=["on", "off"], help="fresh-process memory runs (default: on; off with --quick)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per memory run")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        child(json.loads(a.child))
+        return
+    c = dict(QUICK if a.quick else FULL)
+    for key, val in (("N", a.n), ("capture_N", a.capture_n), ("layers", a.layers), ("intermediate", a.intermediate),
+                     ("repeat", a.repeat)):
+        if val is not None:
+            c[key] = val
+    torch.set_num_threads(torch.get_num_threads())
+    meta = {"command": " ".join(["python", "benchmarks/hf.py", *(sys.argv[1:] if argv is None else argv)]),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "threads": torch.get_num_threads(), "cpu": cpu_info(), "loadavg_start": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "config": c, "dtype": "float32", "B": 1}
+    rows: list[dict] = []
+    mem = (a.memory or ("off" if a.quick else "on")) == "on"
+    out = a.out or HERE / "results" / ("hf-quick.json" if a.quick else "hf.json")
+    if "window" in a.parts:
+        rows += bench_model("window", c, a.impls, a.modes, a.mem_limit_gib, mem, a.timeout)
+    if "dense" in a.parts:
+        rows += bench_model("dense", c, a.impls, a.modes, a.mem_limit_gib, mem, a.timeout)
+    if "capture" in a.parts:
+        rows += bench_capture(c, a.mem_limit_gib, mem, a.timeout)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    cpu = meta["cpu"]
+    print(f"# {meta['command']}\n\nCPU: {cpu.get('model', '?')} ({', '.join(cpu['simd'])}), {meta['threads']} threads, "
+          f"torch {meta['torch']}, transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
+          f"{meta['loadavg_end'][0]:.1f}. Widths: D={c['hidden']}, H={c['heads']}, Hkv={c['kv_heads']}, "
+          f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}), "
+          f"window {c['window']}, fp32, B=1.\n")
+    print(table(rows))
+    if not mem:
+        print("\nPeak memory not measured (--memory off; --quick turns it off).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
