@@ -338,8 +338,6 @@ def test_trace_lists_named_shapes_per_layer():
         assert "key_padding" in call.mask
 
 
-@pytest.mark.xfail(strict=True, reason="inspect/trace.py names calls only from 'mha' events; it must read "
-                   "data['module'] of 'attention' events too (see the hf report)")
 def test_trace_names_calls_by_module_path():
     model = _model(_llama)
     ids, am = _batch()

@@ -45,7 +45,8 @@ class Trace:
             }
             mask = repr(p.mask) if p.mask is not None else "none"
             module = data.get("module")
-            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask,
+            name = "" if module is None else self._names.get(id(module), "")  # a module path of the traced model
+            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask, module=name,
                                    module_id=None if module is None else id(module)))
         elif event == "mha" and self.calls and self.calls[-1].module_id == id(data["module"]):
             m, call = data["module"], self.calls[-1]
