@@ -18,9 +18,10 @@ Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.
 
 Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
 log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
-CUDA). Sinks (issue 10, not in bhqk's Problem yet) join through the lse, since a ``score_mod``
-cannot add a column to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully
-masked row); the seam is in :func:`run`, and on the CPU it needs the lse the compiled kernel lacks.
+CUDA). Sinks (``Problem.sinks``) join through the lse, since a ``score_mod`` cannot add a column
+to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully masked row) and the
+returned lse includes the sink, as on every backend; the seam is in :func:`run`, and on the CPU it
+needs the lse the compiled kernel lacks.
 ``auto`` does not consider this backend: its cost would have to count the compile (seconds per
 new structure), so it is explicit only, ``backend="flex"``.
 """
@@ -37,8 +38,8 @@ import torch
 from ..bias import ALiBi, Bias, Dense as DenseBias, Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
+from ..shapes import all_finite
 from .problem import Problem
-from .torch_sdpa import _finite, _sanitize
 
 BLOCK = 128  # FlexAttention's sparse block (tile) size
 
@@ -57,8 +58,23 @@ def _flex():
 
 
 def _sinks(p: Problem) -> torch.Tensor | None:
-    """Per-head sink logits [H], once the Problem carries them (issue 10)."""
-    return getattr(p, "sinks", None)
+    """Per-head sink logits [H] (or None)."""
+    return p.sinks
+
+
+def _sanitize(p: Problem, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V per query head with the rows no query of that head may attend zeroed (FlexAttention lets
+    NaN/inf there cross the mask, pytorch#101967)."""
+    e = p.ext
+    a = p.mask.materialize(e.B, e.H, e.Q, e.K, device=k.device) if p.mask is not None else None  # [#B, #H, #Q, #K]
+    if p.bias is not None:
+        reach = p.bias.materialize(e.B, e.H, e.Q, e.K, device=k.device) > float("-inf")
+        a = reach if a is None else a & reach
+    if a is None:
+        return k, v
+    reachable = a.expand(e.B, e.H, e.Q, e.K).any(dim=-2)[..., None]  # [B, H, K, 1]
+    k, v = (t.repeat_interleave(p.groups, dim=1) for t in (k, v))  # [B, Hkv, K, ·] -> [B, H, K, ·]
+    return k.masked_fill(~reachable, 0.0), v.masked_fill(~reachable, 0.0)
 
 
 def _grad(p: Problem) -> bool:
@@ -213,10 +229,8 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     q, k, v = p.q, p.k, p.v
     if not _grad(p):  # FlexAttention refuses CPU tensors that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    if not (_finite(k) and _finite(v)):  # zero K/V rows no query may attend (O(Q·K) only in this case)
-        from .reference import allowed
-
-        k, v = _sanitize(p, allowed(p))  # may expand K/V to H heads
+    if not all_finite(k, v):  # zero K/V rows no query may attend (O(Q·K) only in this case)
+        k, v = _sanitize(p, k, v)  # may expand K/V to H heads
     gqa = k.shape[1] != e.H
     bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
     mod = score_mod(p)

@@ -79,7 +79,7 @@ _SUM_LIMIT = 2.0**24  # a tile's row sum above this sends the tile back through 
 _BIG = 1e30  # stands in for lse = -inf in the folded column: 2^(S - BIG) = 0
 _NEG_INF = float("-inf")
 
-__all__ = ["forward", "backward", "run", "why_not", "TAU"]
+__all__ = ["forward", "backward", "sinks_grad", "dropout_keep", "run", "why_not", "TAU"]
 
 
 # ---- the pieces of one call ------------------------------------------------------------------------
@@ -304,6 +304,8 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     Hkv, dv = p.k.shape[1], p.v.shape[-1]
     out = torch.zeros(B, H, Q, dv, dtype=p.q.dtype, device=p.q.device)
     lse = torch.full((B, H, Q), _NEG_INF, dtype=compute_dtype(p.q), device=p.q.device)
+    if p.sinks is not None:  # rows that see no key keep out 0, and their denominator is the sink alone
+        lse.copy_(p.sinks.to(lse.dtype)[None, :, None].expand_as(lse))  # [H] -> [B, H, Q]
     if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
     finite = all_finite(p.k, p.v)
@@ -448,11 +450,18 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor,
 
 
 def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
-    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views."""
+    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views.
+    With sinks the denominator is l + 2^(sink - m): lse2 = log2(2^(m + log2 l) + 2^sink) (base 2) and
+    out = acc · 2^(m - lse2) (0 for a row that saw no key: acc = 0)."""
     bq, dv = group.q1 - group.q0, st.acc.shape[-1]
-    lse5[:, :, :, group.q0:group.q1] = ((st.offset + torch.log2(st.row_sum)) * LN2).view(
-        kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
-    l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+    lse2 = st.offset + torch.log2(st.row_sum)  # [n, R], base 2, over the keys
+    if kn.p.sinks is not None:
+        sink2 = (kn.p.sinks[kn.hq].to(kn.dt) * LOG2E).view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]
+        lse2 = torch.logaddexp2(lse2.view(kn.Bw, kn.Hkvw, bq, kn.G), sink2).view(kn.n, -1)  # rows (q g)
+        l_safe = torch.where(st.row_sum > 0, torch.exp2(lse2 - st.offset), 1.0)  # the whole denominator relative to m
+    else:
+        l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+    lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
     dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
     torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
@@ -631,14 +640,28 @@ def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, kn: _Kernel, rect: Rect) -
     tile_of(g, r0, r1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
 
 
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+               grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of the sink logits [H] from the (sink-inclusive) ``lse`` [B, H, Q]: the sink is
+    a key without a value, so its dS is P_sink·(0 - delta), summed over the rows of its head:
+    ``d sink_h = -Σ_{b,q} exp(sink_h - lse)·delta`` with ``delta = rowsum(dO ∘ O) - dlse``."""
+    dt = lse.dtype
+    delta = torch.einsum("bhqv,bhqv->bhq", out.to(dt), grad_out.to(dt))  # [B, H, Q]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(dt)
+    p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]: the sink's weight in each row
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
+
+
 class _TiledAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse (never P); the backward recomputes each tile's P."""
+    """Saves q, k, v, sinks, out and lse (never P); the backward recomputes each tile's P. With sinks
+    lse includes the sink, so P = exp(S - lse) and delta = rowsum(dO ∘ O) hold as without them."""
 
     @staticmethod
-    def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, *bias_tensors):
+    def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, sinks, *bias_tensors):
         out, lse = _forward(p, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)  # type: ignore[arg-type]  # saved by save_for_backward
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.p = dataclasses.replace(p, q=None, k=None, v=None, sinks=None)  # type: ignore[arg-type]  # saved by save_for_backward
         ctx.plan, ctx.dense = plan, dense
         ctx.set_materialize_grads(False)
         return out, lse
@@ -646,15 +669,16 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        p = dataclasses.replace(ctx.p, q=q, k=k, v=v)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        p = dataclasses.replace(ctx.p, q=q, k=k, v=v, sinks=sinks)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dense = tuple(b for b, need in zip(ctx.dense, ctx.needs_input_grad[6:]) if need)
+        dense = tuple(b for b, need in zip(ctx.dense, ctx.needs_input_grad[7:]) if need)
         grad_q, grad_k, grad_v, grad_bias = _backward(p, out, lse, grad_out, grad_lse, ctx.plan, dense)
+        grad_sinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[6] else None
         it = iter(grad_bias)
-        grads = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
-        return None, None, None, grad_q, grad_k, grad_v, *grads
+        grads = [next(it) if need else None for need in ctx.needs_input_grad[7:]]
+        return None, None, None, grad_q, grad_k, grad_v, grad_sinks, *grads
 
 
 def why_not(p: Problem, need_lse: bool) -> str | None:
@@ -670,8 +694,9 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     estimate the cost), else planned here."""
     plan = plan if plan is not None else plan_for(p)
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
-    if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in (p.q, p.k, p.v))):
-        out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, *(b.tensor for b in dense))
+    inputs = (p.q, p.k, p.v) + ((p.sinks,) if p.sinks is not None else ())
+    if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in inputs)):
+        out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, p.sinks, *(b.tensor for b in dense))
     else:
         out, lse = forward(p, plan)
     return out, lse

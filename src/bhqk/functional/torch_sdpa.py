@@ -35,6 +35,8 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return "F.scaled_dot_product_attention does not return the log-sum-exp"
     if p.softcap is not None:
         return "F.scaled_dot_product_attention has no softcap"
+    if p.sinks is not None:
+        return "F.scaled_dot_product_attention has no sinks (a logit in the softmax denominator without a value)"
     if not HAS_GQA and p.mask is not None:
         return f"torch {torch.__version__} SDPA gives NaN for fully masked rows (fixed in 2.5)"
     return None
