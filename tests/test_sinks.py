@@ -9,20 +9,19 @@ import types
 
 import pytest
 import torch
+from conftest import mask_kinds, qkv
 
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError, ShapeError
-from bhqk.functional import prepare, tiled
+from bhqk.functional import prepare
 from bhqk.functional.merge import merge, with_sinks
-from conftest import mask_kinds, qkv
 
 
 def formula(q, k, v, allowed, sinks, scale):
     """out [B, H, Q, dv] and lse [B, H, Q] in fp64, written from the definition:
     w_qk = exp(S_qk) / (Σ_k' exp(S_qk') + exp(sink_h)) over allowed keys; out = Σ_k w_qk v_k."""
-    B, H, Q, _ = q.shape
-    G = H // k.shape[1]
+    G = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(G, dim=1) for t in (k, v))  # [B, H, K, ·]
     S = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale
     E = torch.where(allowed, torch.exp(S), 0.0)  # [B, H, Q, K]
@@ -41,7 +40,7 @@ def test_sinks_match_the_formula_outputs_lse_and_weights(backend, kind):
     q, k, v = qkv(B, H, Hkv, Q, K, d=8, dv=5)
     sinks = torch.linspace(-2.0, 3.0, H, dtype=torch.float64)
     mask = None if kind is None else mask_kinds(B, H, Q, K)[kind]
-    extra = dict(block_q=4, block_k=8) if backend == "tiled" else {}
+    extra = {"block_q": 4, "block_k": 8} if backend == "tiled" else {}
     out, lse = bhqk.attention(q, k, v, mask, sinks=sinks, backend=backend, return_lse=True, **extra)
     allowed = _allowed(mask, B, H, Q, K)
     want_out, want_lse = formula(q, k, v, allowed, sinks, 8 ** -0.5)
@@ -59,7 +58,7 @@ def test_fully_masked_rows_with_a_sink_give_zero_and_lse_the_sink(backend):
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
     allowed = torch.rand(B, 1, Q, K, generator=torch.Generator().manual_seed(3)) > 0.5
     allowed[:, :, [1, 4]] = False  # two fully masked rows
-    extra = dict(block_q=2, block_k=4) if backend == "tiled" else {}
+    extra = {"block_q": 2, "block_k": 4} if backend == "tiled" else {}
     out, lse = bhqk.attention(q, k, v, allowed, sinks=sinks, backend=backend, return_lse=True, **extra)
     assert bool((out[:, :, [1, 4]] == 0).all())
     torch.testing.assert_close(lse[:, :, [1, 4]], sinks[None, :, None].expand(B, H, 2).detach())
@@ -72,7 +71,7 @@ def test_fully_masked_rows_with_a_sink_give_zero_and_lse_the_sink(backend):
 def test_gradcheck_q_k_v_sinks(backend, mask):
     q, k, v = qkv(1, 4, 2, 5, 7, d=3, dv=2, requires_grad=True)
     sinks = torch.tensor([0.3, -0.7, 1.1, 0.0], dtype=torch.float64, requires_grad=True)
-    extra = dict(block_q=2, block_k=4) if backend == "tiled" else {}
+    extra = {"block_q": 2, "block_k": 4} if backend == "tiled" else {}
 
     def f(q, k, v, sinks):
         out, lse = bhqk.attention(q, k, v, mask, sinks=sinks, backend=backend, return_lse=True, **extra)

@@ -35,7 +35,9 @@ import weakref
 
 import torch
 
-from ..bias import ALiBi, Bias, Dense as DenseBias, Sum as BiasSum
+from ..bias import ALiBi, Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from ..shapes import all_finite

@@ -67,7 +67,9 @@ from functools import partial
 
 import torch
 
-from ..bias import Bias, Dense as DenseBias, Sum as BiasSum
+from ..bias import Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
@@ -79,7 +81,7 @@ _SUM_LIMIT = 2.0**24  # a tile's row sum above this sends the tile back through 
 _BIG = 1e30  # stands in for lse = -inf in the folded column: 2^(S - BIG) = 0
 _NEG_INF = float("-inf")
 
-__all__ = ["forward", "backward", "sinks_grad", "dropout_keep", "run", "why_not", "TAU"]
+__all__ = ["TAU", "backward", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
 
 
 # ---- the pieces of one call ------------------------------------------------------------------------
@@ -268,7 +270,7 @@ def _col_keys(seed: int, K: int, device) -> torch.Tensor:
 
 
 def _threshold(p: float) -> int:
-    return int(round((1.0 - p) * 2.0**31)) - 2**30
+    return round((1.0 - p) * 2.0**31) - 2**30
 
 
 def _keep_bits(rows: torch.Tensor, cols: torch.Tensor, threshold: int, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
@@ -295,7 +297,9 @@ def _drop_(t: torch.Tensor, keep: torch.Tensor, out: torch.Tensor | None = None)
 def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=None) -> torch.Tensor:
     """The keep-mask bool [B, H, Q, K] the tiled backend uses for a call with this seed and
     ``dropout_p = p`` (for tests and tools: the backend itself never builds it)."""
-    ar = lambda n: torch.arange(n, device=device, dtype=torch.int64)  # noqa: E731
+    def ar(n: int) -> torch.Tensor:
+        return torch.arange(n, device=device, dtype=torch.int64)
+
     rows = _row_keys(seed, ar(B)[:, None, None], ar(H)[None, :, None], ar(Q)[None, None, :], H, Q)  # [B, H, Q]
     cols = _col_keys(seed, K, device)  # [K]
     x = torch.empty(B, H, Q, K, dtype=torch.int32, device=device)
@@ -305,7 +309,9 @@ def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=Non
 def _slice_row_keys(kn: _Kernel, seed: int) -> torch.Tensor:
     """The row keys of a worker's slice, [n, (Q G)] in its row order."""
     B, H, Q = kn.p.q.shape[0], kn.p.q.shape[1], kn.p.q.shape[2]
-    ar = lambda n: torch.arange(n, device=kn.device, dtype=torch.int64)  # noqa: E731
+    def ar(n: int) -> torch.Tensor:
+        return torch.arange(n, device=kn.device, dtype=torch.int64)
+
     b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)
     h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # query head hkv·G + g
     q = ar(Q).view(1, 1, Q, 1)
@@ -748,16 +754,15 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
     s.exp2_()  # P
     ds = work.grad_scores.take(n, b - a, kw)
-    if drop is None:
+    if drop is None or work.kept is None:
         grad_v.baddbmm_(s.transpose(1, 2), gout[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
         torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP - delta  [n, rows, kw]
+        ds.mul_(s)  # dS = P ∘ (dP - delta)
     else:  # with Z = keep/(1 - p): dV += (Z ∘ P)ᵀ·dO, dS = P ∘ (Z ∘ dP - delta)
-        keep = drop.bits(a, b, k0, k1)
-        kept = _drop_(s, keep, out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
+        kept = _drop_(s, drop.bits(a, b, k0, k1), out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
         grad_v.baddbmm_(kept.transpose(1, 2), gout[..., :dv])  # dV += (Z ∘ P)ᵀ·dO   [n, kw, dv]
         torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP/(1 - p)  [n, rows, kw]
-        _drop_(ds, keep).sub_(terms.delta[:, a:b, None])  # Z ∘ dP - delta
-    ds.mul_(s)  # dS = P ∘ (dP - delta)
+        ds.mul_(kept).addcmul_(s, terms.delta[:, a:b, None], value=-1.0)  # (P ∘ keep) ∘ dP/(1 - p) - P ∘ delta
     if not finite_v:
         ds.masked_fill_(s == 0, 0.0)  # a row that may not attend a NaN/inf value gets no gradient from it
     for g in grad_bias:
