@@ -128,6 +128,16 @@ def test_p_zero_is_bit_identical_to_no_dropout(dtype):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_drops_the_same_entries(dtype):
+    q, k, v = qkv(1, 4, 2, 48, 80, d=16, dtype=dtype)
+    out, _, keep = _tiled_and_keep(q, k, v, masks.causal("bottom_right"), p=0.2, seed=2, blocks=(16, 32))
+    want, _ = reference.run(prepare(*(t.double() for t in (q, k, v)), masks.causal("bottom_right"), dropout_p=0.2), keep=keep)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
 def test_fully_masked_rows_with_dropout_stay_zero_and_finite():
     q, k, v = qkv(1, 2, None, 6, 9, requires_grad=True)
     allowed = torch.ones(1, 1, 6, 9, dtype=torch.bool)
