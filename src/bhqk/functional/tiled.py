@@ -36,6 +36,12 @@ applied with masked_fill, key rows no row of a tile may attend are zeroed, and N
 replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
 those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
 
+Sinks: each row's denominator also counts exp(sink[h]) (added when a row group finishes, in base 2);
+the returned lse includes it, so the backward's P = exp(S - lse) and delta = rowsum(dO ∘ O) are
+unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta (:func:`sinks_grad`).
+Dropout: P's entries are dropped after the row sums (lse has no dropout), by a keep-mask that each
+tile regenerates from the call's seed and its (b, h, q, k) (see "dropout" below); never stored.
+
 Axes. The call keeps DESIGN.md's names: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
 G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
 
