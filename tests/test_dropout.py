@@ -99,6 +99,14 @@ def test_keep_rate_and_independence_are_within_statistical_bounds():
                      (z[:, :, 1:, 1:] * z[:, :, :-1, :-1], z[:, :, 1:, :-1] * z[:, :, :-1, 1:])):
             corr = (a * b).mean().item()
             assert abs(corr) < 5 / math.sqrt(a.numel()), (p, corr)
+    # every pair of rows (and of keys) is uncorrelated: no pair's correlation beyond 6σ of independence
+    # (a one-round hash of row ^ key fails this: some row pairs correlate at 10σ)
+    keep = tiled.dropout_keep(17, 1, 2, 256, 4096, 0.1).double().flatten(0, 2)  # [(B H Q), K]
+    z = (keep - keep.mean()) / keep.std()
+    for zz, n in ((z, z.shape[1]), (z.T[:512], z.shape[0])):
+        corr = (zz @ zz.T) / n  # [rows, rows]
+        off = corr[~torch.eye(corr.shape[0], dtype=torch.bool)]
+        assert abs(off.std().item() * math.sqrt(n) - 1) < 0.05 and off.abs().max().item() < 6 / math.sqrt(n)
     # per-row keep counts are binomial: their spread matches
     keep = tiled.dropout_keep(5, 1, 1, 512, 1024, 0.3).double()
     rows = keep.sum(-1).squeeze()
