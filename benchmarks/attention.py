@@ -43,7 +43,8 @@ from bhqk import masks
 RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a developer's machine
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
-IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex"]  # flex: raw FlexAttention; bhqk_flex: backend="flex"
+IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex",  # flex: raw FlexAttention; bhqk_flex: backend="flex"
+         "tiled_sinks", "tiled_dropout"]  # tiled with sinks [H]; tiled with dropout_p = 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwdbwd"]
 NS = [1024, 2048, 4096, 8192, 16384]
@@ -102,6 +103,11 @@ class Case:
         q, k, v, m = self.q, self.k, self.v, self.m
         if impl in ("tiled", "auto", "reference", "torch"):
             return lambda: bhqk.attention(q, k, v, m, backend=impl)
+        if impl == "tiled_sinks":
+            sinks = torch.linspace(-1.0, 1.0, self.H).to(q.dtype)  # [H]
+            return lambda: bhqk.attention(q, k, v, m, backend="tiled", sinks=sinks)
+        if impl == "tiled_dropout":
+            return lambda: bhqk.attention(q, k, v, m, backend="tiled", dropout_p=0.1)
         if impl in ("sdpa_flash", "sdpa_math"):
             kind = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.MATH
             causal = self.mask == "causal"

@@ -254,6 +254,30 @@ def _module(rank, world):
     return {**errs, "tol": 1e-10}
 
 
+def _sinks(rank, world):
+    """Sinks [H] in ring attention: applied once after the ring; outputs, lse and q/k/v grads equal the
+    reference's, and the all-reduced shares of the sinks' gradient equal its gradient."""
+    B, H, Hkv, N = 2, 4, 2, 40
+    q, k, v = qkv(B, H, Hkv, N, N, 8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    m = masks.causal() & masks.padding(torch.tensor([33, 0]))  # batch 1: every row fully masked
+    qr, kr, vr, sr = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    want, want_lse = bhqk.attention(qr, kr, vr, m, sinks=sr, backend="reference", return_lse=True)
+    dout = _dout(want.shape, 3, torch.float64)
+    grads = torch.autograd.grad(want, (qr, kr, vr, sr), dout)
+    cut = lambda t: shard(t.detach(), rank, world, dim=2, scheme="zigzag")  # noqa: E731
+    ql, kl, vl = (cut(t).requires_grad_() for t in (q, k, v))
+    sl = sinks.clone().requires_grad_()
+    out, lse = ring_attention(ql, kl, vl, m, sinks=sl, kv_chunk=7, q_chunk=5, return_lse=True)
+    got = torch.autograd.grad(out, (ql, kl, vl, sl), cut(dout))
+    dsinks = got[3].clone()
+    dist.all_reduce(dsinks)  # each rank holds its rows' share
+    whole = lambda t: gather(t.detach(), dim=2, scheme="zigzag")  # noqa: E731
+    res = {"out": _err(whole(out), want), "lse": _err(whole(lse), want_lse), "dsinks": _err(dsinks, grads[3])}
+    res.update({f"d{n}": _err(whole(g), w) for n, g, w in zip("qkv", got[:3], grads[:3])})
+    return {**res, "finite": all(bool(torch.isfinite(t).all()) for t in (out, *got)), "tol": 1e-10}
+
+
 def _skips(rank, world):
     """Contiguous causal sharding: rank r computes only the r+1 key shards at or before its own."""
     from bhqk.functional import tiled
@@ -317,6 +341,7 @@ CASES = {
     "softcap": lambda r, w: {**_compare(r, w, softcap=2.0, mask=masks.causal()), "tol": 1e-10},
     "bf16": _bf16,
     "module": _module,
+    "sinks": _sinks,
     "skips": _skips,
     "disagree": _disagree,
     "wrong_mask": _wrong_mask,

@@ -182,21 +182,24 @@ def test_flex_nan_in_unattended_keys_never_leaks():
 
 
 def test_flex_sinks_seam_matches_the_formula():
-    """Sinks are not in bhqk's Problem yet (issue 10); flex.run already applies them through the lse."""
+    """flex.run applies Problem.sinks through the lse; out and lse (which includes the sink) equal the reference's."""
     from bhqk.functional import reference
 
     B, H, Q, K = 2, 4, 5, 7
     q, k, v = qkv(B, H, 2, Q, K, 8)
-    p = prepare(q, k, v, _kinds(B, H, Q, K)["causal&padding"])
-    p.sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)  # [H]
+    sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)  # [H]
+    p = prepare(q, k, v, _kinds(B, H, Q, K)["causal&padding"], sinks=sinks)
     S, _ = reference.scores(p)  # [B, H, Q, K]
-    S = torch.cat([S, p.sinks[None, :, None, None].expand(B, H, Q, 1)], dim=-1)  # the sink as one more column
+    S = torch.cat([S, sinks[None, :, None, None].expand(B, H, Q, 1)], dim=-1)  # the sink as one more column
     P = torch.softmax(S, dim=-1)[..., :K].nan_to_num(0.0)  # weights of the real keys
     want = P @ v.repeat_interleave(2, dim=1)  # [B, H, Q, dv]
     with flex.uncompiled():
         out, lse = flex.run(p, True)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse.double(), torch.logsumexp(S, dim=-1))
+    ref_out, ref_lse = reference.run(p, True)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse.double(), ref_lse)
     assert "sinks" in flex.why_not(p, False)  # compiled on the CPU: no lse, so no sinks
 
 

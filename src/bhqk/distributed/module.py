@@ -34,7 +34,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
                     kv_chunk: int | None = None) -> RingMultiHeadAttention:
         """A ring copy of ``m`` (same sizes, same weights)."""
         new = cls(m.d_model, m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, kdim=m.kdim, vdim=m.vdim,
-                  bias=m.q_proj.bias is not None, group=group, sharding=sharding, kv_chunk=kv_chunk)
+                  bias=m.q_proj.bias is not None, group=group, sharding=sharding, kv_chunk=kv_chunk,
+                  sinks=getattr(m, "sinks", None) is not None)
         new = new.to(device=m.q_proj.weight.device, dtype=m.q_proj.weight.dtype)
         new.load_state_dict(m.state_dict())
         return new
@@ -54,7 +55,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
                              "([B, H, Q, K]); gather q and k and call bhqk.attention_weights instead.")
         if backend is not None:
             raise ValueError(f"RingMultiHeadAttention always runs ring attention; backend={backend!r} does not apply.")
-        o = ring_attention(q, k, v, mask, group=self.group, sharding=self.sharding, kv_chunk=self.kv_chunk)  # [B, H, Q/P, dv]
+        o = ring_attention(q, k, v, mask, group=self.group, sharding=self.sharding, kv_chunk=self.kv_chunk,
+                           sinks=self.sinks)  # [B, H, Q/P, dv]
         return self.out_proj(merge_heads(o))  # [B, Q/P, H·dv] -> [B, Q/P, D]
 
     def extra_repr(self) -> str:

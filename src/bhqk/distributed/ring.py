@@ -120,8 +120,9 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _forward(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, H, Q/P, dv] (q's dtype) and lse [B, H, Q/P] (float32/64) over all ranks' keys."""
+def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, H, Q/P, dv] (q's dtype) and lse [B, H, Q/P] (float32/64) over all ranks' keys; the
+    pieces are merged without sinks and ``sinks`` [H] joins once at the end (lse includes it)."""
     ring = plan.ring
     B, H, Ql, _ = q.shape
     acc = compute_dtype(q)
@@ -147,6 +148,8 @@ def _forward(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             if work is not None:
                 ring.wait(work, "K/V", step)
                 cur, spare = spare, (cur if step > 0 else None)  # never receive into the caller's k, v
+    if sinks is not None:  # the sink is one more key with value 0, counted once
+        merge_(out, lse, torch.zeros((), dtype=acc, device=q.device).expand_as(out), sinks.to(acc)[None, :, None].expand_as(lse))
     return out.to(q.dtype), lse
 
 
@@ -205,18 +208,20 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan):
-        out, lse = _forward(plan, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, plan: Plan, sinks):
+        out, lse = _forward(plan, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout.contiguous())
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)  # lse includes the sink: P = exp(S - lse) holds
+        grad_sinks = tiled.sinks_grad(sinks, out, lse, dout) if ctx.needs_input_grad[4] else None  # this rank's rows' share
+        return dq, dk, dv, None, grad_sinks
 
 
 def _agree(ring: Ring, q, k, v, layout: str, sharding: str) -> None:
@@ -267,6 +272,7 @@ def ring_attention(
     return_lse: bool = False,
     kv_chunk: int | None = None,
     q_chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
@@ -279,6 +285,9 @@ def ring_attention(
     ``q_chunk``: queries per kernel call (both default to a quarter of the shard, at least 512):
     smaller pieces hold less memory at once and take more messages and calls.
     A peer that dies or stalls raises RuntimeError after the process group's timeout.
+    ``sinks`` [H] (the same on every rank): per-head logits in each row's softmax denominator, as in
+    :func:`bhqk.attention`; applied once after the ring (lse includes them). Its gradient on each rank
+    is that rank's rows' share: all-reduce it like the other replicated parameters (DDP does).
     """
     ring = Ring.of(group)
     if layout not in LAYOUTS:
@@ -286,7 +295,7 @@ def ring_attention(
     if sharding not in SCHEMES:
         raise ValueError(f"sharding must be one of {SCHEMES}, got {sharding!r}.")
     _agree(ring, q, k, v, layout, sharding)
-    local = prepare(q, k, v, scale=scale, softcap=softcap, layout=layout)  # this rank's shard: Q and K are N/P here
+    local = prepare(q, k, v, scale=scale, softcap=softcap, layout=layout, sinks=sinks)  # this rank's shard: Q and K are N/P here
     backend = str(dist.get_backend(ring.group))
     if q.device.type == "cpu" and "nccl" in backend and "cpu" not in backend:
         raise RuntimeError(f"the process group uses {backend}, which needs CUDA tensors; q, k, v are on the CPU "
@@ -312,7 +321,7 @@ def ring_attention(
         [(a, min(a + ck, Kl)) for a in range(0, Kl, ck)],
         [(a, min(a + cq, Ql)) for a in range(0, Ql, cq)],
     )
-    out, lse = _RingAttention.apply(q, k, v, plan)  # [B, H, Q/P, dv], [B, H, Q/P]
+    out, lse = _RingAttention.apply(q, k, v, plan, local.sinks)  # [B, H, Q/P, dv], [B, H, Q/P]
     if layout == "bnhd":
         out = out.transpose(1, 2)  # [B, H, Q/P, dv] -> [B, Q/P, H, dv]
     return (out, lse) if return_lse else out

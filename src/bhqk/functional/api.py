@@ -26,6 +26,7 @@ def attention(
     return_lse: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Multi-head attention ``softmax(Q·Kᵀ·scale + bias, masked) · V``.
 
@@ -34,6 +35,11 @@ def attention(
     [B, H, Q, K], True = may attend, or a ``bhqk.masks`` mask. ``bias``: float, added to the scores.
     ``softcap``: scores become ``softcap·tanh(S/softcap)`` before the bias. ``scale`` defaults to
     1/√d. Fully masked rows give 0. ``return_lse=True`` returns ``(out, lse [B, H, Q])``.
+    ``sinks`` [H] (GPT-OSS's ``s_aux``): a per-head logit that joins each row's softmax denominator
+    and carries no value, so the weights sum to 1 − sigmoid(sink − lse_keys); lse then includes it,
+    lse = log(Σ_k exp(S) + exp(sink)) (a fully masked row: out 0, lse = sink). ``dropout_p``: dropout
+    on P after the softmax (lse is computed without it); the tiled backend draws its seed from
+    torch's default generator, so ``torch.manual_seed`` makes a call reproducible.
 
     Edges, the same on every backend: NaN/inf in v (or k) at a key reach only the query rows that may
     attend it; a query row holding NaN gives NaN (0 if fully masked); a finite bias is never -inf,
@@ -41,7 +47,7 @@ def attention(
     MaskError names them; B, Q or K = 0 gives out of shape [B, H, Q, dv] filled with 0 (lse -inf).
     """
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
-    p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options)
+    p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
     choice = resolve(backend, p, return_lse)
     out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
     if observe.active():
@@ -51,10 +57,11 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def attention_weights(q, k, mask=None, *, bias=None, scale=None, softcap=None, layout="bhnd") -> torch.Tensor:
-    """P [B, H, Q, K] (rows sum to 1; 0 for fully masked rows), in q's dtype."""
+def attention_weights(q, k, mask=None, *, bias=None, scale=None, softcap=None, layout="bhnd", sinks=None) -> torch.Tensor:
+    """P [B, H, Q, K] (rows sum to 1, or 1 − the sink's share with ``sinks`` [H]; 0 for fully
+    masked rows), in q's dtype."""
     v = k.new_empty(k.shape[:-1] + (0,))  # binds shapes only: k's layout with dv = 0
-    p = prepare(q, k, v, mask, bias, scale, softcap, 0.0, layout)
+    p = prepare(q, k, v, mask, bias, scale, softcap, 0.0, layout, sinks=sinks)
     P, _ = reference.weights(p)
     return P.to(q.dtype)
 

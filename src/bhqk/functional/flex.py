@@ -18,9 +18,10 @@ Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.
 
 Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
 log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
-CUDA). Sinks (issue 10, not in bhqk's Problem yet) join through the lse, since a ``score_mod``
-cannot add a column to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully
-masked row); the seam is in :func:`run`, and on the CPU it needs the lse the compiled kernel lacks.
+CUDA). Sinks (``Problem.sinks``) join through the lse, since a ``score_mod`` cannot add a column
+to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully masked row) and the
+returned lse includes the sink, as on every backend; the seam is in :func:`run`, and on the CPU it
+needs the lse the compiled kernel lacks.
 ``auto`` does not consider this backend: its cost would have to count the compile (seconds per
 new structure), so it is explicit only, ``backend="flex"``.
 """
@@ -34,7 +35,9 @@ import weakref
 
 import torch
 
-from ..bias import ALiBi, Bias, Dense as DenseBias, Sum as BiasSum
+from ..bias import ALiBi, Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from .problem import Problem
@@ -57,8 +60,8 @@ def _flex():
 
 
 def _sinks(p: Problem) -> torch.Tensor | None:
-    """Per-head sink logits [H], once the Problem carries them (issue 10)."""
-    return getattr(p, "sinks", None)
+    """Per-head sink logits [H] (or None)."""
+    return p.sinks
 
 
 def _grad(p: Problem) -> bool:

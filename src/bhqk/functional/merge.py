@@ -8,6 +8,11 @@ If ``(out_a, lse_a)`` is attention of some queries over keys A and ``(out_b, lse
 
 A row with lse = -inf on one side saw no key there (fully masked) and takes the other side; a row
 with -inf on both sides gives out 0 and lse -inf, with finite gradients.
+
+Sinks are counted once: a sink is one more key whose value is 0, so merge partials computed
+WITHOUT sinks, then apply them once with :func:`with_sinks` (which is ``merge(out, lse, 0, sink)``).
+Merging two partials that both include the sink would count it twice; nothing in (out, lse) can
+tell, so keep sinks out of the partials.
 """
 
 from __future__ import annotations
@@ -59,6 +64,19 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     ob = torch.where(wb > 0, out_b.to(dt), torch.zeros((), dtype=dt, device=out_b.device))
     out = wa * oa + wb * ob  # [B, H, Q, dv]
     return out.to(torch.promote_types(out_a.dtype, out_b.dtype)), lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the per-head sinks [H] to an attention computed without them: out [B, H, Q, dv], lse
+    [B, H, Q] → (out·sigmoid(lse − sink), log(exp(lse) + exp(sink))), i.e. the merge with a key
+    that scores ``sink[h]`` and carries the value 0. A fully masked row (lse = -inf) gives out 0
+    and lse = sink. Differentiable in all three."""
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or out.dim() < 3 or sinks.shape[0] != out.shape[-3]:
+        got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ShapeError(f"with_sinks: sinks must be [H={out.shape[-3] if out.dim() >= 3 else '?'}] for out "
+                         f"{list(out.shape)} ([B, H, Q, dv]), got {got}.")
+    sink = sinks[:, None].expand(lse.shape[-2:]).expand_as(lse)  # [H] -> [B, H, Q]
+    return merge(out, lse, torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out), sink.to(lse.dtype))
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ class Problem:
     softcap: float | None = None
     dropout_p: float = 0.0
     options: dict = field(default_factory=dict)  # backend tuning, e.g. block_q / block_k for "tiled"
+    sinks: torch.Tensor | None = None  # [H]: per-head logits in each row's softmax denominator, no value
 
     @property
     def ext(self) -> Extent:
@@ -50,6 +51,7 @@ def prepare(
     dropout_p: float = 0.0,
     layout: str = "bhnd",
     options: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Problem:
     """Check everything about a call once, bind the named sizes, and bring q, k, v to bhnd."""
     sizes = check_qkv(q, k, v, layout)
@@ -67,7 +69,26 @@ def prepare(
     scale, softcap = check_scalars(sizes, scale, softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}.")
-    return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options or {}))
+    sinks = check_sinks(sizes, sinks, q.device)
+    return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options or {}), sinks)
+
+
+def check_sinks(sizes: Sizes, sinks, device: torch.device) -> torch.Tensor | None:
+    """``sinks``: None, or a finite floating tensor [H] (one logit per query head) on q's device."""
+    if sinks is None:
+        return None
+    what = "one logit per query head that joins each row's softmax denominator"
+    if not isinstance(sinks, torch.Tensor):
+        raise ShapeError(f"sinks must be a tensor [H={sizes['H']}] ({what}), got {type(sinks).__name__}.")
+    if sinks.dim() != 1 or sinks.shape[0] != sizes["H"]:
+        raise sizes.fail(f"sinks has shape {list(sinks.shape)} but must be [H={sizes['H']}] ({what}).")
+    if not sinks.is_floating_point():
+        raise ShapeError(f"sinks must be a floating-point tensor [H={sizes['H']}], got {sinks.dtype}.")
+    if sinks.device != device:
+        raise ShapeError(f"sinks is on {sinks.device} but q is on {device}.")
+    if not bool(torch.isfinite(sinks).all()):
+        raise ShapeError(f"sinks must be finite ({what}), got {sinks.tolist() if sinks.numel() <= 16 else 'non-finite values'}.")
+    return sinks
 
 
 def check_scalars(sizes: Sizes, scale, softcap) -> tuple[float, float | None]:

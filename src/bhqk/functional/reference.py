@@ -1,8 +1,10 @@
 """The reference backend: the executable spec. Every other backend is tested against it.
 
-It reads like the formulas: S = Q·Kᵀ·scale → softcap → + bias → mask → P = softmax(S) → O = P·V,
+It reads like the formulas: S = Q·Kᵀ·scale → softcap → + bias → mask → P = softmax(S) → dropout → O = P·V,
 in float32 (float64 stays float64), building the full [B, H, Q, K] tensors. The mask and the bias
 are materialized once. NaN/inf in v reach only the rows that may attend their key (``nonfinite``).
+Sinks: the head's sink logit is one more column of S that takes part in the softmax and is then
+dropped (it has no value), so P's rows sum to 1 − the sink's share and lse includes it.
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ def scores(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
     return S, allowed
 
 
-def softmax_rows(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_rows(S: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """P = softmax(S) over K and lse = log Σ exp(S) [B, H, Q]. A row with no finite score
-    (fully masked, or K = 0) gets P = 0 and lse = -inf, with finite gradients."""
+    (fully masked, or K = 0) gets P = 0 and lse = -inf, with finite gradients.
+    ``sinks`` [H]: each row's softmax also counts exp(sink[h]) (GPT-OSS): P = softmax([S, sink])
+    without its last column, lse = log(Σ exp(S) + exp(sink)); a fully masked row gets P = 0, lse = sink."""
+    if sinks is not None:
+        sink = sinks.to(S.dtype)[None, :, None, None].expand(*S.shape[:-1], 1)  # [H] -> [B, H, Q, 1]
+        P, lse = softmax_rows(torch.cat([S, sink], dim=-1))  # [B, H, Q, K+1]
+        return P[..., :-1], lse  # the sink's column has no value
     m = S.amax(dim=-1, keepdim=True) if S.shape[-1] else S.new_zeros(*S.shape[:-1], 1)  # [B, H, Q, 1]
     m = torch.where(torch.isfinite(m), m, 0.0).detach()  # P does not depend on it
     E = torch.exp(S - m)
@@ -56,16 +64,18 @@ def softmax_rows(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weights(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(P [B, H, Q, K], lse [B, H, Q]) in the compute dtype."""
-    return softmax_rows(scores(p)[0])
+    return softmax_rows(scores(p)[0], p.sinks)
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run(p: Problem, need_lse: bool = False, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """O [B, H, Q, dv] in the input dtype and lse [B, H, Q] (float32/64; returned even when not
-    asked, since it is computed anyway: observers get it)."""
+    asked, since it is computed anyway: observers get it). Dropout (``p.dropout_p > 0``) zeroes
+    entries of P and scales the rest by 1/(1 - p): those where ``keep`` (bool [B, H, Q, K], e.g.
+    ``tiled.dropout_keep``) is False, or drawn by ``F.dropout`` when no ``keep`` is given."""
     S, _ = scores(p)
-    P, lse = softmax_rows(S)
+    P, lse = softmax_rows(S, p.sinks)
     if p.dropout_p > 0:
-        P = F.dropout(P, p.dropout_p)
+        P = F.dropout(P, p.dropout_p) if keep is None else P * keep / (1.0 - p.dropout_p)
     v, flags = finite_part(_heads(p.v, p.ext.H).to(S.dtype))  # [B, H, K, dv]: NaN/inf as 0; flags [B, H, K, 3·dv]
     O = torch.einsum("bhqk,bhkv->bhqv", P, v)  # [B, H, Q, dv]
     if flags is not None:  # NaN/inf in v reach exactly the rows that may attend their key

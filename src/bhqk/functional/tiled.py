@@ -36,6 +36,12 @@ applied with masked_fill, key rows no row of a tile may attend are zeroed, and N
 replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
 those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
 
+Sinks: each row's denominator also counts exp(sink[h]) (added when a row group finishes, in base 2);
+the returned lse includes it, so the backward's P = exp(S - lse) and delta = rowsum(dO ∘ O) are
+unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta (:func:`sinks_grad`).
+Dropout: P's entries are dropped after the row sums (lse has no dropout), by a keep-mask that each
+tile regenerates from the call's seed and its (b, h, q, k) (see "dropout" below); never stored.
+
 Axes. The call keeps DESIGN.md's names: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
 G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
 
@@ -67,7 +73,9 @@ from functools import partial
 
 import torch
 
-from ..bias import Bias, Dense as DenseBias, Sum as BiasSum
+from ..bias import Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
@@ -79,7 +87,7 @@ _SUM_LIMIT = 2.0**24  # a tile's row sum above this sends the tile back through 
 _BIG = 1e30  # stands in for lse = -inf in the folded column: 2^(S - BIG) = 0
 _NEG_INF = float("-inf")
 
-__all__ = ["forward", "backward", "run", "why_not", "TAU"]
+__all__ = ["TAU", "backward", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
 
 
 # ---- the pieces of one call ------------------------------------------------------------------------
@@ -228,6 +236,126 @@ def _per_query_head(p: Problem) -> Problem:
     return dataclasses.replace(p, k=k, v=v, sizes=sizes)
 
 
+# ---- dropout: a keep-mask regenerated per tile from (seed, b, h, q, k) ----------------------------
+#
+# Never stored: each tile recomputes its entries from a per-row key (a 64-bit hash of seed, b, h, q,
+# made once per call, [B·H·Q]) and a per-key key (of seed, k, [K]), combined per entry with int32
+# ops: x = row ^ col; x *= M1; x ^= x >> 16; x *= M2; keep where (x >> 1) < (1 - p)·2^31 - 2^30.
+# The comparison is made with integer arithmetic, ((x >> 1) - T) >> 31 = -1 (keep) or 0 (drop), and
+# applied to P by a bitwise AND of its bits (comparisons and bool masks are several times slower on
+# the CPU). The same function serves forward, backward and :func:`dropout_keep`, so both passes drop
+# the same entries whatever their tiles are.
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX = (-4658895280553007687, -7723592293110705685)  # splitmix64's multipliers, signed
+_M1, _M2 = -1640531535, -2048144789  # 0x9E3779B1, 0x85EBCA6B as signed int32
+
+
+def dropout_seed() -> int:
+    """A dropout seed drawn from torch's default generator (one per call: ``torch.manual_seed``
+    makes the tiled backend's dropout reproducible)."""
+    return int(torch.randint(-(2**62), 2**62, (), dtype=torch.int64))
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (logical shifts by masking), then the top 32 bits as int32."""
+    for s_, m in zip((30, 27), _MIX):
+        x = (x ^ ((x >> s_) & ((1 << (64 - s_)) - 1))) * m
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return (((x >> 32) & 0xFFFFFFFF) - (1 << 31)).to(torch.int32)  # [.., ] in [-2^31, 2^31)
+
+
+def _row_keys(seed: int, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, H: int, Q: int) -> torch.Tensor:
+    """int32 keys of the rows (b, h, q), broadcast from the index tensors given."""
+    return _mix64((((b * H + h) * Q + q) + 1) * _GOLDEN + seed)
+
+
+def _col_keys(seed: int, K: int, device) -> torch.Tensor:
+    """int32 keys of the keys 0…K-1, [K]."""
+    return _mix64((torch.arange(K, device=device, dtype=torch.int64) - 1) * _GOLDEN + (seed ^ 0x5BD1E995))
+
+
+def _threshold(p: float) -> int:
+    return round((1.0 - p) * 2.0**31) - 2**30
+
+
+def _keep_bits(rows: torch.Tensor, cols: torch.Tensor, threshold: int, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """Into ``x`` [.., r, c] (int32): -1 where the entry (row, col) is kept, 0 where dropped.
+    ``rows`` [.., r, 1] and ``cols`` [.., 1, c] are int32 keys; ``tmp`` is scratch of x's shape."""
+    torch.bitwise_xor(rows, cols, out=x)
+    x.mul_(_M1)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_M2)
+    torch.bitwise_right_shift(x, 1, out=x)
+    x.sub_(threshold)
+    return torch.bitwise_right_shift(x, 31, out=x)
+
+
+def _drop_(t: torch.Tensor, keep: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero the entries of ``t`` (float32/64) where ``keep`` (int32, -1 / 0) is 0, by ANDing bits."""
+    bits = t.view(torch.int32 if t.element_size() == 4 else torch.int64)
+    k = keep if bits.dtype == torch.int32 else keep.to(torch.int64)  # -1 stays all ones
+    dest = bits if out is None else out.view(bits.dtype)
+    torch.bitwise_and(bits, k, out=dest)
+    return t if out is None else out
+
+
+def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=None) -> torch.Tensor:
+    """The keep-mask bool [B, H, Q, K] the tiled backend uses for a call with this seed and
+    ``dropout_p = p`` (for tests and tools: the backend itself never builds it)."""
+    def ar(n: int) -> torch.Tensor:
+        return torch.arange(n, device=device, dtype=torch.int64)
+
+    rows = _row_keys(seed, ar(B)[:, None, None], ar(H)[None, :, None], ar(Q)[None, None, :], H, Q)  # [B, H, Q]
+    cols = _col_keys(seed, K, device)  # [K]
+    x = torch.empty(B, H, Q, K, dtype=torch.int32, device=device)
+    return _keep_bits(rows[..., None], cols, _threshold(p), x, torch.empty_like(x)) != 0
+
+
+def _slice_row_keys(kn: _Kernel, seed: int) -> torch.Tensor:
+    """The row keys of a worker's slice, [n, (Q G)] in its row order."""
+    B, H, Q = kn.p.q.shape[0], kn.p.q.shape[1], kn.p.q.shape[2]
+    def ar(n: int) -> torch.Tensor:
+        return torch.arange(n, device=kn.device, dtype=torch.int64)
+
+    b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)
+    h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # query head hkv·G + g
+    q = ar(Q).view(1, 1, Q, 1)
+    return _row_keys(seed, b, h, q, H, Q).reshape(kn.n, Q * kn.G)  # [Bw, Hkvw, Q, G] -> [n, (Q G)]
+
+
+@dataclass
+class _Dropout:
+    """One worker's dropout: its rows' keys [n, (Q G)], every key's [K], the threshold, scratch."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    threshold: int
+    keep: _Buffer  # int32 [n, rows, kw]
+    tmp: _Buffer
+
+    @classmethod
+    def of(cls, kn: _Kernel, elems: int) -> _Dropout | None:
+        if kn.p.dropout_p == 0:
+            return None
+        seed = kn.p.options["dropout_seed"]
+        return cls(_slice_row_keys(kn, seed), _col_keys(seed, kn.p.k.shape[2], kn.device), _threshold(kn.p.dropout_p),
+                   _Buffer(elems, torch.int32, kn.device), _Buffer(elems, torch.int32, kn.device))
+
+    def bits(self, r0: int, r1: int, k0: int, k1: int) -> torch.Tensor:
+        """-1 / 0 (keep / drop) for the slice's rows (q g) r0:r1 and keys k0:k1, [n, rows, kw]."""
+        n = self.rows.shape[0]
+        x, tmp = self.keep.take(n, r1 - r0, k1 - k0), self.tmp.take(n, r1 - r0, k1 - k0)
+        return _keep_bits(self.rows[:, r0:r1, None], self.cols[k0:k1], self.threshold, x, tmp)
+
+
+def _seeded(p: Problem) -> Problem:
+    """``p`` with a dropout seed in its options (drawn here if it has none) when it has dropout."""
+    if p.dropout_p == 0 or "dropout_seed" in p.options:
+        return p
+    return dataclasses.replace(p, options={**p.options, "dropout_seed": dropout_seed()})
+
+
 # ---- worker threads --------------------------------------------------------------------------------
 
 _POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, its number of threads)
@@ -296,7 +424,7 @@ def forward(p: Problem, plan: Plan | None = None) -> tuple[torch.Tensor, torch.T
     """out [B, H, Q, dv] in the input dtype and lse [B, H, Q] (float32; float64 for float64
     input; -inf for fully masked rows, whose output is 0). No autograd graph is built."""
     with torch.no_grad():
-        return _forward(p, plan if plan is not None else plan_for(p))
+        return _forward(_seeded(p), plan if plan is not None else plan_for(p))
 
 
 def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +432,8 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     Hkv, dv = p.k.shape[1], p.v.shape[-1]
     out = torch.zeros(B, H, Q, dv, dtype=p.q.dtype, device=p.q.device)
     lse = torch.full((B, H, Q), _NEG_INF, dtype=compute_dtype(p.q), device=p.q.device)
+    if p.sinks is not None:  # rows that see no key keep out 0, and their denominator is the sink alone
+        lse.copy_(p.sinks.to(lse.dtype)[None, :, None].expand_as(lse))  # [H] -> [B, H, Q]
     if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
     finite = all_finite(p.k, p.v)
@@ -338,6 +468,7 @@ class _ForwardWork:
         self.rescale, self.has_max = _Buffer(n * R, torch.bool, dev), _Buffer(n * R, torch.bool, dev)  # [n, R]
         self.pv = _Buffer(n * R * dv, dt, dev)  # scratch for P·V of a rectangle that covers part of a group
         self.hits = _Buffer(n * R * 3 * dv, dt, dev) if nonfinite_v else None  # [n, R, 3·dv]: NaN/inf values reached
+        self.dropout = _Dropout.of(kn, n * G * max(rect.elems for rect in rects))  # the keep bits of a rectangle
 
 
 @dataclass
@@ -414,14 +545,23 @@ def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rec
         torch.sum(s, dim=-1, out=tile_sum)
         if not bool((tile_sum > _SUM_LIMIT).any()):  # no row's max grew by more than 24: accept
             row_sum.add_(tile_sum)
-            _add_mm(acc, s, values, work.pv)  # [n, rows, dv]
+            _add_mm(acc, _dropped(work, s, q0, rect), values, work.pv)  # [n, rows, dv]
             return
         _scores(kn, s, queries, keys, offset, rect)  # redo: some row's max grew
     _max_pass(kn, work, st, s, a, b)
     s.exp2_()  # P·l (unnormalized)
     torch.sum(s, dim=-1, out=tile_sum)
     row_sum.add_(tile_sum)
-    _add_mm(acc, s, values, work.pv)  # [n, rows, dv]
+    _add_mm(acc, _dropped(work, s, q0, rect), values, work.pv)  # [n, rows, dv]
+
+
+def _dropped(work: _ForwardWork, s: torch.Tensor, q0: int, rect: Rect) -> torch.Tensor:
+    """The tile with dropout's entries zeroed (after its row sums: l is computed without dropout;
+    the 1/(1 - p) is applied once, in ``_finish_group``)."""
+    if work.dropout is None:
+        return s
+    G = s.shape[1] // (rect.r1 - rect.r0)
+    return _drop_(s, work.dropout.bits(G * rect.r0, G * rect.r1, rect.k0, rect.k1))
 
 
 def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
@@ -448,11 +588,20 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor,
 
 
 def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
-    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views."""
+    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views.
+    With sinks the denominator is l + 2^(sink - m): lse2 = log2(2^(m + log2 l) + 2^sink) (base 2) and
+    out = acc · 2^(m - lse2) (0 for a row that saw no key: acc = 0)."""
     bq, dv = group.q1 - group.q0, st.acc.shape[-1]
-    lse5[:, :, :, group.q0:group.q1] = ((st.offset + torch.log2(st.row_sum)) * LN2).view(
-        kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
-    l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+    lse2 = st.offset + torch.log2(st.row_sum)  # [n, R], base 2, over the keys
+    if kn.p.sinks is not None:
+        sink2 = (kn.p.sinks[kn.hq].to(kn.dt) * LOG2E).view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]
+        lse2 = torch.logaddexp2(lse2.view(kn.Bw, kn.Hkvw, bq, kn.G), sink2).view(kn.n, -1)  # rows (q g)
+        l_safe = torch.where(st.row_sum > 0, torch.exp2(lse2 - st.offset), 1.0)  # the whole denominator relative to m
+    else:
+        l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+    if kn.p.dropout_p > 0:
+        l_safe = l_safe * (1.0 - kn.p.dropout_p)  # kept entries count 1/(1 - p)
+    lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
     dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
     torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
@@ -469,6 +618,8 @@ def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.T
     per tile ``P = exp(S - lse)``, ``dV += Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - delta)``, ``dQ += dS·K·scale``,
     ``dK += dSᵀ·Q·scale`` (softcap's tanh' applied to dS; GQA heads summed into Hkv).
     Returns (grad_q [B, H, Q, d], grad_k [B, Hkv, K, d], grad_v [B, Hkv, K, dv]) in the input dtypes."""
+    if p.dropout_p > 0 and "dropout_seed" not in p.options:
+        raise ValueError("tiled.backward with dropout needs the forward's seed in p.options['dropout_seed'].")
     grad_q, grad_k, grad_v, _ = _backward(p, out, lse, grad_out, grad_lse, plan if plan is not None else plan_for(p), ())
     return grad_q, grad_k, grad_v
 
@@ -543,6 +694,8 @@ class _BackwardWork:
         self.keys, self.values = _Buffer(n * span * (d + 1), dt, dev), _Buffer(n * span * (dv + 1), dt, dev)
         self.grad_k, self.grad_v = _Buffer(n * span * d, dt, dev), _Buffer(n * span * dv, dt, dev)  # one key span's
         self.grad_q = _Buffer(n * rows * d, dt, dev)  # scratch for dS·K into a row slice of grad_q
+        self.dropout = _Dropout.of(kn, n * rect_elems)  # the keep bits of a rectangle
+        self.kept = _Buffer(n * rect_elems, dt, dev) if self.dropout is not None else None  # P with dropout's zeros
 
 
 def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads, biases, finite_v: bool) -> list:
@@ -590,7 +743,12 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     else:
         queries[..., d] = 0.0
     gout.view(kn.Bw, kn.Hkvw, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))  # dO, rows (q g)
-    torch.neg(terms.delta[:, a:b], out=gout[..., dv])
+    drop = work.dropout
+    if drop is None:
+        torch.neg(terms.delta[:, a:b], out=gout[..., dv])
+    else:  # dP is masked before delta is subtracted: the column stays 0; dO/(1 - p) serves dV and dP
+        gout[..., dv] = 0.0
+        gout[..., :dv].mul_(1.0 / (1.0 - p.dropout_p))
     s = work.scores.take(n, b - a, kw)
     torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw] = (S - lse) in base 2  (S/c with softcap)
     th = None
@@ -601,10 +759,16 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     _bias_and_mask_(s, kn, rect)
     kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
     s.exp2_()  # P
-    grad_v.baddbmm_(s.transpose(1, 2), gout[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
     ds = work.grad_scores.take(n, b - a, kw)
-    torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP - delta  [n, rows, kw]
-    ds.mul_(s)  # dS = P ∘ (dP - delta)
+    if drop is None or work.kept is None:
+        grad_v.baddbmm_(s.transpose(1, 2), gout[..., :dv])  # dV += Pᵀ·dO   [n, kw, dv]
+        torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP - delta  [n, rows, kw]
+        ds.mul_(s)  # dS = P ∘ (dP - delta)
+    else:  # with Z = keep/(1 - p): dV += (Z ∘ P)ᵀ·dO, dS = P ∘ (Z ∘ dP - delta)
+        kept = _drop_(s, drop.bits(a, b, k0, k1), out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
+        grad_v.baddbmm_(kept.transpose(1, 2), gout[..., :dv])  # dV += (Z ∘ P)ᵀ·dO   [n, kw, dv]
+        torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP/(1 - p)  [n, rows, kw]
+        ds.mul_(kept).addcmul_(s, terms.delta[:, a:b, None], value=-1.0)  # (P ∘ keep) ∘ dP/(1 - p) - P ∘ delta
     if not finite_v:
         ds.masked_fill_(s == 0, 0.0)  # a row that may not attend a NaN/inf value gets no gradient from it
     for g in grad_bias:
@@ -631,14 +795,28 @@ def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, kn: _Kernel, rect: Rect) -
     tile_of(g, r0, r1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
 
 
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+               grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of the sink logits [H] from the (sink-inclusive) ``lse`` [B, H, Q]: the sink is
+    a key without a value, so its dS is P_sink·(0 - delta), summed over the rows of its head:
+    ``d sink_h = -Σ_{b,q} exp(sink_h - lse)·delta`` with ``delta = rowsum(dO ∘ O) - dlse``."""
+    dt = lse.dtype
+    delta = torch.einsum("bhqv,bhqv->bhq", out.to(dt), grad_out.to(dt))  # [B, H, Q]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(dt)
+    p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]: the sink's weight in each row
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
+
+
 class _TiledAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse (never P); the backward recomputes each tile's P."""
+    """Saves q, k, v, sinks, out and lse (never P); the backward recomputes each tile's P. With sinks
+    lse includes the sink, so P = exp(S - lse) and delta = rowsum(dO ∘ O) hold as without them."""
 
     @staticmethod
-    def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, *bias_tensors):
+    def forward(ctx, p: Problem, plan: Plan, dense: tuple, q, k, v, sinks, *bias_tensors):
         out, lse = _forward(p, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.p = dataclasses.replace(p, q=None, k=None, v=None)  # type: ignore[arg-type]  # saved by save_for_backward
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.p = dataclasses.replace(p, q=None, k=None, v=None, sinks=None)  # type: ignore[arg-type]  # saved by save_for_backward
         ctx.plan, ctx.dense = plan, dense
         ctx.set_materialize_grads(False)
         return out, lse
@@ -646,20 +824,19 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        p = dataclasses.replace(ctx.p, q=q, k=k, v=v)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        p = dataclasses.replace(ctx.p, q=q, k=k, v=v, sinks=sinks)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dense = tuple(b for b, need in zip(ctx.dense, ctx.needs_input_grad[6:]) if need)
+        dense = tuple(b for b, need in zip(ctx.dense, ctx.needs_input_grad[7:]) if need)
         grad_q, grad_k, grad_v, grad_bias = _backward(p, out, lse, grad_out, grad_lse, ctx.plan, dense)
+        grad_sinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[6] else None
         it = iter(grad_bias)
-        grads = [next(it) if need else None for need in ctx.needs_input_grad[6:]]
-        return None, None, None, grad_q, grad_k, grad_v, *grads
+        grads = [next(it) if need else None for need in ctx.needs_input_grad[7:]]
+        return None, None, None, grad_q, grad_k, grad_v, grad_sinks, *grads
 
 
 def why_not(p: Problem, need_lse: bool) -> str | None:
-    if p.dropout_p > 0:
-        return "the tiled backend has no dropout (use backend='torch' or 'reference' for dropout_p > 0)"
     return None
 
 
@@ -669,9 +846,11 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     the inputs require grad. ``plan``: one made for this call already (``auto`` makes one to
     estimate the cost), else planned here."""
     plan = plan if plan is not None else plan_for(p)
+    p = _seeded(p)  # dropout: one seed per call, saved with p for the backward
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
-    if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in (p.q, p.k, p.v))):
-        out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, *(b.tensor for b in dense))
+    inputs = (p.q, p.k, p.v) + ((p.sinks,) if p.sinks is not None else ())
+    if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in inputs)):
+        out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, p.sinks, *(b.tensor for b in dense))
     else:
         out, lse = forward(p, plan)
     return out, lse

@@ -4,7 +4,7 @@ the reference's answer. PyTorch's bool mask has bhqk's polarity (True = may atte
 
 PyTorch's kernels let NaN/inf cross the mask (0·NaN, inf - inf) and its fused kernel turns a NaN
 query row into zeros, so a call whose q (or, with a mask or bias, k or v) holds NaN/inf is computed
-by the tiled backend (the reference with dropout) instead: the same answer as every other backend."""
+by the tiled backend instead (which has dropout too): the same answer as every other backend."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..masks import Causal, to_sdpa
 from ..shapes import all_finite
-from . import reference, tiled
+from . import tiled
 from .problem import Problem
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -35,6 +35,8 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return "F.scaled_dot_product_attention does not return the log-sum-exp"
     if p.softcap is not None:
         return "F.scaled_dot_product_attention has no softcap"
+    if p.sinks is not None:
+        return "F.scaled_dot_product_attention has no sinks (a logit in the softmax denominator without a value)"
     if not HAS_GQA and p.mask is not None:
         return f"torch {torch.__version__} SDPA gives NaN for fully masked rows (fixed in 2.5)"
     return None
@@ -60,7 +62,7 @@ def _nonfinite(p: Problem) -> bool:
 
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if _nonfinite(p):
-        return (reference.run if p.dropout_p > 0 else tiled.run)(p, need_lse)
+        return tiled.run(p, need_lse)
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
     attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]

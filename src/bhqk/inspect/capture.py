@@ -130,7 +130,8 @@ def narrow(p: Problem, heads: list[int], rows: list[int] | None) -> Problem:
         dt = compute_dtype(p.q)
         bias = bias_.dense(_tile(lambda q0, q1: p.bias.block(ext, q0, q1, 0, ext.K, dev, dt), rows, ext.Q, ext.K, heads, ext.H))
     sizes = Sizes(B=ext.B, H=len(heads), Hkv=len(heads), Q=q.shape[2], K=ext.K, d=q.shape[3], dv=v.shape[3])
-    return Problem(q, k, v, sizes, mask, bias, p.scale, p.softcap)
+    sinks = p.sinks[heads] if p.sinks is not None else None  # [H] -> [h]
+    return Problem(q, k, v, sizes, mask, bias, p.scale, p.softcap, sinks=sinks)
 
 
 def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor | None = None):
@@ -139,9 +140,10 @@ def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
     The reference's scores on the call narrowed to those heads and rows (:func:`narrow`). With ``lse``
     (the call's log-sum-exp [B, H, Q]) P = exp(S − lse) and no row reduction is needed.
     """
-    S, _ = reference.scores(narrow(p, heads, rows))  # [B, h, r, K]
+    narrowed = narrow(p, heads, rows)
+    S, _ = reference.scores(narrowed)  # [B, h, r, K]
     if lse is None:
-        return (S, *reference.softmax_rows(S))
+        return (S, *reference.softmax_rows(S, narrowed.sinks))
     lse_sel = lse.index_select(1, torch.tensor(heads, device=lse.device)).to(S.dtype)  # [B, H, Q] -> [B, h, Q]
     if rows is not None:
         lse_sel = lse_sel.index_select(2, torch.tensor(rows, device=lse.device))  # [B, h, r]

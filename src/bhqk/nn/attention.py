@@ -54,6 +54,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         backend: str = "auto",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         d_model = _size("d_model", d_model, "D, the model width")
@@ -86,6 +87,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=bias)  # Dk -> Hkv·d
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=bias)  # Dv -> Hkv·dv
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)  # H·dv -> D
+        # sinks=True: a learned logit per query head in each row's softmax denominator (GPT-OSS), zeros at init
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [H]
 
     def check_inputs(self, x: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Sizes:
         """Bind B, Q, K and the widths; the inputs need the parameters' dtype and device (no silent cast)."""
@@ -152,10 +155,10 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         backend = self.backend if backend is None else backend
         with observe.scope(self):  # observers see this module as the caller
-            o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
+            o = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend, sinks=self.sinks)  # [B, H, Q, dv]
         out = self.out_proj(merge_heads(o))  # [B, Q, H·dv] -> [B, Q, D]
         if return_weights:
-            return out, attention_weights(q, k, mask, bias=bias)  # [B, H, Q, K]
+            return out, attention_weights(q, k, mask, bias=bias, sinks=self.sinks)  # [B, H, Q, K]
         return out
 
     @classmethod
