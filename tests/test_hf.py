@@ -177,7 +177,6 @@ def test_t5_position_bias_equals_eager():
         assert diff <= TOL, f"T5 {name}: max abs logit diff {diff}"
 
 
-@pytest.mark.xfail(strict=True, reason="bhqk has no sinks yet", raises=BackendError)
 def test_gpt_oss_sinks_equal_eager():
     model = _model(_gpt_oss)
     ids, am = _batch()
@@ -199,10 +198,25 @@ def test_custom_4d_masks_pass_through():
     assert _real_diff(_out(model, "bhqk", input_ids=ids, attention_mask=allowed), ref, ones) <= TOL
 
 
-def test_s_aux_is_refused_by_name():
-    q = torch.randn(1, 4, 3, 8)
-    with pytest.raises(BackendError, match="s_aux"):
-        attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(4))
+def test_gpt_oss_weights_and_capture_include_the_sinks():
+    """s_aux reaches bhqk as sinks=: output_attentions and a capture equal eager's weights, whose
+    rows sum to 1 - the sink's share."""
+    model = _model(_gpt_oss)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            sinks = layer.self_attn.sinks  # [H]
+            sinks.copy_(torch.linspace(0.5, 2.5, sinks.shape[0]))  # large enough to take a visible share
+    ids, am = _batch()
+    ref = model.set_attn_implementation("eager") or model(ids, attention_mask=am, output_attentions=True).attentions
+    model.set_attn_implementation("bhqk")
+    with torch.no_grad(), bhqk.capture(model=model, layers=["model.layers.0.self_attn"], heads=[1]) as cap:
+        ours = model(ids, attention_mask=am, output_attentions=True).attentions
+    real = am.bool()
+    for b in range(2):
+        rows = ref[0][b, 1][real[b]].detach()  # [real queries, K]
+        assert float(rows.sum(-1).max()) < 0.999  # the sink takes a share
+        torch.testing.assert_close(ours[0][b, 1][real[b]], rows, atol=1e-6, rtol=0)
+        torch.testing.assert_close(cap["model.layers.0.self_attn"].head(1, b=b)[real[b]], rows, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

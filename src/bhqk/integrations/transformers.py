@@ -275,26 +275,18 @@ def attention_forward(
     """transformers' attention-function contract on bhqk: query [B, H, Q, d], key [B, Hkv, K, d],
     value [B, Hkv, K, dv] → (out [B, Q, H, dv], weights [B, H, Q, K] with output_attentions, else None).
 
-    ``position_bias`` (T5) is bhqk's ``bias=``; ``softcap`` (Gemma 2) caps the scores; dropout only
+    ``position_bias`` (T5) is bhqk's ``bias=``; ``softcap`` (Gemma 2) caps the scores; ``s_aux``
+    (GPT-OSS) is bhqk's ``sinks=``, per-head logits in each row's denominator; dropout only
     in training. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names
     it by the module's path."""
-    if s_aux is not None:
-        # seam: pass sinks=s_aux to attention() once bhqk.attention takes sinks (issue 10)
-        raise BackendError(
-            "s_aux (attention sinks, e.g. GPT-OSS) is not supported by bhqk yet: bhqk.attention has no sinks= "
-            "argument; sinks arrive with the kernel work (issue 10). Use attn_implementation='eager' or 'sdpa' for this model."
-        )
     Q, K = query.shape[2], key.shape[2]
     mask, extra = _as_mask(attention_mask, module, is_causal, Q, K, query.dtype)
     bias = position_bias
     if extra is not None:
         bias = extra if bias is None else bias + extra
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
-    kw = {"bias": bias, "scale": scaling, "softcap": softcap}
-    if observe.active():
-        with observe.scope(module):
-            out = attention(query, key, value, mask, dropout_p=dropout_p, backend=backend, **kw)  # [B, H, Q, dv]
-    else:
+    kw = {"bias": bias, "scale": scaling, "softcap": softcap, "sinks": s_aux}  # s_aux: GPT-OSS's per-head sinks [H]
+    with observe.scope(module):  # capture and trace name the call by this module's path
         out = attention(query, key, value, mask, dropout_p=dropout_p, backend=backend, **kw)  # [B, H, Q, dv]
     weights = attention_weights(query, key, mask, **kw) if kwargs.get("output_attentions") else None  # [B, H, Q, K]
     return out.transpose(1, 2).contiguous(), weights  # [B, H, Q, dv] -> [B, Q, H, dv]
