@@ -458,3 +458,35 @@ def test_all_keys_means_no_mask_not_causal():
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2)
     torch.testing.assert_close(full, ref)
     assert not torch.allclose(causal_out, ref)
+
+
+# ---- the command line on any local folder -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny random Llama saved as a local folder, with the bundled MiniLM's tokenizer files."""
+    import shutil
+
+    from bhqk.models.bert import bundled_model_dir
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    _llama(vocab_size=30522).save_pretrained(folder)  # the tokenizer's vocabulary
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (bundled_model_dir() / name).exists():
+            shutil.copy(bundled_model_dir() / name, folder / name)
+    return folder
+
+
+def test_cli_trace_and_show_take_any_local_folder(llama_folder, tmp_path, capsys):
+    from bhqk.cli import main
+
+    assert main(["trace", "--model", str(llama_folder), "The cat sat on the mat."]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn" in out and "model.layers.1.self_attn" in out
+    assert "[B=1, Hkv=2, K=9, d=8]" in out  # GQA: 2 key/value heads for 8 query heads, seen as they flowed
+    assert main(["show", "--model", str(llama_folder), "--out", str(tmp_path), "--max-tokens", "6", "The cat sat on the mat."]) == 0
+    report = capsys.readouterr().out
+    assert "input cut: 9 tokens, the first 6 are shown" in report and "Q=6, K=6" in report
+    assert (tmp_path / "attention.html").stat().st_size > 0 and (tmp_path / "attention.png").exists()

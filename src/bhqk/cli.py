@@ -173,12 +173,13 @@ def parser() -> Parser:
     d.set_defaults(func=cmd_demo)
 
     from .models.cli import add_embed_parser, add_generate_parser
-    from .viz.cli import add_show_parser
+    from .viz.cli import add_show_parser, add_trace_parser
 
     add_embed_parser(sub)
     add_generate_parser(sub)
     s = add_show_parser(sub)
     s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
+    add_trace_parser(sub)
     for each in sub.choices.values():
         each.set_defaults(flags_=flags_of(each), parser_=each)
     return p

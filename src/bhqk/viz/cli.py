@@ -28,18 +28,18 @@ def pick_head(stats: Sequence[HeadStats]) -> HeadStats:
 
 def run_sentence(sentence: str, model: str | Path | None = None, backend: str = "auto", *,
                  max_tokens: int | None = None, cut: list[int] | None = None) -> tuple[Capture, list[str]]:
-    """Capture every layer and head of ``sentence`` through a BERT folder (default: bundled MiniLM),
-    cut to ``max_tokens`` tokens ([CLS] and [SEP] included; default and upper bound: the model's
-    limit). When ``cut`` is given, [tokens before the cut, tokens kept] is appended to it."""
+    """Capture every layer and head of ``sentence``, cut to ``max_tokens`` tokens (special tokens
+    included; default and upper bound: the model's limit, 256 at most). ``model``: None (the bundled
+    MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or any other local Hugging Face
+    folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
+    [tokens before the cut, tokens kept] is appended to it."""
+    if model is not None and not _is_bert_folder(model):
+        return _run_hf(sentence, model, backend, max_tokens=max_tokens, cut=cut)
     from ..models.bert import SentenceEncoder
 
     enc = SentenceEncoder.from_pretrained(model, backend=backend)
     limit = enc.tokenizer.truncation["max_length"] if enc.tokenizer.truncation else enc.model.config.max_positions
-    if max_tokens is not None:
-        if not 3 <= max_tokens <= limit:
-            raise ValueError(f"--max-tokens {max_tokens} is out of range: this model takes 3 … {limit} tokens "
-                             f"([CLS] and [SEP] included).")
-        limit = max_tokens
+    limit = _limit(max_tokens, limit)
     enc.tokenizer.no_truncation()
     whole = len(enc.tokenizer.encode(sentence).ids)
     enc.tokenizer.enable_truncation(limit)
@@ -50,6 +50,41 @@ def run_sentence(sentence: str, model: str | Path | None = None, backend: str = 
     with torch.no_grad(), capture(model=enc.model, what=("weights",)) as cap:
         enc.model(ids, attention_mask)
     return cap, list(tokens)
+
+
+def _limit(max_tokens: int | None, limit: int) -> int:
+    if max_tokens is None:
+        return limit
+    if not 3 <= max_tokens <= limit:
+        raise ValueError(f"--max-tokens {max_tokens} is out of range: this model takes 3 … {limit} tokens "
+                         f"(special tokens included).")
+    return max_tokens
+
+
+def _is_bert_folder(folder: str | Path) -> bool:
+    from ..models.loading import read_config
+
+    return read_config(folder).get("model_type") == "bert"
+
+
+def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
+            cut: list[int] | None) -> tuple[Capture, list[str]]:
+    """``run_sentence`` for any local Hugging Face folder: transformers' AutoModel on bhqk."""
+    from ..integrations.transformers import encode, load_folder
+
+    loaded = load_folder(folder, "bhqk" if backend == "auto" else f"bhqk:{backend}")
+    inputs, tokens = encode(loaded, sentence)  # input_ids [1, N], ...
+    limit = min(HF_MAX_TOKENS, int(getattr(loaded.model.config, "max_position_embeddings", HF_MAX_TOKENS) or HF_MAX_TOKENS))
+    limit = _limit(max_tokens, limit)
+    if cut is not None:
+        cut += [len(tokens), min(len(tokens), limit)]
+    inputs = {k: v[:, :limit] for k, v in inputs.items()}  # [1, N] -> [1, ≤ limit]
+    with torch.no_grad(), capture(model=loaded.model, what=("weights",)) as cap:
+        loaded.model(**inputs)
+    return cap, tokens[:limit]
+
+
+HF_MAX_TOKENS = 256  # the page and the PNGs stay readable and small up to here
 
 
 def cut_notice(whole: int, kept: int, max_tokens: int | None) -> str | None:
@@ -114,12 +149,14 @@ def cmd_show(a: argparse.Namespace) -> str:
 
 def add_show_parser(sub) -> argparse.ArgumentParser:
     """Register ``bhqk show`` on an argparse subparsers object."""
-    s = sub.add_parser("show", help="pictures and an interactive page of a sentence's attention (bundled MiniLM)",
-                       description="Run one text through a BERT encoder, capture every layer's attention "
+    s = sub.add_parser("show", help="pictures and an interactive page of a text's attention (bundled MiniLM or any local model)",
+                       description="Run one text through a model (the bundled MiniLM, or --model DIR: any local Hugging Face "
+                                   "folder, encoder or decoder), capture every layer's attention "
                                    "weights [B, H, Q, K] and write attention.png, attention_grid.png and "
                                    "attention.html (rows = queries, columns = keys) into --out.")
     s.add_argument("sentence", help='the text, e.g. "The cat sat on the mat." (longer than --max-tokens: cut, with a notice)')
-    s.add_argument("--model", default=None, help="a local Hugging Face BERT folder (default: the bundled all-MiniLM-L6-v2)")
+    s.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
+                                                 "(default: the bundled all-MiniLM-L6-v2)")
     s.add_argument("--layer", type=int, default=None, help="layer (attention call index) for attention.png; default: picked")
     s.add_argument("--head", type=int, default=None, help="head for attention.png; default: the most focused word-to-word head")
     s.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")
@@ -128,3 +165,41 @@ def add_show_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder to write the PNGs and the HTML page into (default: {DEFAULT_OUT})")
     s.set_defaults(func=cmd_show)
     return s
+
+
+def trace_text(text: str, model: str | Path | None = None, backend: str = "auto") -> str:
+    """The named shapes of every attention call while ``model`` reads ``text`` (``bhqk trace``): the
+    bundled MiniLM by default, a BERT folder on bhqk's encoder, any other local folder through
+    transformers on bhqk."""
+    from ..inspect.trace import trace
+
+    if model is None or _is_bert_folder(model):
+        from ..models.bert import SentenceEncoder
+
+        enc = SentenceEncoder.from_pretrained(model, backend=backend)
+        ids, attention_mask = enc.tokenize([text])  # [1, N], [1, N]
+        with torch.no_grad(), trace(enc.model) as t:
+            enc.model(ids, attention_mask)
+        tokens = list(enc.tokenizer.encode(text).tokens)
+    else:
+        from ..integrations.transformers import encode, load_folder
+
+        loaded = load_folder(model, "bhqk" if backend == "auto" else f"bhqk:{backend}")
+        inputs, tokens = encode(loaded, text)  # input_ids [1, N], ...
+        with torch.no_grad(), trace(loaded.model) as t:
+            loaded.model(**inputs)
+    return f"{len(tokens)} tokens: {' '.join(tokens)}\n{t}"
+
+
+def add_trace_parser(sub) -> argparse.ArgumentParser:
+    """Register ``bhqk trace`` on an argparse subparsers object."""
+    t = sub.add_parser("trace", help="the named shapes of every attention call of a model reading a text",
+                       description="Run one text through a model (the bundled MiniLM, or --model DIR: any local Hugging "
+                                   "Face folder) and print, per attention call, its module path, backend and the named "
+                                   "shapes of q, k, v, S/P and the output.")
+    t.add_argument("text", help='the text, e.g. "The cat sat on the mat."')
+    t.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
+                                                 "(default: the bundled all-MiniLM-L6-v2)")
+    t.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")
+    t.set_defaults(func=lambda a: trace_text(a.text, a.model, a.backend))
+    return t
