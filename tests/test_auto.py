@@ -5,6 +5,8 @@ costs so the choices they check do not depend on the machine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -95,9 +97,9 @@ def test_policy_choices_and_reasons(reference_costs):
     huge = torch.empty(1, 1, 8192, 8)
     far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
     assert far.name == "tiled" and "not torch: it would need a dense mask" in far.reason
-    with pytest.raises(BackendError, match="no dropout"):
-        registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)
-    assert "dropout" in bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1)
+    dropping = registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)
+    assert dropping.name == "tiled"  # the tiled backend has dropout (tests/test_dropout.py)
+    assert bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1) is None
     assert bhqk.why_not("tiled", huge, huge, huge, masks.padding(6000), return_lse=True) is None
 
 
@@ -127,10 +129,13 @@ def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, monkeypat
         torch.testing.assert_close(a, b)
 
 
-def test_no_backend_possible_names_every_refusal(reference_costs):
+def test_no_backend_possible_names_every_refusal(reference_costs, monkeypatch):
     q, k, v = qkv(1, 2, None, 8, 8, d=4, dtype=torch.float32)
-    with pytest.raises(BackendError, match="torch: .*log-sum-exp.*tiled: .*dropout"):
-        bhqk.choose_backend(q, k, v, dropout_p=0.5, return_lse=True)
+    tiled = registry.get("tiled")
+    refusing = dataclasses.replace(tiled, why_not=lambda p, need_lse: "it refuses for this test")
+    monkeypatch.setitem(registry._REGISTRY, "tiled", refusing)
+    with pytest.raises(BackendError, match="torch: .*log-sum-exp.*tiled: it refuses for this test"):
+        bhqk.choose_backend(q, k, v, return_lse=True)
 
 
 # ---- the costs: measured once per machine, cached, overridable -----------------------------------
