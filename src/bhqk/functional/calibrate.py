@@ -101,7 +101,11 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[Non
     """Use fixed costs inside the ``with`` block (default: ``REFERENCE``), whatever the machine;
     estimates are then pure functions of the call (no measured planning time)."""
     table = REFERENCE if table is None else table
-    table = replace(table, source="fixed") if isinstance(table, Costs) else {dt: replace(c, source="fixed") for dt, c in table.items()}
+    if isinstance(table, Costs):
+        table = replace(table, source="fixed")
+    else:
+        table = {dt: replace(c, source="fixed") for dt, c in table.items()}
+
     old = _FIXED[0]
     _FIXED[0] = (lambda dev, dt: table) if isinstance(table, Costs) else (lambda dev, dt: table.get(dt, table[torch.float32]))
     try:

@@ -149,7 +149,9 @@ def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
 register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: None))  # the spec: builds [B, H, Q, K]
 register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch))
 register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
-register(Backend("flex", _plan_free(flex.run), flex.why_not))  # FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
+# FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
+register(Backend("flex", _plan_free(flex.run), flex.why_not))
+
 
 
 # ---- the policy -----------------------------------------------------------------------------------

@@ -156,7 +156,9 @@ Rule = tuple[str, str]  # (regex on the checkpoint key, replacement); groups use
 _GROUP = re.compile(r"\((?:[^()])*\)")
 
 
-def rename(state_dict: StateDict, rules: list[Rule], ignore: list[str], prefixes: tuple[str, ...] = ()) -> tuple[StateDict, dict[str, str]]:
+def rename(state_dict: StateDict, rules: list[Rule], ignore: list[str],
+           prefixes: tuple[str, ...] = ()) -> tuple[StateDict, dict[str, str]]:
+
     """Apply the first matching rule to each key; drop ``ignore`` matches; strip ``prefixes``.
     Returns the new dict and, for messages, each new key's checkpoint key."""
     out: StateDict = {}
@@ -187,7 +189,8 @@ def checkpoint_key(name: str, rules: list[Rule], prefix: str = "") -> str:
         m = re.fullmatch(rx, name)
         if m:
             values = iter(m.groups())
-            return prefix + _GROUP.sub(lambda _: next(values), pat).replace("\\.", ".")
+            return prefix + _GROUP.sub(lambda _, values=values: next(values), pat).replace("\\.", ".")
+
     return prefix + name
 
 

@@ -3,8 +3,10 @@
 Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated once and written in place
 (no ``torch.cat`` per step). Under autograd (new keys that require grad, e.g. training through a
 prefill and decode steps) the cache never writes into a tensor a graph may hold: each step builds
-new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new positions; the queries are the *last* Q
-positions of the keys, so mask with ``causal(align="bottom_right")``::
+new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new
+positions; the queries are the *last* Q positions of the keys, so mask with
+``causal(align="bottom_right")``::
+
 
     step 1 (prefill, Q=K=3)      step 2 (Q=1, K=4)
     ■ · ·                        ■ ■ ■ ■     ← the new query sees every cached key and itself
