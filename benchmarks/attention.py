@@ -44,7 +44,6 @@ LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a de
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
 # flex: raw FlexAttention; bhqk_flex: backend="flex"
 IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex"]
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwdbwd"]
 NS = [1024, 2048, 4096, 8192, 16384]
@@ -110,7 +109,6 @@ class Case:
                 dense = None
             else:
                 dense = m if isinstance(m, torch.Tensor) else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
-
 
             def call():
                 with sdpa_kernel(kind):
@@ -295,7 +293,6 @@ def targets(records: list[dict]) -> str:
         a, b = t("tiled", "none", 4096, mode), t("sdpa_flash", "none", 4096, mode)
         add(f"no mask, fp32, N=4096, {mode}: tiled / SDPA-flash ≤ {limit}",
             a / b if a and b else None, a and b and a / b <= limit)
-
     a, b = t("tiled", "causal", 4096, "fwd"), t("sdpa_flash", "causal", 4096, "fwd")
     add("causal, fp32, N=4096, fwd: tiled / SDPA-flash ≤ 1.3", a / b if a and b else None, a and b and a / b <= 1.3)
     for mode in MODES:
@@ -308,7 +305,6 @@ def targets(records: list[dict]) -> str:
         c = get[("bhqk_flex", "window256", 16384, "fp32", "fwd")].get("warmup_s", float("nan"))
         add(f"window 256, N=16384, fp32, fwd: bhqk flex / tiled < 1 (compile + first call {c:.1f} s, not counted)",
             a / b, a / b < 1)
-
     worst = None
     for (impl, mask, N, dtype, mode), r in get.items():
         if impl != "auto" or "median_ms" not in r:
@@ -378,7 +374,6 @@ def plot(records: list[dict], impls: list[str], stem: str, folder: Path = RESULT
                 for impl in impls:
                     pts = sorted((r["N"], r.get("median_ms"), r.get("peak_mib"))
                                  for r in sub if r["mask"] == m and r["impl"] == impl)
-
                     tp = [(n, x) for n, x, _ in pts if x]
                     mp = [(n, y) for n, _, y in pts if y is not None]
                     if tp:
@@ -445,7 +440,6 @@ def main() -> None:
             print(f"{r['mask']:>13} N={r['N']:<6} planning {r['plan_ms']:8.1f} ms, CPU time {r['plan_cpu_ms']:.1f} ms "
                   f"(median of {repeat}; all {', '.join(f'{x:.1f}' for x in r['plan_ms_all'])}), "
                   f"grid {r['block_q']}×{r['block_k']}, {r['tiles']} tiles")
-
         out = folder / f"{a.tag}.json"
         out.write_text(json.dumps({"meta": {**meta, "loadavg_end": os.getloadavg()}, "planning": rows}, indent=1))
         print(f"wrote {out}")
@@ -459,7 +453,6 @@ def main() -> None:
                 for N in ns:
                     run = [i for i in impls if estimate_gib(i, mask, N, mode) <= a.mem_limit_gib
                            and not (i in ("flex", "bhqk_flex") and mode == "fwdbwd")]
-
                     case = Case(mask, N, dtype, mode)
                     res = time_case(case, run, repeat, a.max_seconds)
                     del case
@@ -479,7 +472,6 @@ def main() -> None:
                         shown = fmt_time(r) if "median_ms" in r else (r.get("note") or "")
                         bar.write(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB",
                                   file=sys.stdout)
-
                         bar.update(1)
     bar.close()
     meta["loadavg_end"] = os.getloadavg()

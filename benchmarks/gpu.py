@@ -97,7 +97,6 @@ def meta(dev: torch.device, a) -> dict:
         p = torch.cuda.get_device_properties(dev)
         m.update(gpu=torch.cuda.get_device_name(dev), capability=f"{p.major}.{p.minor}",
                  gpu_memory_gib=round(p.total_memory / 2**30, 1))
-
         try:
             import triton
 
@@ -158,7 +157,6 @@ def block_mask_section(r: Run, Ns: list[int]) -> None:
                 f"({rec['speedup']:.1f}×), same tiles: {rec['same_tiles']}")
             print(f"  {name:>10} N={N:<6} {shown}", flush=True)
         r.save()
-
 
 
 # ---- 2. correctness --------------------------------------------------------------------------------
@@ -258,7 +256,6 @@ def correctness_section(r: Run) -> None:
                 shown = rec.get("error") or rec.get("note") or (
                     f"out {rec['fwd_err']:.2e}  "
                     + "  ".join(f"{n} {rec.get(n + '_err', float('nan')):.2e}" for n in ("dq", "dk", "dv"))
-
                     + f"  (yardstick out {yerr[0]:.2e})  {'ok' if rec.get('within_bound') else 'OUT OF BOUND'}")
                 print(f"  {dt_name} {name:>20} {be:>9}: {shown}", flush=True)
             r.save()
@@ -315,7 +312,6 @@ def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
         for mname, (m, mod) in specs.items():
             impls = timing_impls(r, raw, q, k, v, mname, m, mod)
             for impl, f in impls.items():
-
                 if r.left() < (60 if "flex" in impl else 15):
                     r.skip(f"timing {impl} {mname} N={N}")
                     continue
@@ -336,7 +332,6 @@ def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
                 r.data["timings"].append(rec)
                 shown = rec.get("error") or (f"{rec['median_ms']:.3f} ms "
                                              f"(first call {rec['first_call_s']:.2f} s, {rec['new_graphs']} new graphs)")
-
                 print(f"  {mname:>10} N={N:<6} {impl:>20}: {shown}", flush=True)
             r.save()
 
@@ -362,7 +357,6 @@ def summary(r: Run) -> None:
             ratio = ms / t[("flex_raw", mname, N)]
             lines.append(f"bhqk flex / raw FlexAttention, {mname}, N={N}: {ratio:.3f} "
                          f"({'met' if ratio <= 1.05 else 'NOT met'}: ≤ 1.05)")
-
     for x in r.data["block_masks"]:
         if x.get("N") == max((y["N"] for y in r.data["block_masks"]), default=0) and "speedup" in x:
             lines.append(f"block_mask vs create_block_mask, {x['mask']}, N={x['N']}: {x['speedup']:.1f}× "
@@ -372,7 +366,6 @@ def summary(r: Run) -> None:
     ran = len(judged)
     lines.append(f"correctness: {ran - len(bad)} of {ran} runs within bound"
                  + (f"; out of bound: {', '.join(bad)}" if bad else ""))
-
     r.data["summary"] = lines
     print("\n".join(["", "Targets (this run):", *lines]))
 

@@ -126,7 +126,6 @@ def markdown(cfg: dict, enc: dict | None, dec: dict | None) -> str:
         for name, r in enc.items():
             lines.append(f"| {name} | {r['sentences_per_s']:.1f} | {1000 * r['median_s']:.0f} "
                          f"| {r['vs_transformers_sdpa']:.2f}× |")
-
         lines.append("")
     if dec is not None:
         lines += [f"**GPT-2-small-shaped decoder** (random weights; {cfg['layers']} layers, {cfg['heads']} heads, "
@@ -167,7 +166,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None,
                    help="output path (default benchmarks/results/models.json; "
                         "--quick: benchmarks/results/local/models-quick.json)")
-
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.new_tokens = min(args.repeats, 2), min(args.new_tokens, 16)

@@ -57,7 +57,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                       red=True)
 
 
-
 def pytest_sessionfinish(session, exitstatus):
     if session.config.stash.get(NOT_RUN, 0) and exitstatus == 0:
         session.exitstatus = 1  # not a pass: the pages were not checked

@@ -248,7 +248,6 @@ BAD_CALLS = {
     "align": [lambda *_: masks.causal("top"), lambda *_: masks.sliding_window(2, align=0),
               lambda *_: masks.prefix_lm(1, align="x"),
               lambda q, k, v: bhqk.attention(q, k, v, masks.causal())],  # Q ≠ K needs an alignment
-
     "prefix_len": [lambda *_: masks.prefix_lm(-1), lambda *_: masks.prefix_lm(0.5)],
     "predicate": [lambda q, k, v: bhqk.attention(q, k, v, masks.predicate(lambda b, h, i, j: i - j)),
                   lambda q, k, v: bhqk.attention(q, k, v, masks.predicate(lambda b, h, i, j: torch.ones(7, dtype=torch.bool)))],

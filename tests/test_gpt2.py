@@ -173,7 +173,6 @@ def test_generate_errors(model):
     (lambda m: m([[1, 2]]), TypeError, r"input_ids must be an integer tensor"),
     (lambda m: m(torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 160]])), ValueError,
      r"position_ids holds position 160 at \[0, 1\]; this GPT-2 has 160 positions"),
-
     (lambda m: m.generate(torch.tensor([[1, VOCAB + 5]]), 2), ValueError, r"prompt_ids holds token id"),
     (lambda m: m.generate(torch.tensor([[1.0, 2.0]]), 2), ValueError, r"prompt_ids must be an integer tensor"),
     (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), 2), ValueError, r"prompt_ids is empty \(\[1, 0\]\)"),
@@ -181,7 +180,6 @@ def test_generate_errors(model):
      r"temperature must be a finite number"),
     (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=float("inf")), ValueError,
      r"temperature must be a finite number"),
-
     (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=-1.0), ValueError, r"temperature must be a finite number >= 0"),
     (lambda m: m.generate(torch.tensor([[1, 2]]), 2, temperature=1.0, top_k=0), ValueError, r"top_k must be an integer >= 1"),
     (lambda m: m.generate(torch.tensor([[1, 2]]), 2, top_k=2.5), ValueError, r"top_k must be an integer >= 1"),

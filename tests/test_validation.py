@@ -65,7 +65,6 @@ def test_padding_takes_a_list_and_a_zero_d_tensor():
     assert torch.equal(prefix[1, 0, 0], torch.tensor([True, True, False]))
 
 
-
 def test_padding_lengths_are_one_count_on_every_backend():
     """padding(2.5) used to attend 3 keys on the reference and 2 on tiled; integers only now, and
     every backend attends exactly the first `length` keys."""
@@ -111,7 +110,6 @@ def test_from_torch_mha_is_keyword_only():
      r"first axis 6 is not B·H with B=2, H=2"),
     ({"num_heads": 2, "key_padding_mask": torch.zeros(3, 4, dtype=torch.bool), "batch_size": 2},
      r"key_padding_mask has B=3 but batch_size=2"),
-
     ({"num_heads": 2, "key_padding_mask": torch.zeros(3, 4)}, r"key_padding_mask must be a bool tensor \[B, K\]"),
     ({"num_heads": 2, "key_padding_mask": torch.zeros(4, dtype=torch.bool)}, r"key_padding_mask must be a bool tensor \[B, K\]"),
 ])
@@ -200,7 +198,6 @@ def test_input_dtype_must_match_the_module():
     x = torch.randn(2, 5, 16)
     with pytest.raises(ShapeError,
                        match=r"x has dtype torch.float64 but the module's parameters are torch.float32.*x.to\(torch.float32\)"):
-
         m(x.double())
     with pytest.raises(ShapeError, match=r"key has dtype torch.float16 but the module's parameters are torch.float32"):
         m(x, x.half())

@@ -79,7 +79,6 @@ class Dense(Bias):
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             is_bool = isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool
             hint = " A bool tensor is a mask: pass it as mask=." if is_bool else ""
-
             raise MaskError(f"bias must be a floating-point tensor, got {got}.{hint}")
         if tensor.dim() > 4:
             raise MaskError(f"bias has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")

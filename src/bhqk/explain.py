@@ -105,12 +105,10 @@ def explain(*, B: int, H: int, Q: int, K: int, d: int, dv: int | None = None, Hk
     ok = lambda c: "✓" if c else "✗"  # noqa: E731
     merged_ok = H * dv == D
     merged_note = " = [Q, D]" if merged_ok else f" ≠ [Q, D] = [{Q}, {D}]: W_O maps H·dv={H * dv} → D={D}"
-
     out += ["", w["check"] + ":",
             f"  ✓ {w['inner']}: q d={d}, k d={d}",
             f"  ✓ {w['perhead']} = [{Q}, {dv}]",
             f"  {ok(merged_ok)} {w['merged']} = [{Q}, {H * dv}]{merged_note}",
-
             f"  ✓ H % Hkv == 0: {g} {w['groups']}",
             f"  {w['memory']}: B·H·Q·K = {B * H * Q * K:,} → {_mib(B * H * Q * K)}"]
     return "\n".join(out)

@@ -105,7 +105,6 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[Non
         table = replace(table, source="fixed")
     else:
         table = {dt: replace(c, source="fixed") for dt, c in table.items()}
-
     old = _FIXED[0]
     _FIXED[0] = (lambda dev, dt: table) if isinstance(table, Costs) else (lambda dev, dt: table.get(dt, table[torch.float32]))
     try:

@@ -153,7 +153,6 @@ register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor,
 register(Backend("flex", _plan_free(flex.run), flex.why_not))
 
 
-
 # ---- the policy -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

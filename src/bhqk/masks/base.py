@@ -98,7 +98,6 @@ class Mask:
 
     def draw(self, Q: int | None = None, K: int | None = None, *,
              b: int = 0, h: int = 0, B: int | None = None, H: int | None = None) -> str:
-
         """The mask of one (batch, head) as rows of ■ (may attend) and · (masked), one row per query."""
         nat = self.natural_size() or (8, 8)
         Q = nat[0] if Q is None else Q

@@ -29,7 +29,6 @@ class KeysBelow(Mask):
             raise MaskError(f"{self.name}: {self.arg} has {self.limit.numel()} entries but B={ext.B}; "
                             "give one length per batch element.")
 
-
     def block(self, ext, q0, q1, k0, k1, device=None):
         _, ki = positions(q0, q1, k0, k1, device)
         if isinstance(self.limit, torch.Tensor):
@@ -82,7 +81,6 @@ class KeyPadding(Mask):
         zero = valid.new_zeros(1, dtype=torch.long)
         self._all = torch.cat([zero, valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
         self._any = torch.cat([zero, valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere
-
 
     def check(self, ext: Extent) -> None:
         B, K = self.valid.shape

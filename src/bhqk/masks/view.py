@@ -77,7 +77,6 @@ class IndexMap:
     def __repr__(self) -> str:
         runs = ", ".join(f"{r.first}:{r.first + r.length}" if r.step == 1 else f"{r.first}::{r.step}×{r.length}"
                          for r in self.runs)
-
         return f"IndexMap([{runs}] of {self.n_global})"
 
 

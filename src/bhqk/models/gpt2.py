@@ -183,7 +183,6 @@ class GPT2(nn.Module):
         if N == 0 or B == 0:
             raise sizes.fail(f"prompt_ids is empty ({list(prompt_ids.shape)}); "
                              "generation needs at least one prompt token per row.")
-
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
         check_sampling(temperature, top_k)

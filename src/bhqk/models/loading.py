@@ -158,7 +158,6 @@ _GROUP = re.compile(r"\((?:[^()])*\)")
 
 def rename(state_dict: StateDict, rules: list[Rule], ignore: list[str],
            prefixes: tuple[str, ...] = ()) -> tuple[StateDict, dict[str, str]]:
-
     """Apply the first matching rule to each key; drop ``ignore`` matches; strip ``prefixes``.
     Returns the new dict and, for messages, each new key's checkpoint key."""
     out: StateDict = {}
@@ -188,9 +187,9 @@ def checkpoint_key(name: str, rules: list[Rule], prefix: str = "") -> str:
         rx = "".join(re.escape(x) if i % 2 == 0 else groups[int(x) - 1] for i, x in enumerate(parts))
         m = re.fullmatch(rx, name)
         if m:
-            values = iter(m.groups())
-            return prefix + _GROUP.sub(lambda _, values=values: next(values), pat).replace("\\.", ".")
-
+            literals = _GROUP.split(pat)  # the pattern's text around its groups; the groups get the matched values
+            key = literals[0] + "".join(g + lit for g, lit in zip(m.groups(), literals[1:], strict=True))
+            return prefix + key.replace("\\.", ".")
     return prefix + name
 
 
