@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LoadError
-from ..masks import causal, key_padding
+from ..masks import Mask, causal, key_padding
 from ..nn import KVCache, MultiHeadAttention
 from ..shapes import Sizes
 from .common import activation, check_ids
@@ -128,7 +128,7 @@ class GPT2(nn.Module):
             raise sizes.fail("input_ids has N=0 tokens; give at least one token per row.")
         past = 0 if cache is None else cache.length
         K = past + N
-        mask = None if N == 1 else causal("bottom_right")  # one new query sees every key
+        mask: Mask | None = None if N == 1 else causal("bottom_right")  # one new query sees every key
         if attention_mask is not None:
             sizes.bind("attention_mask", attention_mask.shape, ("B", "K"), what=f" (K = cached {past} + new {N})")
             if sizes["K"] != K:

@@ -98,6 +98,7 @@ def _read_file(path: Path) -> StateDict:
     if head == LFS_POINTER:
         raise LoadError(f"{path} is a Git LFS pointer, not the weights: run `git lfs pull` in {path.parent} "
                         f"(or download the file itself).")
+    obj: object  # checked below: a dict of str -> Tensor
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
