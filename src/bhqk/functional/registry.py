@@ -31,7 +31,7 @@ class Estimate(NamedTuple):
 
     seconds: float
     note: str = ""
-    plan: Any = None
+    plan: object = None  # opaque to auto, handed back to its run (object, not Any: pdoc evaluates it out of this module)
 
 
 @dataclass(frozen=True)
