@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install browser test-browser-check docs-page
+.PHONY: demo test bench install browser test-browser-check docs-page lint docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,19 @@ test-browser-check:  # as root: install Chromium if missing; otherwise never apt
 demo: $(STAMP)
 	$(BIN)/bhqk demo
 
-test: $(STAMP) test-browser-check
+test: $(STAMP) test-browser-check lint docs
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)  # configured in pyproject.toml ([tool.ruff], [tool.mypy]: src/bhqk)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+# API reference in docs/api (not committed). bhqk brings bhqk.masks, .bias and .distributed (its __all__);
+# a module named twice, one that fails to import or an annotation pdoc cannot read is an error (-W error::UserWarning).
+DOC_MODULES := bhqk bhqk.functional bhqk.nn bhqk.models bhqk.inspect bhqk.viz
+docs: $(STAMP)
+	rm -rf docs/api
+	$(BIN)/python -W error::UserWarning -m pdoc $(DOC_MODULES) --docformat markdown -o docs/api
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py

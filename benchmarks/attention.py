@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,8 +42,8 @@ from bhqk import masks
 RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a developer's machine
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
-IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex",  # flex: raw FlexAttention; bhqk_flex: backend="flex"
-         "tiled_sinks", "tiled_dropout"]  # tiled with sinks [H]; tiled with dropout_p = 0.1
+# flex: raw FlexAttention; bhqk_flex: backend="flex"; tiled_sinks: tiled with sinks [H]; tiled_dropout: dropout_p = 0.1
+IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex", "tiled_sinks", "tiled_dropout"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwdbwd"]
 NS = [1024, 2048, 4096, 8192, 16384]
@@ -111,7 +110,10 @@ class Case:
         if impl in ("sdpa_flash", "sdpa_math"):
             kind = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.MATH
             causal = self.mask == "causal"
-            dense = None if self.mask in ("none", "causal") else m if isinstance(m, torch.Tensor) else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
+            if self.mask in ("none", "causal"):
+                dense = None
+            else:
+                dense = m if isinstance(m, torch.Tensor) else m.materialize(self.B, self.H, self.N, self.N)  # [1, 1, N, N]
 
             def call():
                 with sdpa_kernel(kind):
@@ -294,7 +296,8 @@ def targets(records: list[dict]) -> str:
 
     for mode, limit in (("fwd", 1.5), ("fwdbwd", 2.0)):
         a, b = t("tiled", "none", 4096, mode), t("sdpa_flash", "none", 4096, mode)
-        add(f"no mask, fp32, N=4096, {mode}: tiled / SDPA-flash ≤ {limit}", a / b if a and b else None, a and b and a / b <= limit)
+        add(f"no mask, fp32, N=4096, {mode}: tiled / SDPA-flash ≤ {limit}",
+            a / b if a and b else None, a and b and a / b <= limit)
     a, b = t("tiled", "causal", 4096, "fwd"), t("sdpa_flash", "causal", 4096, "fwd")
     add("causal, fp32, N=4096, fwd: tiled / SDPA-flash ≤ 1.3", a / b if a and b else None, a and b and a / b <= 1.3)
     for mode in MODES:
@@ -305,7 +308,8 @@ def targets(records: list[dict]) -> str:
     a, b = t("bhqk_flex", "window256", 16384, "fwd"), t("tiled", "window256", 16384, "fwd")
     if a and b:  # compile time apart: the warm-up call of bhqk_flex
         c = get[("bhqk_flex", "window256", 16384, "fp32", "fwd")].get("warmup_s", float("nan"))
-        add(f"window 256, N=16384, fp32, fwd: bhqk flex / tiled < 1 (compile + first call {c:.1f} s, not counted)", a / b, a / b < 1)
+        add(f"window 256, N=16384, fp32, fwd: bhqk flex / tiled < 1 (compile + first call {c:.1f} s, not counted)",
+            a / b, a / b < 1)
     worst = None
     for (impl, mask, N, dtype, mode), r in get.items():
         if impl != "auto" or "median_ms" not in r:
@@ -373,7 +377,8 @@ def plot(records: list[dict], impls: list[str], stem: str, folder: Path = RESULT
             fig, axes = plt.subplots(2, len(mks), figsize=(3.6 * len(mks), 6.4), squeeze=False)
             for j, m in enumerate(mks):
                 for impl in impls:
-                    pts = sorted((r["N"], r.get("median_ms"), r.get("peak_mib")) for r in sub if r["mask"] == m and r["impl"] == impl)
+                    pts = sorted((r["N"], r.get("median_ms"), r.get("peak_mib"))
+                                 for r in sub if r["mask"] == m and r["impl"] == impl)
                     tp = [(n, x) for n, x, _ in pts if x]
                     mp = [(n, y) for n, _, y in pts if y is not None]
                     if tp:
@@ -437,8 +442,9 @@ def main() -> None:
     if a.planning:
         rows = [planning(mask, N, repeat) for mask in mks for N in ns]
         for r in rows:
-            print(f"{r['mask']:>13} N={r['N']:<6} planning {r['plan_ms']:8.1f} ms, CPU time {r['plan_cpu_ms']:.1f} ms (median of {repeat}; all "
-                  f"{', '.join(f'{x:.1f}' for x in r['plan_ms_all'])}), grid {r['block_q']}×{r['block_k']}, {r['tiles']} tiles")
+            print(f"{r['mask']:>13} N={r['N']:<6} planning {r['plan_ms']:8.1f} ms, CPU time {r['plan_cpu_ms']:.1f} ms "
+                  f"(median of {repeat}; all {', '.join(f'{x:.1f}' for x in r['plan_ms_all'])}), "
+                  f"grid {r['block_q']}×{r['block_k']}, {r['tiles']} tiles")
         out = folder / f"{a.tag}.json"
         out.write_text(json.dumps({"meta": {**meta, "loadavg_end": os.getloadavg()}, "planning": rows}, indent=1))
         print(f"wrote {out}")
@@ -450,7 +456,8 @@ def main() -> None:
         for mode in modes:
             for mask in mks:
                 for N in ns:
-                    run = [i for i in impls if estimate_gib(i, mask, N, mode) <= a.mem_limit_gib and not (i in ("flex", "bhqk_flex") and mode == "fwdbwd")]
+                    run = [i for i in impls if estimate_gib(i, mask, N, mode) <= a.mem_limit_gib
+                           and not (i in ("flex", "bhqk_flex") and mode == "fwdbwd")]
                     case = Case(mask, N, dtype, mode)
                     res = time_case(case, run, repeat, a.max_seconds)
                     del case
@@ -468,7 +475,8 @@ def main() -> None:
                                                 timeout=max(120.0, 20 * r["median_ms"] / 1e3)))
                         records.append(r)
                         shown = fmt_time(r) if "median_ms" in r else (r.get("note") or "")
-                        bar.write(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB", file=sys.stdout)
+                        bar.write(f"{mask:>10} N={N:<6} {dtype} {mode:<6} {impl:<10} {shown:>16}  {fmt_mem(r):>6} MiB",
+                                  file=sys.stdout)
                         bar.update(1)
     bar.close()
     meta["loadavg_end"] = os.getloadavg()

@@ -95,7 +95,8 @@ def meta(dev: torch.device, a) -> dict:
          "started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke}
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        m.update(gpu=torch.cuda.get_device_name(dev), capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1))
+        m.update(gpu=torch.cuda.get_device_name(dev), capability=f"{p.major}.{p.minor}",
+                 gpu_memory_gib=round(p.total_memory / 2**30, 1))
         try:
             import triton
 
@@ -115,36 +116,46 @@ def doc_ids(N: int, device) -> torch.Tensor:
     return torch.arange(N, device=device) // max(1, N // 8)  # 8 equal documents
 
 
-def block_mask_section(r: Run, Ns: list[int]) -> None:
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def mask_cases(ids: torch.Tensor) -> dict:
+    """name -> (bhqk mask, the same mask as a hand-written mask_mod for ``create_block_mask``)."""
     from bhqk import masks
 
+    return {
+        "causal": (masks.causal(), lambda b, h, q, k: q >= k),
+        "window256": (masks.sliding_window(256), lambda b, h, q, k: (q >= k) & (q - k <= 256)),
+        "document": (masks.document(ids), lambda b, h, q, k: ids[q] == ids[k]),
+    }
+
+
+def compare_block_masks(r: Run, m, mod, N: int) -> dict:
+    """Time ``m.block_mask`` against ``create_block_mask(mod)`` at [1, 1, N, N]; same tiles?"""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, ours = r.timed(lambda: m.block_mask(1, 1, N, N, device=r.dev), 5)
+    _, ref = r.timed(lambda: create_block_mask(mod, 1, 1, N, N, device=r.dev), 3)
+    a, b = m.block_mask(1, 1, N, N, device=r.dev), create_block_mask(mod, 1, 1, N, N, device=r.dev)
+    return dict(bhqk_ms=statistics.median(ours), create_block_mask_ms=statistics.median(ref),
+                speedup=statistics.median(ref) / statistics.median(ours),
+                same_tiles=bool(torch.equal(a.to_dense(), b.to_dense())))
+
+
+def block_mask_section(r: Run, Ns: list[int]) -> None:
     print("block masks: bhqk mask.block_mask vs create_block_mask", flush=True)
     for N in Ns:
-        ids = doc_ids(N, r.dev)
-        cases = {
-            "causal": (masks.causal(), lambda b, h, q, k: q >= k),
-            "window256": (masks.sliding_window(256), lambda b, h, q, k: (q >= k) & (q - k <= 256)),
-            "document": (masks.document(ids), lambda b, h, q, k: ids[q] == ids[k]),
-        }
-        for name, (m, mod) in cases.items():
+        for name, (m, mod) in mask_cases(doc_ids(N, r.dev)).items():
             if r.left() < 30:
                 r.skip(f"block mask {name} N={N}")
                 continue
             rec = {"mask": name, "N": N}
             try:
-                _, ours = r.timed(lambda: m.block_mask(1, 1, N, N, device=r.dev), 5)
-                _, ref = r.timed(lambda: create_block_mask(mod, 1, 1, N, N, device=r.dev), 3)
-                a, b = m.block_mask(1, 1, N, N, device=r.dev), create_block_mask(mod, 1, 1, N, N, device=r.dev)
-                rec.update(bhqk_ms=statistics.median(ours), create_block_mask_ms=statistics.median(ref),
-                           speedup=statistics.median(ref) / statistics.median(ours),
-                           same_tiles=bool(torch.equal(a.to_dense(), b.to_dense())))
+                rec.update(compare_block_masks(r, m, mod, N))
             except Exception as e:  # noqa: BLE001 — a failure is a result
                 rec["error"] = err(e)
             r.data["block_masks"].append(rec)
-            print(f"  {name:>10} N={N:<6} " + (f"bhqk {rec['bhqk_ms']:.2f} ms, create_block_mask {rec['create_block_mask_ms']:.2f} ms "
-                                               f"({rec['speedup']:.1f}×), same tiles: {rec['same_tiles']}" if "speedup" in rec else rec["error"]), flush=True)
+            shown = rec["error"] if "speedup" not in rec else (
+                f"bhqk {rec['bhqk_ms']:.2f} ms, create_block_mask {rec['create_block_mask_ms']:.2f} ms "
+                f"({rec['speedup']:.1f}×), same tiles: {rec['same_tiles']}")
+            print(f"  {name:>10} N={N:<6} {shown}", flush=True)
         r.save()
 
 
@@ -243,7 +254,8 @@ def correctness_section(r: Run) -> None:
                         rec["error"] = err(e)
                 r.data["correctness"].append(rec)
                 shown = rec.get("error") or rec.get("note") or (
-                    f"out {rec['fwd_err']:.2e}  " + "  ".join(f"{n} {rec.get(n + '_err', float('nan')):.2e}" for n in ("dq", "dk", "dv"))
+                    f"out {rec['fwd_err']:.2e}  "
+                    + "  ".join(f"{n} {rec.get(n + '_err', float('nan')):.2e}" for n in ("dq", "dk", "dv"))
                     + f"  (yardstick out {yerr[0]:.2e})  {'ok' if rec.get('within_bound') else 'OUT OF BOUND'}")
                 print(f"  {dt_name} {name:>20} {be:>9}: {shown}", flush=True)
             r.save()
@@ -259,14 +271,35 @@ class _null:
 
 # ---- 3. timings ------------------------------------------------------------------------------------
 
-def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
-    from torch._dynamo.utils import counters
+def timing_impls(r: Run, raw, q, k, v, mname: str, m, mod) -> dict:
+    """impl name -> a call of it on (q, k, v) [B, H, N, d] with mask ``m`` (bhqk) / ``mod`` (mask_mod)."""
     from torch.nn.attention import SDPBackend
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     import bhqk
-    from bhqk import masks
     from bhqk.functional import flex
+
+    N = q.shape[2]
+    impls = {}
+    if mname in ("none", "causal"):
+        for kind, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+            impls[label] = lambda kind=kind: _sdpa(q, k, v, None, mname == "causal", kind)
+    else:  # the dense mask is built once, outside the timed calls (a caller would hold it)
+        dense = m.materialize(1, 1, N, N, device=r.dev)  # [1, 1, N, N] bool
+        impls["sdpa_efficient_dense"] = lambda: _sdpa(q, k, v, dense, False, SDPBackend.EFFICIENT_ATTENTION)
+    bm = None if mod is None else create_block_mask(mod, None, None, N, N, device=r.dev)
+    impls["flex_raw"] = lambda: raw(q, k, v, block_mask=bm)
+    ctx = flex.uncompiled if r.dev.type == "cpu" else _null
+    impls["bhqk_flex"] = lambda: _in(ctx(), lambda: bhqk.attention(q, k, v, m, backend="flex"))
+    if N <= (1024 if r.smoke else 8192):  # auto may pick tiled: both slow on a GPU at large N
+        impls["bhqk_auto"] = lambda: bhqk.attention(q, k, v, m)
+        impls["bhqk_tiled"] = lambda: bhqk.attention(q, k, v, m, backend="tiled")
+    return impls
+
+
+def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
 
     print("timings: bf16 forward, B=1, H=16, d=64", flush=True)
     raw = flex_attention if r.dev.type == "cpu" else torch.compile(flex_attention, dynamic=True)  # --smoke: eager
@@ -275,28 +308,9 @@ def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
     for N in Ns:
         g = torch.Generator(device=r.dev).manual_seed(0)
         q, k, v = (torch.randn(B, H, N, d, generator=g, device=r.dev, dtype=dt) for _ in range(3))
-        ids = doc_ids(N, r.dev)
-        specs = {
-            "none": (None, None),
-            "causal": (masks.causal(), lambda b, h, qi, ki: qi >= ki),
-            "window256": (masks.sliding_window(256), lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 256)),
-            "document": (masks.document(ids), lambda b, h, qi, ki: ids[qi] == ids[ki]),
-        }
+        specs = {"none": (None, None), **mask_cases(doc_ids(N, r.dev))}
         for mname, (m, mod) in specs.items():
-            impls = {}
-            if mname in ("none", "causal"):
-                for kind, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
-                    impls[label] = lambda kind=kind: _sdpa(q, k, v, None, mname == "causal", kind)
-            else:  # the dense mask is built once, outside the timed calls (a caller would hold it)
-                dense = m.materialize(1, 1, N, N, device=r.dev)  # [1, 1, N, N] bool
-                impls["sdpa_efficient_dense"] = lambda dense=dense: _sdpa(q, k, v, dense, False, SDPBackend.EFFICIENT_ATTENTION)
-            bm = None if mod is None else create_block_mask(mod, None, None, N, N, device=r.dev)
-            impls["flex_raw"] = lambda bm=bm: raw(q, k, v, block_mask=bm)
-            ctx = flex.uncompiled if r.dev.type == "cpu" else _null
-            impls["bhqk_flex"] = lambda: _in(ctx(), lambda: bhqk.attention(q, k, v, m, backend="flex"))
-            if N <= (1024 if r.smoke else 8192):  # auto may pick tiled: both slow on a GPU at large N
-                impls["bhqk_auto"] = lambda: bhqk.attention(q, k, v, m)
-                impls["bhqk_tiled"] = lambda: bhqk.attention(q, k, v, m, backend="tiled")
+            impls = timing_impls(r, raw, q, k, v, mname, m, mod)
             for impl, f in impls.items():
                 if r.left() < (60 if "flex" in impl else 15):
                     r.skip(f"timing {impl} {mname} N={N}")
@@ -316,7 +330,8 @@ def timing_section(r: Run, Ns: list[int], repeat: int) -> None:
                 except Exception as e:  # noqa: BLE001 — a refusal is a result
                     rec["error"] = err(e)
                 r.data["timings"].append(rec)
-                shown = rec.get("error") or f"{rec['median_ms']:.3f} ms (first call {rec['first_call_s']:.2f} s, {rec['new_graphs']} new graphs)"
+                shown = rec.get("error") or (f"{rec['median_ms']:.3f} ms "
+                                             f"(first call {rec['first_call_s']:.2f} s, {rec['new_graphs']} new graphs)")
                 print(f"  {mname:>10} N={N:<6} {impl:>20}: {shown}", flush=True)
             r.save()
 
@@ -340,14 +355,17 @@ def summary(r: Run) -> None:
     for (impl, mname, N), ms in sorted(t.items(), key=lambda x: (x[0][1], x[0][2])):
         if impl == "bhqk_flex" and ms and t.get(("flex_raw", mname, N)):
             ratio = ms / t[("flex_raw", mname, N)]
-            lines.append(f"bhqk flex / raw FlexAttention, {mname}, N={N}: {ratio:.3f} ({'met' if ratio <= 1.05 else 'NOT met'}: ≤ 1.05)")
+            lines.append(f"bhqk flex / raw FlexAttention, {mname}, N={N}: {ratio:.3f} "
+                         f"({'met' if ratio <= 1.05 else 'NOT met'}: ≤ 1.05)")
     for x in r.data["block_masks"]:
         if x.get("N") == max((y["N"] for y in r.data["block_masks"]), default=0) and "speedup" in x:
             lines.append(f"block_mask vs create_block_mask, {x['mask']}, N={x['N']}: {x['speedup']:.1f}× "
                          f"({'met' if x['speedup'] >= 10 else 'NOT met'}: ≥ 10×)")
-    bad = [f"{x['dtype']} {x['case']} {x['backend']}" for x in r.data["correctness"] if "within_bound" in x and not x["within_bound"]]
-    ran = sum("within_bound" in x for x in r.data["correctness"])
-    lines.append(f"correctness: {ran - len(bad)} of {ran} runs within bound" + (f"; out of bound: {', '.join(bad)}" if bad else ""))
+    judged = [x for x in r.data["correctness"] if "within_bound" in x]
+    bad = [f"{x['dtype']} {x['case']} {x['backend']}" for x in judged if not x["within_bound"]]
+    ran = len(judged)
+    lines.append(f"correctness: {ran - len(bad)} of {ran} runs within bound"
+                 + (f"; out of bound: {', '.join(bad)}" if bad else ""))
     r.data["summary"] = lines
     print("\n".join(["", "Targets (this run):", *lines]))
 

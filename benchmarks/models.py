@@ -124,7 +124,8 @@ def markdown(cfg: dict, enc: dict | None, dec: dict | None) -> str:
                   f"{cfg['threads']} threads (median of {cfg['repeats']})", "",
                   "| implementation | sentences/s | ms / batch | vs transformers-sdpa |", "|---|---:|---:|---:|"]
         for name, r in enc.items():
-            lines.append(f"| {name} | {r['sentences_per_s']:.1f} | {1000 * r['median_s']:.0f} | {r['vs_transformers_sdpa']:.2f}× |")
+            lines.append(f"| {name} | {r['sentences_per_s']:.1f} | {1000 * r['median_s']:.0f} "
+                         f"| {r['vs_transformers_sdpa']:.2f}× |")
         lines.append("")
     if dec is not None:
         lines += [f"**GPT-2-small-shaped decoder** (random weights; {cfg['layers']} layers, {cfg['heads']} heads, "
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-recompute", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", default=None,
-                   help="output path (default benchmarks/results/models.json; --quick: benchmarks/results/local/models-quick.json)")
+                   help="output path (default benchmarks/results/models.json; "
+                        "--quick: benchmarks/results/local/models-quick.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.new_tokens = min(args.repeats, 2), min(args.new_tokens, 16)

@@ -20,7 +20,6 @@ os.environ.setdefault("BHQK_COSTS", "reference")
 from bhqk import masks
 from bhqk.functional import names
 
-
 CHROMIUM = os.environ.get("BHQK_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 INSTALL = "sudo apt-get install -y chromium   (as root: make browser), or set BHQK_CHROMIUM to a Chromium binary"
 
@@ -54,7 +53,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.section("BROWSER TESTS NOT RUN", sep="!", red=True, bold=True)
         tr.write_line(f"{n} browser tests were NOT RUN: no Chromium at {CHROMIUM}.", red=True, bold=True)
         tr.write_line(f"Install it: {INSTALL}", red=True)
-        tr.write_line('This run exits 1 although no test failed; to leave them out on purpose: pytest -m "not browser".', red=True)
+        tr.write_line('This run exits 1 although no test failed; to leave them out on purpose: pytest -m "not browser".',
+                      red=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

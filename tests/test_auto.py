@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from conftest import qkv
 
 import bhqk
 from bhqk import masks
@@ -28,6 +27,7 @@ from bhqk.functional import (
     unregister,
 )
 from bhqk.functional.tiled_plan import Plan
+from conftest import qkv
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ def test_bundled_folder_is_found_without_download(folder):
 
 def test_tokenization_equals_transformers(encoder, folder):
     ids, mask = encoder.tokenize(SENTENCES)
-    ref = AutoTokenizer.from_pretrained(str(folder))(SENTENCES, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ref = tokenizer(SENTENCES, padding=True, truncation=True, max_length=256, return_tensors="pt")
     assert torch.equal(ids, ref["input_ids"]) and torch.equal(mask, ref["attention_mask"])
     assert mask.sum(1).tolist() != [mask.shape[1]] * len(SENTENCES), "the batch must be padded"
 

@@ -16,11 +16,10 @@ from torch import nn
 import bhqk
 from bhqk import bias as biases
 from bhqk import masks, observe
-from bhqk.inspect import capture
 from bhqk.functional.api import problem
+from bhqk.inspect import capture
 from bhqk.inspect.capture import recompute
 from conftest import concrete_backends, mask_kinds, qkv
-
 
 capmod = importlib.import_module("bhqk.inspect.capture")  # the module (bhqk.inspect.capture is the function)
 

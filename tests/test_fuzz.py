@@ -31,7 +31,6 @@ import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
 
-
 _MORE = int(os.environ.get("BHQK_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
     max_examples=_MORE or 40, deadline=None, derandomize=not _MORE, database=None,
@@ -246,7 +245,8 @@ BAD_CALLS = {
     "lengths": [lambda *_: masks.padding(2.5), lambda *_: masks.padding("3"), lambda *_: masks.padding(torch.tensor([1.0])),
                 lambda *_: masks.padding([1, -2]), lambda *_: masks.padding(True)],
     "left": [lambda *_: masks.sliding_window("3"), lambda *_: masks.sliding_window(-1), lambda *_: masks.sliding_window(1.5)],
-    "align": [lambda *_: masks.causal("top"), lambda *_: masks.sliding_window(2, align=0), lambda *_: masks.prefix_lm(1, align="x"),
+    "align": [lambda *_: masks.causal("top"), lambda *_: masks.sliding_window(2, align=0),
+              lambda *_: masks.prefix_lm(1, align="x"),
               lambda q, k, v: bhqk.attention(q, k, v, masks.causal())],  # Q ≠ K needs an alignment
     "prefix_len": [lambda *_: masks.prefix_lm(-1), lambda *_: masks.prefix_lm(0.5)],
     "predicate": [lambda q, k, v: bhqk.attention(q, k, v, masks.predicate(lambda b, h, i, j: i - j)),

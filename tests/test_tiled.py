@@ -45,7 +45,8 @@ def assert_same(a, b, atol=1e-10, rtol=1e-10):
     (out, lse, grads), (out_r, lse_r, grads_r) = a, b
     torch.testing.assert_close(out, out_r, atol=atol, rtol=rtol)
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_r))  # -inf exactly on fully masked rows
-    torch.testing.assert_close(lse.masked_fill(torch.isinf(lse), 0), lse_r.masked_fill(torch.isinf(lse_r), 0), atol=atol, rtol=rtol)
+    finite, finite_r = lse.masked_fill(torch.isinf(lse), 0), lse_r.masked_fill(torch.isinf(lse_r), 0)
+    torch.testing.assert_close(finite, finite_r, atol=atol, rtol=rtol)
     for g, g_r in zip(grads, grads_r):
         torch.testing.assert_close(g, g_r, atol=atol, rtol=rtol)
 
@@ -86,7 +87,8 @@ def test_alibi_softcap_dense_bias_and_combinations():
     assert_same(*run_both(q, k, v, softcap=1.5))
     assert_same(*run_both(q, k, v, masks.sliding_window(4, 2, align="top_left"), softcap=0.7, bias=alibi))
     assert_same(*run_both(q, k, v, bias=dense))  # its gradient too
-    assert_same(*run_both(q, k, v, masks.padding(torch.tensor([26, 9])), bias=torch.randn(1, H, 1, K, dtype=q.dtype), softcap=3.0))
+    row_bias = torch.randn(1, H, 1, K, dtype=q.dtype)  # [1, H, 1, K]
+    assert_same(*run_both(q, k, v, masks.padding(torch.tensor([26, 9])), bias=row_bias, softcap=3.0))
     both = bhqk.bias.dense(dense) + alibi  # a sum of biases: the dense part still gets its gradient
     t = dense.clone().requires_grad_(True)
     out = bhqk.attention(q, k, v, bias=bhqk.bias.dense(t) + alibi, backend="tiled", block_q=4, block_k=8)

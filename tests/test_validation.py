@@ -15,7 +15,6 @@ from bhqk import masks
 from bhqk.errors import MaskError, MisuseWarning, ShapeError
 from bhqk.nn import MultiHeadAttention
 
-
 # --- mask constructors ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make, match", [
@@ -62,7 +61,8 @@ def test_padding_takes_a_list_and_a_zero_d_tensor():
     assert torch.equal(masks.padding([3, 4]).materialize(2, 1, 2, 5), want)
     assert torch.equal(masks.padding((3, 4)).materialize(2, 1, 2, 5), want)
     assert torch.equal(masks.padding(torch.tensor(3)).materialize(1, 1, 2, 5), masks.padding(3).materialize(1, 1, 2, 5))
-    assert torch.equal(masks.prefix_lm([1, 2], align="top_left").materialize(2, 1, 3, 3)[1, 0, 0], torch.tensor([True, True, False]))
+    prefix = masks.prefix_lm([1, 2], align="top_left").materialize(2, 1, 3, 3)  # [B=2, 1, Q=3, K=3]
+    assert torch.equal(prefix[1, 0, 0], torch.tensor([True, True, False]))
 
 
 def test_padding_lengths_are_one_count_on_every_backend():
@@ -104,9 +104,12 @@ def test_from_torch_mha_is_keyword_only():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"num_heads": 0, "attn_mask": torch.zeros(2, 2, dtype=torch.bool)}, r"from_torch_mha: num_heads must be an integer with num_heads >= 1"),
-    ({"num_heads": 2, "attn_mask": torch.zeros(6, 2, 2, dtype=torch.bool), "batch_size": 2}, r"first axis 6 is not B·H with B=2, H=2"),
-    ({"num_heads": 2, "key_padding_mask": torch.zeros(3, 4, dtype=torch.bool), "batch_size": 2}, r"key_padding_mask has B=3 but batch_size=2"),
+    ({"num_heads": 0, "attn_mask": torch.zeros(2, 2, dtype=torch.bool)},
+     r"from_torch_mha: num_heads must be an integer with num_heads >= 1"),
+    ({"num_heads": 2, "attn_mask": torch.zeros(6, 2, 2, dtype=torch.bool), "batch_size": 2},
+     r"first axis 6 is not B·H with B=2, H=2"),
+    ({"num_heads": 2, "key_padding_mask": torch.zeros(3, 4, dtype=torch.bool), "batch_size": 2},
+     r"key_padding_mask has B=3 but batch_size=2"),
     ({"num_heads": 2, "key_padding_mask": torch.zeros(3, 4)}, r"key_padding_mask must be a bool tensor \[B, K\]"),
     ({"num_heads": 2, "key_padding_mask": torch.zeros(4, dtype=torch.bool)}, r"key_padding_mask must be a bool tensor \[B, K\]"),
 ])
@@ -193,7 +196,8 @@ def test_impossible_module_sizes(args, kw, err, match):
 def test_input_dtype_must_match_the_module():
     m = MultiHeadAttention(16, 4)
     x = torch.randn(2, 5, 16)
-    with pytest.raises(ShapeError, match=r"x has dtype torch.float64 but the module's parameters are torch.float32.*x.to\(torch.float32\)"):
+    with pytest.raises(ShapeError,
+                       match=r"x has dtype torch.float64 but the module's parameters are torch.float32.*x.to\(torch.float32\)"):
         m(x.double())
     with pytest.raises(ShapeError, match=r"key has dtype torch.float16 but the module's parameters are torch.float32"):
         m(x, x.half())

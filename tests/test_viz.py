@@ -11,17 +11,14 @@ import sys
 
 import pytest
 import torch
+from matplotlib.image import imread
 from torch import nn
 
 import bhqk
-from bhqk import masks
+from bhqk import masks, viz
 from bhqk.inspect import capture
-
-from matplotlib.image import imread  # noqa: E402
-
-from bhqk import viz  # noqa: E402
-from bhqk.viz.heatmap import DPI  # noqa: E402
-from bhqk.viz.html import decode_weights, encode_weights  # noqa: E402
+from bhqk.viz.heatmap import DPI
+from bhqk.viz.html import decode_weights, encode_weights
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
 

@@ -77,7 +77,8 @@ class Dense(Bias):
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            hint = " A bool tensor is a mask: pass it as mask=." if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool else ""
+            is_bool = isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool
+            hint = " A bool tensor is a mask: pass it as mask=." if is_bool else ""
             raise MaskError(f"bias must be a floating-point tensor, got {got}.{hint}")
         if tensor.dim() > 4:
             raise MaskError(f"bias has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")

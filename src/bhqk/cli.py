@@ -137,13 +137,15 @@ def parser() -> Parser:
     e.add_argument("--heads", "-H", type=positive, default=None, help="H, number of query heads (needed unless --html)")
     e.add_argument("--q-len", "-Q", type=positive, default=None, help="Q, query length (needed unless --html)")
     e.add_argument("--k-len", "-K", type=positive, default=None, help="K, key length (default: Q, self-attention)")
-    e.add_argument("--head-dim", "-d", type=positive, default=None, help="d, head dimension of queries and keys (needed unless --html)")
+    e.add_argument("--head-dim", "-d", type=positive, default=None,
+                   help="d, head dimension of queries and keys (needed unless --html)")
     e.add_argument("--value-dim", type=positive, default=None, help="dv, head dimension of values (default d)")
     e.add_argument("--kv-heads", type=positive, default=None, help="Hkv, key/value heads; H must be a multiple (default H)")
     e.add_argument("--model-dim", type=positive, default=None, help="D, model width (default H·d)")
     e.add_argument("--lang", choices=("en", "zh"), default="en", help="language of the walk-through: en (default) or zh")
     e.add_argument("--html", metavar="FILE", default=None,
-                   help="write a page that draws every step with its numbers (English/中文); sizes optional, default: the worked 4×3 example")
+                   help="write a page that draws every step with its numbers (English/中文); "
+                        "sizes optional, default: the worked 4×3 example")
     e.set_defaults(func=cmd_explain)
 
     m = sub.add_parser("mask", help="draw a mask (rows = queries, columns = keys)",

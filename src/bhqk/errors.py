@@ -27,8 +27,10 @@ def warn_misuse(message: str) -> None:
     """Warn with MisuseWarning, attributed to the first caller outside bhqk (the user's line)."""
     import sys
     import warnings
+    from types import FrameType
 
-    level, frame = 2, sys._getframe(1)  # stacklevel 2 = the caller of warn_misuse
+    level = 2  # stacklevel 2 = the caller of warn_misuse
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "bhqk":
         level, frame = level + 1, frame.f_back
     warnings.warn(message, MisuseWarning, stacklevel=level)

@@ -103,10 +103,12 @@ def explain(*, B: int, H: int, Q: int, K: int, d: int, dv: int | None = None, Hk
     if g > 1:
         out.append("    " + w["gqa"].format(g=g))
     ok = lambda c: "✓" if c else "✗"  # noqa: E731
+    merged_ok = H * dv == D
+    merged_note = " = [Q, D]" if merged_ok else f" ≠ [Q, D] = [{Q}, {D}]: W_O maps H·dv={H * dv} → D={D}"
     out += ["", w["check"] + ":",
             f"  ✓ {w['inner']}: q d={d}, k d={d}",
             f"  ✓ {w['perhead']} = [{Q}, {dv}]",
-            f"  {ok(H * dv == D)} {w['merged']} = [{Q}, {H * dv}]" + ("" if H * dv == D else f" ≠ [Q, D] = [{Q}, {D}]: W_O maps H·dv={H * dv} → D={D}") + (" = [Q, D]" if H * dv == D else ""),
+            f"  {ok(merged_ok)} {w['merged']} = [{Q}, {H * dv}]{merged_note}",
             f"  ✓ H % Hkv == 0: {g} {w['groups']}",
             f"  {w['memory']}: B·H·Q·K = {B * H * Q * K:,} → {_mib(B * H * Q * K)}"]
     return "\n".join(out)

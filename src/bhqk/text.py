@@ -12,11 +12,11 @@ def named_shape(names: Sequence[str], sizes: Sequence[int]) -> str:
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A plain Markdown table with padded columns."""
-    rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [line([str(h) for h in header]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in rows]
+    out += [line(r) for r in cells]
     return "\n".join(out)
 
 

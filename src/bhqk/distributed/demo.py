@@ -79,8 +79,8 @@ def _run(a, backend: str, device: torch.device) -> int:
     for t in (ql, kl, vl):
         t.requires_grad_(True)
     out = ring_attention(ql, kl, vl, mask, sharding=a.sharding)  # [B, H, N/P, d]
-    out.backward(dl)
-    got = [gather(t, scheme=a.sharding) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]  # [B, ·, N, ·]
+    dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), dl)  # this rank's shards of the gradients
+    got = [gather(t, scheme=a.sharding) for t in (out.detach(), dq, dk, dv)]  # [B, ·, N, ·]
     if rank == 0:
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
         want = attention(qr, kr, vr, mask, backend="tiled")  # [B, H, N, d]

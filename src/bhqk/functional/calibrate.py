@@ -88,7 +88,8 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
     if c is None:
         c = measure(device, dtype)
     if grad and (c.sdpa_backward is None or c.tiled_backward is None):
-        c = replace(c, **measure_backward(device, dtype))
+        ratios = measure_backward(device, dtype)
+        c = replace(c, sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"])
     if _MEMO.get(key) != c:
         _MEMO[key] = c
         if mode != "measure":
@@ -101,7 +102,10 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[Non
     """Use fixed costs inside the ``with`` block (default: ``REFERENCE``), whatever the machine;
     estimates are then pure functions of the call (no measured planning time)."""
     table = REFERENCE if table is None else table
-    table = replace(table, source="fixed") if isinstance(table, Costs) else {dt: replace(c, source="fixed") for dt, c in table.items()}
+    if isinstance(table, Costs):
+        table = replace(table, source="fixed")
+    else:
+        table = {dt: replace(c, source="fixed") for dt, c in table.items()}
     old = _FIXED[0]
     _FIXED[0] = (lambda dev, dt: table) if isinstance(table, Costs) else (lambda dev, dt: table.get(dt, table[torch.float32]))
     try:
@@ -141,9 +145,11 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
     return best
 
 
-def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H, grad: bool = False):
+def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H,
+            grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, h, n, D, generator=g).to(device=device, dtype=dtype).requires_grad_(grad) for _ in range(3)]
+    q, k, v = (torch.randn(1, h, n, D, generator=g).to(device=device, dtype=dtype).requires_grad_(grad) for _ in range(3))
+    return q, k, v  # [1, h, n, D] each
 
 
 def measure(device: torch.device, dtype: torch.dtype) -> Costs:
@@ -193,7 +199,7 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     """Forward+backward / forward of SDPA and of the tiled backend: no mask, N = 1024 (4 M score
     entries, where the per-entry costs dominate as they do in the calls that matter)."""
     q, k, v = _inputs(device, dtype, 2 * N, grad=True)  # at N=512 fixed costs dominate both backwards (SDPA 20×, tiled 1.5×)
-    fns = {}
+    fns: dict[str, Callable[[], object]] = {}
     for name, run in (("sdpa", torch_sdpa.run), ("tiled", tiled.run)):
         def fwd(run=run):
             with torch.no_grad():

@@ -31,7 +31,7 @@ class Estimate(NamedTuple):
 
     seconds: float
     note: str = ""
-    plan: Any = None
+    plan: object = None  # opaque to auto, handed back to its run (object, not Any: pdoc evaluates it out of this module)
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,7 @@ def estimate_torch(p: Problem, grad: bool) -> Estimate:
         built = isinstance(p.mask, (Dense, type(None))) and (p.bias is None or isinstance(p.bias, DenseBias))
         t += 0.0 if built else dense * c.sdpa_build_elem
         note = f"dense mask {dense / 1e6:.3g} M entries" + ("" if built else ", built for it")
-    if grad:
-        t *= c.sdpa_backward
-    return Estimate(t + c.sdpa_call, note)
+    return Estimate(t * _grad_factor(c.sdpa_backward, grad) + c.sdpa_call, note)
 
 
 def estimate_tiled(p: Problem, grad: bool) -> Estimate:
@@ -124,7 +122,7 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     plan = tiled_plan.plan_for(p)
     planning = time.perf_counter() - t0 if c.source != "fixed" else 0.0  # fixed costs: deterministic estimates
     fixed, per_entry = calibrate.tiled_parts(p, plan)
-    t = (fixed * c.tiled_fixed + per_entry * c.tiled_elem * _width(p)) * (c.tiled_backward if grad else 1.0)
+    t = (fixed * c.tiled_fixed + per_entry * c.tiled_elem * _width(p)) * _grad_factor(c.tiled_backward, grad)
     note = f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles, planned in {1e3 * planning:.2g} ms"
     return Estimate(t + planning, note, plan)
 
@@ -135,7 +133,17 @@ def tiled_floor(p: Problem, grad: bool) -> float:
     ext = p.ext
     n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers()))
     t = tiled_plan.COST_CALL * c.tiled_fixed + tiled_plan.COST_ROW * ext.Q * ext.B * ext.H / n * c.tiled_elem * _width(p)
-    return t * (c.tiled_backward if grad else 1.0)
+    return t * _grad_factor(c.tiled_backward, grad)
+
+
+def _grad_factor(ratio: float | None, grad: bool) -> float:
+    """Forward+backward / forward time when ``grad`` (``calibrate.costs(..., grad=True)`` always
+    measures it), else 1."""
+    if not grad:
+        return 1.0
+    if ratio is None:  # never: costs(..., grad=True) fills both ratios
+        raise RuntimeError("bhqk internal error: calibrated costs lack a backward ratio")
+    return ratio
 
 
 def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
@@ -149,7 +157,8 @@ def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
 register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: None))  # the spec: builds [B, H, Q, K]
 register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch))
 register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
-register(Backend("flex", _plan_free(flex.run), flex.why_not))  # FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
+# FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
+register(Backend("flex", _plan_free(flex.run), flex.why_not))
 
 
 # ---- the policy -----------------------------------------------------------------------------------
@@ -208,6 +217,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     grad = _grad(p)
     refused: dict[str, str] = {}
     floors: dict[str, float] = {}
+    estimates: dict[str, Callable[[Problem, bool], Estimate]] = {}
     for be in _REGISTRY.values():
         if be.estimate is None:
             continue
@@ -216,13 +226,14 @@ def decide(p: Problem, need_lse: bool) -> Choice:
             refused[be.name] = reason
         else:
             floors[be.name] = be.floor(p, grad) if be.floor is not None else 0.0
+            estimates[be.name] = be.estimate
     found: dict[str, Estimate] = {}
-    for name in sorted(floors, key=floors.get):
+    for name in sorted(floors, key=floors.__getitem__):
         best = min((e.seconds for e in found.values()), default=math.inf)
         if floors[name] >= best:
             refused[name] = f"its fixed costs alone (≈ {_ms(floors[name])}) exceed that"
             continue
-        est = _REGISTRY[name].estimate(p, grad)
+        est = estimates[name](p, grad)
         if math.isinf(est.seconds):
             refused[name] = est.note
         else:

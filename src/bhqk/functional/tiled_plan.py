@@ -17,7 +17,6 @@ case and only its diagonal with small tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import NamedTuple
 
 import torch

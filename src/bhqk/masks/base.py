@@ -17,7 +17,6 @@ from ..errors import MaskError
 from ..text import grid
 from .args import extent
 
-
 NEGATED: contextvars.ContextVar[bool] = contextvars.ContextVar("bhqk_mask_negated", default=False)  # under an odd number of ~
 
 
@@ -97,7 +96,8 @@ class Mask:
         """(Q, K) this mask implies on its own, if any (a dense mask does); used by ``str``."""
         return None
 
-    def draw(self, Q: int | None = None, K: int | None = None, *, b: int = 0, h: int = 0, B: int | None = None, H: int | None = None) -> str:
+    def draw(self, Q: int | None = None, K: int | None = None, *,
+             b: int = 0, h: int = 0, B: int | None = None, H: int | None = None) -> str:
         """The mask of one (batch, head) as rows of ■ (may attend) and · (masked), one row per query."""
         nat = self.natural_size() or (8, 8)
         Q = nat[0] if Q is None else Q

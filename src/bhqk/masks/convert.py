@@ -36,7 +36,8 @@ def from_torch_mha(
     out: Mask | None = None
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
-            raise MaskError(f"from_torch_mha: key_padding_mask must be a bool tensor [B, K] (True = padding), got {_what(key_padding_mask)}.")
+            raise MaskError("from_torch_mha: key_padding_mask must be a bool tensor [B, K] (True = padding), "
+                            f"got {_what(key_padding_mask)}.")
         if batch_size is not None and key_padding_mask.shape[0] != batch_size:
             raise MaskError(f"from_torch_mha: key_padding_mask has B={key_padding_mask.shape[0]} but batch_size={batch_size}.")
         out = key_padding(~key_padding_mask)

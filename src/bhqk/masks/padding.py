@@ -26,7 +26,8 @@ class KeysBelow(Mask):
 
     def check(self, ext: Extent) -> None:
         if isinstance(self.limit, torch.Tensor) and self.limit.numel() not in (1, ext.B):
-            raise MaskError(f"{self.name}: {self.arg} has {self.limit.numel()} entries but B={ext.B}; give one length per batch element.")
+            raise MaskError(f"{self.name}: {self.arg} has {self.limit.numel()} entries but B={ext.B}; "
+                            "give one length per batch element.")
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         _, ki = positions(q0, q1, k0, k1, device)
@@ -77,8 +78,9 @@ class KeyPadding(Mask):
             hint = " For Hugging Face's 1/0 attention_mask use bhqk.masks.from_hf." if isinstance(valid, torch.Tensor) else ""
             raise MaskError(f"key_padding: valid must be a bool tensor [B, K] (True = real key), got {got}.{hint}")
         self.valid = valid
-        self._all = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
-        self._any = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere
+        zero = valid.new_zeros(1, dtype=torch.long)
+        self._all = torch.cat([zero, valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
+        self._any = torch.cat([zero, valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere
 
     def check(self, ext: Extent) -> None:
         B, K = self.valid.shape

@@ -19,7 +19,7 @@ from .padding import KeysBelow
 
 
 class PrefixLM(Or):
-    def __init__(self, prefix_len: int | torch.Tensor, align: str | None = None) -> None:
+    def __init__(self, prefix_len: int | list[int] | torch.Tensor, align: str | None = None) -> None:
         prefix = KeysBelow(prefix_len, "prefix_lm", "prefix_len")
         super().__init__(prefix, Causal(args.alignment("prefix_lm", align)))
         self.prefix_len, self.align = prefix.limit, align

@@ -75,7 +75,8 @@ class IndexMap:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
     def __repr__(self) -> str:
-        runs = ", ".join(f"{r.first}" + (f":{r.first + r.length}" if r.step == 1 else f"::{r.step}×{r.length}") for r in self.runs)
+        runs = ", ".join(f"{r.first}:{r.first + r.length}" if r.step == 1 else f"{r.first}::{r.step}×{r.length}"
+                         for r in self.runs)
         return f"IndexMap([{runs}] of {self.n_global})"
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from ..errors import MaskError
 from . import args
 from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bounds
 

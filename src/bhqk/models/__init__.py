@@ -10,7 +10,7 @@ from .bert import BertConfig, BertEncoder, SentenceEncoder, bundled_model_dir, c
 from .gpt2 import GPT2, GPT2Config, sample
 from .loading import load_checked, read_config, read_weights, remap_bert, remap_gpt2
 
-ARCHITECTURES = {"bert": BertEncoder, "gpt2": GPT2}
+ARCHITECTURES: dict[str, type[BertEncoder] | type[GPT2]] = {"bert": BertEncoder, "gpt2": GPT2}
 
 
 def load(folder: str | Path, *, backend: str = "auto"):

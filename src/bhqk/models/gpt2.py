@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LoadError
-from ..masks import causal, key_padding
+from ..masks import Mask, causal, key_padding
 from ..nn import KVCache, MultiHeadAttention
 from ..shapes import Sizes
 from .common import activation, check_ids
@@ -128,7 +128,7 @@ class GPT2(nn.Module):
             raise sizes.fail("input_ids has N=0 tokens; give at least one token per row.")
         past = 0 if cache is None else cache.length
         K = past + N
-        mask = None if N == 1 else causal("bottom_right")  # one new query sees every key
+        mask: Mask | None = None if N == 1 else causal("bottom_right")  # one new query sees every key
         if attention_mask is not None:
             sizes.bind("attention_mask", attention_mask.shape, ("B", "K"), what=f" (K = cached {past} + new {N})")
             if sizes["K"] != K:
@@ -181,7 +181,8 @@ class GPT2(nn.Module):
         check_ids("prompt_ids", prompt_ids, self.config.vocab_size, sizes)
         B, N = prompt_ids.shape
         if N == 0 or B == 0:
-            raise sizes.fail(f"prompt_ids is empty ({list(prompt_ids.shape)}); generation needs at least one prompt token per row.")
+            raise sizes.fail(f"prompt_ids is empty ({list(prompt_ids.shape)}); "
+                             "generation needs at least one prompt token per row.")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
         check_sampling(temperature, top_k)

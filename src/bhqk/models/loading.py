@@ -98,6 +98,7 @@ def _read_file(path: Path) -> StateDict:
     if head == LFS_POINTER:
         raise LoadError(f"{path} is a Git LFS pointer, not the weights: run `git lfs pull` in {path.parent} "
                         f"(or download the file itself).")
+    obj: object  # checked below: a dict of str -> Tensor
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -156,7 +157,8 @@ Rule = tuple[str, str]  # (regex on the checkpoint key, replacement); groups use
 _GROUP = re.compile(r"\((?:[^()])*\)")
 
 
-def rename(state_dict: StateDict, rules: list[Rule], ignore: list[str], prefixes: tuple[str, ...] = ()) -> tuple[StateDict, dict[str, str]]:
+def rename(state_dict: StateDict, rules: list[Rule], ignore: list[str],
+           prefixes: tuple[str, ...] = ()) -> tuple[StateDict, dict[str, str]]:
     """Apply the first matching rule to each key; drop ``ignore`` matches; strip ``prefixes``.
     Returns the new dict and, for messages, each new key's checkpoint key."""
     out: StateDict = {}
@@ -186,8 +188,9 @@ def checkpoint_key(name: str, rules: list[Rule], prefix: str = "") -> str:
         rx = "".join(re.escape(x) if i % 2 == 0 else groups[int(x) - 1] for i, x in enumerate(parts))
         m = re.fullmatch(rx, name)
         if m:
-            values = iter(m.groups())
-            return prefix + _GROUP.sub(lambda _: next(values), pat).replace("\\.", ".")
+            literals = _GROUP.split(pat)  # the pattern's text around its groups; the groups get the matched values
+            key = literals[0] + "".join(g + lit for g, lit in zip(m.groups(), literals[1:], strict=True))
+            return prefix + key.replace("\\.", ".")
     return prefix + name
 
 

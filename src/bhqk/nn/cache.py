@@ -3,8 +3,9 @@
 Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated once and written in place
 (no ``torch.cat`` per step). Under autograd (new keys that require grad, e.g. training through a
 prefill and decode steps) the cache never writes into a tensor a graph may hold: each step builds
-new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new positions; the queries are the *last* Q
-positions of the keys, so mask with ``causal(align="bottom_right")``::
+new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new
+positions; the queries are the *last* Q positions of the keys, so mask with
+``causal(align="bottom_right")``::
 
     step 1 (prefill, Q=K=3)      step 2 (Q=1, K=4)
     ■ · ·                        ■ ■ ■ ■     ← the new query sees every cached key and itself
@@ -68,25 +69,26 @@ class LayerCache:
         first, last = self.span(new)
         if self._tracks_grad(k, v):
             return self._append_out_of_place(k, v, first)
-        self._make_room(k, v)
+        k_buf, v_buf = self._make_room(k, v)
         i = self.end - self.start
-        self.k[:, :, i : i + new].copy_(k)  # [B, Hkv, Q, d] into the buffer
-        self.v[:, :, i : i + new].copy_(v)  # [B, Hkv, Q, dv] into the buffer
+        k_buf[:, :, i : i + new].copy_(k)  # [B, Hkv, Q, d] into the buffer
+        v_buf[:, :, i : i + new].copy_(v)  # [B, Hkv, Q, dv] into the buffer
         self.end += new
         lo, hi = first - self.start, last - self.start
-        return self.k[:, :, lo:hi], self.v[:, :, lo:hi]  # [B, Hkv, K, d], [B, Hkv, K, dv]
+        return k_buf[:, :, lo:hi], v_buf[:, :, lo:hi]  # [B, Hkv, K, d], [B, Hkv, K, dv]
 
     def _tracks_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Autograd may hold views of the buffers (an earlier step's keys): never write into them."""
+        held = self.k is not None and self.v is not None and (self.k.requires_grad or self.v.requires_grad)
         if not torch.is_grad_enabled():
-            return self.k is not None and (self.k.requires_grad or self.v.requires_grad)
-        return k.requires_grad or v.requires_grad or (self.k is not None and (self.k.requires_grad or self.v.requires_grad))
+            return held
+        return k.requires_grad or v.requires_grad or held
 
     def _append_out_of_place(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Under autograd: new buffers holding exactly the keys this step attends to, built with
         ``torch.cat`` (the old buffers, which earlier steps' graphs saved, are left untouched)."""
         lo, kept = first - self.start, self.end - self.start
-        if self.k is None:
+        if self.k is None or self.v is None:  # (set and cleared together)
             self.k, self.v = k, v  # [B, Hkv, Q, d], [B, Hkv, Q, dv]
         else:
             self.k = torch.cat([self.k[:, :, lo:kept], k], dim=2)  # [B, Hkv, K, d]
@@ -116,7 +118,7 @@ class LayerCache:
                 f"KVCache layer {self.index}: k must be [B, Hkv, Q, d] and v [B, Hkv, Q, dv] with the same B, Hkv, Q; "
                 f"got k {list(k.shape)}, v {list(v.shape)}."
             )
-        if self.k is None:
+        if self.k is None or self.v is None:  # (set and cleared together)
             return
         if self.kept == 0 and (k.shape[:2] + k.shape[3:] != self.k.shape[:2] + self.k.shape[3:]
                                or v.shape[3] != self.v.shape[3] or k.dtype != self.k.dtype or k.device != self.k.device):
@@ -132,20 +134,25 @@ class LayerCache:
                 f"KVCache layer {self.index} holds {self.k.dtype} on {self.k.device}; got {k.dtype} on {k.device}."
             )
 
-    def _make_room(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def _make_room(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers with room for ``k_new``/``v_new`` after the kept positions: these, compacted, or new ones."""
         new, kept = k_new.shape[2], self.end - self.start
-        cap = 0 if self.k is None else self.k.shape[2]
-        if kept + new <= cap:
-            return
-        if self.window is not None and kept > self.window - 1:  # evict what no future query can see
-            keep = self.window - 1
-            src = slice(kept - keep, kept)
-            self.k[:, :, :keep] = self.k[:, :, src].clone()  # [B, Hkv, W-1, d]: move the window to the front
-            self.v[:, :, :keep] = self.v[:, :, src].clone()
-            self.start = self.end - keep
-            kept = keep
+        old_k, old_v = self.k, self.v
+        if old_k is not None and old_v is not None:  # (set and cleared together)
+            cap = old_k.shape[2]
             if kept + new <= cap:
-                return
+                return old_k, old_v
+            if self.window is not None and kept > self.window - 1:  # evict what no future query can see
+                keep = self.window - 1
+                src = slice(kept - keep, kept)
+                old_k[:, :, :keep] = old_k[:, :, src].clone()  # [B, Hkv, W-1, d]: move the window to the front
+                old_v[:, :, :keep] = old_v[:, :, src].clone()
+                self.start = self.end - keep
+                kept = keep
+                if kept + new <= cap:
+                    return old_k, old_v
+        else:
+            cap = 0
         if cap == 0:  # first allocation: as asked, else room to compact only every ~W steps
             first = self.capacity or (2 * self.window if self.window is not None else 16)
             capacity = max(first, kept + new)
@@ -154,10 +161,11 @@ class LayerCache:
         B, Hkv, _, d = k_new.shape
         k = k_new.new_empty(B, Hkv, capacity, d)  # [B, Hkv, capacity, d]
         v = v_new.new_empty(B, Hkv, capacity, v_new.shape[-1])  # [B, Hkv, capacity, dv]
-        if self.k is not None and kept:
-            k[:, :, :kept] = self.k[:, :, :kept]
-            v[:, :, :kept] = self.v[:, :, :kept]
+        if old_k is not None and old_v is not None and kept:
+            k[:, :, :kept] = old_k[:, :, :kept]
+            v[:, :, :kept] = old_v[:, :, :kept]
         self.k, self.v = k, v
+        return k, v
 
     def state(self) -> dict:
         shape = None if self.k is None else [*self.k.shape[:2], self.kept, self.k.shape[3]]

@@ -151,6 +151,9 @@ def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None,
     axes = fig.subplots(L, H, squeeze=False)
     im = None
     for i, rec in enumerate(recs):
+        weights = rec.weights  # [B, h, r, K]
+        if weights is None:
+            raise ValueError(f"grid: record {rec.name!r} holds no weights; capture with what=(..., 'weights').")
         for j in range(H):
             ax = axes[i][j]
             ax.set_xticks([])
@@ -158,13 +161,14 @@ def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None,
             if j >= len(rec.heads):
                 ax.set_visible(False)
                 continue
-            P = rec.weights[b, j].float().cpu().numpy()  # [r, K]
+            P = weights[b, j].float().cpu().numpy()  # [r, K]
             im = ax.imshow(P, cmap=CMAP, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="equal")
             if i == 0:
                 ax.set_title(f"head {rec.heads[j]}", fontsize=8)
             if j == 0:
                 ax.set_ylabel(f"layer {rec.index}", fontsize=8)
-    fig.colorbar(im, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="weight P")
+    if im is not None:  # (some record holds a head)
+        fig.colorbar(im, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="weight P")
     s = recs[0].sizes
     shape = named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"]))
     fig.suptitle(title or f"attention weights, {L} layers × {H} heads; each cell is P {shape} at b={b} "
@@ -202,10 +206,11 @@ def mask(masks: Mask | Sequence[Mask] | Mapping[str, Mask], Q: int = 8, K: int |
         ax.set_yticks(np.arange(-0.5, Q), minor=True)
         ax.grid(which="minor", color="white", linewidth=0.8)
         ax.tick_params(which="both", length=0)
-        labels = tokens is not None and len(tokens) == K == Q
-        ax.set_xticks(range(K), labels=list(tokens) if labels else [str(i) for i in range(K)], fontsize=7,
+        names = list(tokens) if tokens is not None and len(tokens) == K == Q else None  # token names when they fit
+        labels = names is not None
+        ax.set_xticks(range(K), labels=names if names is not None else [str(i) for i in range(K)], fontsize=7,
                       rotation=60 if labels else 0, ha="left" if labels else "center", rotation_mode="anchor")
-        ax.set_yticks(range(Q), labels=list(tokens) if labels else [str(i) for i in range(Q)], fontsize=7)
+        ax.set_yticks(range(Q), labels=names if names is not None else [str(i) for i in range(Q)], fontsize=7)
         ax.xaxis.tick_top()
         for s in ax.spines.values():
             s.set_visible(False)

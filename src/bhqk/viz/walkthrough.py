@@ -159,7 +159,8 @@ def build(
             "s",
             t("4. S = Q·Kᵀ: every query against every key", "4. S = Q·Kᵀ：每个查询与每个键两两打分"),
             t(
-                f"[Q, d] @ [d, K] → [Q, K] = [{nQ}, {nK}]: row i, column j is the dot product of q<sub>i</sub> and k<sub>j</sub>. "
+                f"[Q, d] @ [d, K] → [Q, K] = [{nQ}, {nK}]: "
+                "row i, column j is the dot product of q<sub>i</sub> and k<sub>j</sub>. "
                 "The inner dimension d must agree; the rows are the queries, the columns the keys.",
                 f"[Q, d] @ [d, K] → [Q, K] = [{nQ}, {nK}]：第 i 行第 j 列是 q<sub>i</sub> 与 k<sub>j</sub> 的点积。"
                 "内维 d 必须一致；行数 = 查询个数，列数 = 键个数。",
@@ -172,7 +173,8 @@ def build(
             "scale",
             t("5. Scale by 1/√d", "5. 缩放：乘以 1/√d"),
             t(
-                f"scale = 1/√{dd} = {scale:.4f} keeps the scores' spread independent of d (bhqk's default; pass scale=1 to skip it).",
+                f"scale = 1/√{dd} = {scale:.4f} keeps the scores' spread independent of d "
+                "(bhqk's default; pass scale=1 to skip it).",
                 f"scale = 1/√{dd} = {scale:.4f}，使分数的大小不随 d 增长（bhqk 的默认值；scale=1 则不缩放）。",
             ),
             matrix("S·scale", S * scale, qs, ks, dims={"Q": nQ, "K": nK}, testid="m-scaled"),
@@ -209,7 +211,8 @@ def build(
             "p",
             t("7. P = softmax(S) over K, row by row", "7. P = softmax(S)：沿 K 按行归一化"),
             t(
-                "Each query's row becomes weights that sum to 1: exponentiate (minus the row's largest score, for safety), divide by the sum.",
+                "Each query's row becomes weights that sum to 1: "
+                "exponentiate (minus the row's largest score, for safety), divide by the sum.",
                 "每个查询的一行变成和为 1 的权重：先取指数（减去该行最大值以防溢出），再除以总和。",
             ),
             *rows,
@@ -223,7 +226,8 @@ def build(
             t(
                 f"[Q, K] @ [K, dv] → [Q, dv] = [{nQ}, {ddv}]: each query gets a weighted sum of the value vectors. "
                 "Attention mixes tokens; it never changes a token's width.",
-                f"[Q, K] @ [K, dv] → [Q, dv] = [{nQ}, {ddv}]：每个查询得到值向量的加权和。注意力混合 token，不改变每个 token 的向量维度。",
+                f"[Q, K] @ [K, dv] → [Q, dv] = [{nQ}, {ddv}]：每个查询得到值向量的加权和。"
+                "注意力混合 token，不改变每个 token 的向量维度。",
             ),
             matrix("V", v[0], ks, dvs, dims={"K": nK, "dv": ddv}, testid="m-v", fmt="{:g}"),
             matrix("O = P·V", O[0], qs, dvs, dims={"Q": nQ, "dv": ddv}, testid="m-o"),
@@ -254,7 +258,8 @@ def build(
             t("9. Split heads: [Q, H·d] → [H, Q, d]", "9. 拆分多头：[Q, H·d] → [H, Q, d]"),
             t(
                 f"The projection X·W_Q gives all heads' queries side by side, H·d = {nH}·{dd} = {nH * dd} columns; "
-                "'b n (h d) -> b h n d' cuts them into H heads of d columns. K and V split the same way; each head then runs steps 1–8 on its own.",
+                "'b n (h d) -> b h n d' cuts them into H heads of d columns. "
+                "K and V split the same way; each head then runs steps 1–8 on its own.",
                 f"投影 X·W_Q 得到所有头的查询并排在一起，共 H·d = {nH}·{dd} = {nH * dd} 列；"
                 "'b n (h d) -> b h n d' 把它切成 H 个头，每头 d 列。K、V 同样拆分；每个头各自完成第 1–8 步。",
             ),
