@@ -163,7 +163,7 @@ def timing(runs: dict[str, tuple], repeat: int) -> dict[str, dict]:
             t0 = time.perf_counter()
             step(model, ids, mode)
             res[name]["times_s"].append(time.perf_counter() - t0)
-    for name, r in res.items():
+    for r in res.values():
         r["median_s"] = statistics.median(r["times_s"])
     return res
 
@@ -228,7 +228,8 @@ def bench_capture(c: dict, limit: float, mem: bool, timeout: float) -> list[dict
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | peak extra MiB | note |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | peak extra MiB | note |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = f"{r['median_s']:.2f} s" if "median_s" in r else "—"
         ratio = r.get("sdpa_over_this")

@@ -6,7 +6,6 @@ costs so the choices they check do not depend on the machine."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 

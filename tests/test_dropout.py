@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from conftest import qkv
 
 import bhqk
 from bhqk import masks
 from bhqk.functional import prepare, reference, tiled
+from conftest import qkv
 
 
 def _tiled_and_keep(q, k, v, mask=None, *, p, seed=0, sinks=None, blocks=(8, 16), **kw):

@@ -10,7 +10,6 @@ from transformers import masking_utils as mu
 
 import bhqk
 from bhqk import masks
-from bhqk.errors import BackendError
 from bhqk.integrations.transformers import AllKeys, attention_forward, build_mask, encode, load_folder, names, register
 
 NAMES = register()
@@ -486,7 +485,8 @@ def test_cli_trace_and_show_take_any_local_folder(llama_folder, tmp_path, capsys
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn" in out and "model.layers.1.self_attn" in out
     assert "[B=1, Hkv=2, K=9, d=8]" in out  # GQA: 2 key/value heads for 8 query heads, seen as they flowed
-    assert main(["show", "--model", str(llama_folder), "--out", str(tmp_path), "--max-tokens", "6", "The cat sat on the mat."]) == 0
+    argv = ["show", "--model", str(llama_folder), "--out", str(tmp_path), "--max-tokens", "6", "The cat sat on the mat."]
+    assert main(argv) == 0
     report = capsys.readouterr().out
     assert "input cut: 9 tokens, the first 6 are shown" in report and "Q=6, K=6" in report
     assert (tmp_path / "attention.html").stat().st_size > 0 and (tmp_path / "attention.png").exists()

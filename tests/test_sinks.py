@@ -9,13 +9,13 @@ import types
 
 import pytest
 import torch
-from conftest import mask_kinds, qkv
 
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError, ShapeError
 from bhqk.functional import prepare
 from bhqk.functional.merge import merge, with_sinks
+from conftest import mask_kinds, qkv
 
 
 def formula(q, k, v, allowed, sinks, scale):

@@ -40,8 +40,8 @@ from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
-from .problem import Problem
 from ..shapes import all_finite
+from .problem import Problem
 
 BLOCK = 128  # FlexAttention's sparse block (tile) size
 

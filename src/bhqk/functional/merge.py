@@ -46,7 +46,8 @@ def _combine(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, to
     return lse, torch.where(seen, lse, torch.zeros_like(lse))
 
 
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets from the attention over each.
 
     out_a, out_b [B, H, Q, dv] (any leading axes), lse_a, lse_b [B, H, Q] (as from

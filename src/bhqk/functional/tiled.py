@@ -601,7 +601,8 @@ def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Ten
         l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
     if kn.p.dropout_p > 0:
         l_safe = l_safe * (1.0 - kn.p.dropout_p)  # kept entries count 1/(1 - p)
-    lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q]
+    # rows (q g) -> [Bw, Hkvw, G, q]
+    lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)
     dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
     torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
@@ -707,7 +708,8 @@ def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads,
     terms = _row_terms(kn, plan, out, lse, grad_out, grad_lse)
     q5, do5 = q.unflatten(1, (kn.Hkvw, G)), grad_out[kn.b, kn.hq].unflatten(1, (kn.Hkvw, G))  # [Bw, Hkvw, G, Q, ·]
     grad_q = grads[0][kn.b, kn.hq]  # [Bw, Hw, Q, d]
-    direct = G == 1 and grad_q.dtype == dt and (kn.Bw == 1 or grad_q.shape[1] == 1 or grad_q.stride(0) == grad_q.shape[1] * grad_q.stride(1))
+    batch_contiguous = kn.Bw == 1 or grad_q.shape[1] == 1 or grad_q.stride(0) == grad_q.shape[1] * grad_q.stride(1)
+    direct = G == 1 and grad_q.dtype == dt and batch_contiguous
     grad_q3 = grad_q.flatten(0, 1) if direct else torch.zeros(n, Q * G, d, dtype=dt, device=kn.device)  # rows (q g)
     work = _BackwardWork(kn, plan, d, dv)
     grad_bias = [torch.zeros(_sliced_shape(b.tensor.shape, kn.Bw, grad_q.shape[1]), dtype=dt, device=kn.device) for b in biases]
@@ -719,7 +721,8 @@ def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads,
         for rect in span.rects:
             _backward_rect(kn, work, rect, q5, do5, terms, keys, values, grad_q3, grad_k, grad_v, grad_bias, finite_v)
         grad_k.mul_(kn.cap if not kn.fold else LN2)  # the queries held q·scale/c, or q·scale·log2(e)
-        grad_k_w[:, :, span.k0:span.k1] += grad_k.view(kn.Bw, kn.Hkvw, kw, d)  # [n, kw, d] -> [Bw, Hkvw, kw, d]; spans may overlap
+        # [n, kw, d] -> [Bw, Hkvw, kw, d]; spans may overlap
+        grad_k_w[:, :, span.k0:span.k1] += grad_k.view(kn.Bw, kn.Hkvw, kw, d)
         grad_v_w[:, :, span.k0:span.k1] += grad_v.view(kn.Bw, kn.Hkvw, kw, dv)  # [n, kw, dv] -> [Bw, Hkvw, kw, dv]
     if direct:
         grad_q3.mul_(p.scale)
@@ -788,7 +791,8 @@ def _sliced_shape(shape, Bw: int, Hw: int) -> tuple[int, ...]:
 def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, kn: _Kernel, rect: Rect) -> None:
     """Add the tile dS [n, (q G), kw] into a dense bias gradient g [#B, #H, #Q, #K] (the slice's)."""
     r0, r1, k0, k1, _ = rect
-    t = ds.view(kn.Bw, kn.Hkvw, r1 - r0, kn.G, k1 - k0).transpose(2, 3).reshape(kn.Bw, kn.Hkvw * kn.G, r1 - r0, k1 - k0)  # -> [Bw, Hw, q, kw]
+    t = ds.view(kn.Bw, kn.Hkvw, r1 - r0, kn.G, k1 - k0).transpose(2, 3)  # rows (q g) -> [Bw, Hkvw, G, q, kw]
+    t = t.reshape(kn.Bw, kn.Hkvw * kn.G, r1 - r0, k1 - k0)  # -> [Bw, Hw, q, kw]
     axes = [a for a in range(4) if g.shape[a] == 1 and t.shape[a] != 1]
     if axes:
         t = t.sum(dim=axes, keepdim=True)  # broadcast axes of the bias get the sum

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import bias as bias_, masks, observe
+from .. import bias as bias_
+from .. import masks, observe
 from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .. import observe
-from ..errors import BackendError, LoadError, MaskError
+from ..errors import LoadError, MaskError
 from ..functional import attention, attention_weights
 from ..masks import KeysBelow, Mask, causal, dense, document, key_padding, predicate, sliding_window
 

@@ -77,7 +77,8 @@ class MultiHeadAttention(nn.Module):
             head_dim = d_model // num_heads
         head_dim = _size("head_dim", head_dim, "d, the head dimension")
         if num_heads % num_kv_heads:
-            raise ShapeError(f"H={num_heads} is not divisible by Hkv={num_kv_heads}; each key/value head serves H/Hkv query heads.")
+            raise ShapeError(f"H={num_heads} is not divisible by Hkv={num_kv_heads}; "
+                             "each key/value head serves H/Hkv query heads.")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim = d_model if kdim is None else kdim
         self.vdim = self.kdim if vdim is None else vdim
@@ -162,7 +163,8 @@ class MultiHeadAttention(nn.Module):
         return out
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto", batch_first: bool | None = None) -> MultiHeadAttention:
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto",
+                   batch_first: bool | None = None) -> MultiHeadAttention:
         """A copy of ``nn.MultiheadAttention``'s weights (packed or separate in_proj, either
         ``batch_first``). bhqk's module is always batch-first [B, N, D]: from a sequence-first
         module (``batch_first=False``, inputs [N, B, D]) a MisuseWarning says so, unless you pass
