@@ -41,14 +41,14 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 class Ring:
     """This process's place in a ring over ``group``: its rank there, and the global ranks of its neighbours."""
 
-    group: object
+    group: dist.ProcessGroup
     rank: int
     size: int
     prev: int
     next: int
 
     @classmethod
-    def of(cls, group=None) -> Ring:
+    def of(cls, group: dist.ProcessGroup | None = None) -> Ring:
         if not dist.is_available():
             raise RuntimeError("ring attention needs torch.distributed, which this PyTorch build does not have.")
         if not dist.is_initialized():
@@ -58,6 +58,8 @@ class Ring:
                 "sets the rendezvous variables), or pass group= an existing group."
             )
         g = dist.group.WORLD if group is None else group
+        if g is None:  # WORLD is set once torch.distributed is initialized
+            raise RuntimeError("ring attention: torch.distributed is initialized but has no default process group.")
         rank, size = dist.get_rank(g), dist.get_world_size(g)
         if rank < 0:
             raise RuntimeError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group=.")
@@ -131,7 +133,7 @@ def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tenso
     lse = torch.full((B, H, Ql), float("-inf"), dtype=acc, device=q.device)  # [B, H, Q/P]
     for a, b in plan.chunks:
         cur = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]  # [B, Hkv, c, d], [B, Hkv, c, dv]
-        spare = None
+        spare: list[torch.Tensor] | None = None  # the receive buffers
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size  # whose keys we hold now
             work = None
@@ -146,6 +148,7 @@ def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tenso
                     merge_(out[:, :, q0:q1], lse[:, :, q0:q1], o_t, l_t)
                     del o_t, l_t
             if work is not None:
+                assert spare is not None  # work receives into it
                 ring.wait(work, "K/V", step)
                 cur, spare = spare, (cur if step > 0 else None)  # never receive into the caller's k, v
     if sinks is not None:  # the sink is one more key with value 0, counted once
@@ -162,9 +165,10 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Hkv, K/P, d], [B, Hkv, K/P, dv]
     for a, b in plan.chunks:
         cur = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]
-        spare = None
+        spare: list[torch.Tensor] | None = None  # the receive buffers
         grad = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in cur]  # dK, dV of the keys we hold
-        grad_spare, gwork = None, None
+        grad_spare: list[torch.Tensor] | None = None  # the receive buffers of dK, dV
+        gwork = None
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             work = None
@@ -186,6 +190,7 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
                     mine[1].add_(dv_t)
                 del dq_t, dk_t, dv_t
             if gwork is not None:  # the dK/dV of these keys accumulated by the ranks before us
+                assert grad_spare is not None  # gwork receives into it
                 ring.wait(gwork, "dK/dV", step)
                 grad, grad_spare = grad_spare, grad
             if mine is not None:
@@ -196,9 +201,11 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
                 grad_spare = grad_spare or [torch.empty_like(t) for t in grad]
                 gwork = ring.start(grad, grad_spare, _TAG_GRAD, "dK/dV", step)
             if work is not None:
+                assert spare is not None  # work receives into it
                 ring.wait(work, "K/V", step)
                 cur, spare = spare, (cur if step > 0 else None)
         if gwork is not None:
+            assert grad_spare is not None  # gwork receives into it
             ring.wait(gwork, "dK/dV", ring.size)
             grad = grad_spare
         dk[:, :, a:b].copy_(grad[0])

@@ -33,6 +33,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,13 +90,15 @@ def _band(c: int, Q: int, K: int, left: int | None, right: int) -> Mask:
 
 
 def _evaluate(mask_function: Callable, B: int, q0: int, q1: int, K: int, q_offset: int, kv_offset: int,
-              use_vmap: bool, device) -> torch.Tensor:
-    """Transformers' mask function on rows q0:q1, without padding: bool [B, 1, q, K]."""
+              use_vmap: bool, device, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformers' mask function on rows q0:q1 (and the padding of ``attention_mask``, if given): bool [B, 1, q, K]."""
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(batch_size=B, q_length=q1 - q0, kv_length=K, q_offset=q_offset + q0, kv_offset=kv_offset,
-                     mask_function=mask_function, attention_mask=None, allow_is_causal_skip=False,
-                     allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    full = sdpa_mask(batch_size=B, q_length=q1 - q0, kv_length=K, q_offset=q_offset + q0, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+                     allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)  # [B, 1, q, K]
+    assert full is not None  # sdpa_mask returns None only when a skip is allowed
+    return full
 
 
 def _blocks(B: int, Q: int, K: int):
@@ -128,7 +131,9 @@ def _padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
         raise MaskError(f"bhqk mask builder: attention_mask must be [B, K], got shape {list(attention_mask.shape)}.")
     from transformers.masking_utils import prepare_padding_mask
 
-    valid = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]  # [B, K]
+    padded = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # [B, ≥ kv_offset + K]
+    assert padded is not None  # None only for attention_mask None
+    valid = padded[:, kv_offset:kv_offset + kv_length]  # [B, K]
     return None if bool(valid.all()) else key_padding(valid)
 
 
@@ -150,7 +155,7 @@ def build_mask(
 
     Query i sits at position ``q_offset + i``, key j at ``kv_offset + j`` (a KV cache gives offsets).
     ``attention_mask`` [B, ≥ kv_offset + K] marks real tokens (1) and padding (0)."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sdpa_mask
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     B, Q, K = int(batch_size), int(q_length), int(kv_length)
@@ -172,9 +177,7 @@ def build_mask(
         structure = _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, local_size,
                                config, use_vmap, device)
     if structure is None:  # unknown structure: the dense mask transformers' sdpa builder makes
-        full = sdpa_mask(batch_size=B, q_length=Q, kv_length=K, q_offset=q_offset, kv_offset=kv_offset,
-                         mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
-                         allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)  # [B, 1, Q, K]
+        full = _evaluate(mask_function, B, 0, Q, K, q_offset, kv_offset, use_vmap, device, attention_mask)  # [B, 1, Q, K]
         out: Mask = dense(full.bool())
     elif isinstance(structure, AllKeys):
         out = AllKeys(K) if pad is None else pad
@@ -186,7 +189,7 @@ def build_mask(
 def _stamp(mask: Mask, B: int, Q: int, K: int) -> Mask:
     """Give a fresh mask value the ``ndim``/``shape`` transformers reads from an attention_mask it is
     handed back (``generate`` with a static cache builds masks once and passes them to ``forward``)."""
-    mask.ndim, mask.shape = 4, (B, 1, Q, K)
+    vars(mask).update(ndim=4, shape=(B, 1, Q, K))  # plain attributes for transformers, not part of the Mask type
     return mask
 
 
@@ -285,10 +288,12 @@ def attention_forward(
     if extra is not None:
         bias = extra if bias is None else bias + extra
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
-    kw = {"bias": bias, "scale": scaling, "softcap": softcap, "sinks": s_aux}  # s_aux: GPT-OSS's per-head sinks [H]
     with observe.scope(module):  # capture and trace name the call by this module's path
-        out = attention(query, key, value, mask, dropout_p=dropout_p, backend=backend, **kw)  # [B, H, Q, dv]
-    weights = attention_weights(query, key, mask, **kw) if kwargs.get("output_attentions") else None  # [B, H, Q, K]
+        out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=s_aux,
+                        dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]; s_aux: GPT-OSS's per-head sinks [H]
+    weights = None
+    if kwargs.get("output_attentions"):
+        weights = attention_weights(query, key, mask, bias=bias, scale=scaling, softcap=softcap, sinks=s_aux)  # [B, H, Q, K]
     return out.transpose(1, 2).contiguous(), weights  # [B, H, Q, dv] -> [B, Q, H, dv]
 
 
@@ -327,7 +332,7 @@ class Loaded:
     """A Hugging Face model from a local folder on bhqk: ``decoder`` models are causal LMs."""
 
     model: torch.nn.Module
-    tokenizer: object | None
+    tokenizer: Any | None  # a transformers tokenizer (PreTrainedTokenizerBase)
     decoder: bool
     folder: Path
 

@@ -42,6 +42,21 @@ class MultiHeadAttention(nn.Module):
     both dtypes), except under ``torch.autocast``.
     """
 
+    d_model: int  # D
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # d
+    kdim: int  # Dk
+    vdim: int  # Dv
+    dropout: float
+    backend: str
+    sequence_first_source: bool
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    out_proj: nn.Linear
+    sinks: nn.Parameter | None  # [H]
+
     def __init__(
         self,
         d_model: int,
