@@ -46,7 +46,7 @@ lint: $(STAMP)  # configured in pyproject.toml ([tool.ruff], [tool.mypy]: src/bh
 
 # API reference in docs/api (not committed). bhqk brings bhqk.masks, .bias and .distributed (its __all__);
 # a module named twice, one that fails to import or an annotation pdoc cannot read is an error (-W error::UserWarning).
-DOC_MODULES := bhqk bhqk.functional bhqk.nn bhqk.models bhqk.inspect bhqk.viz
+DOC_MODULES := bhqk bhqk.functional bhqk.nn bhqk.models bhqk.inspect bhqk.viz bhqk.integrations.transformers
 docs: $(STAMP)
 	rm -rf docs/api
 	$(BIN)/python -W error::UserWarning -m pdoc $(DOC_MODULES) --docformat markdown -o docs/api

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MaskError
+from ..shapes import as_4d
 from ..text import grid
 from .args import extent
 
@@ -81,7 +82,7 @@ class Mask:
         ext = Extent(*extent("materialize", B, H, Q, K))
         self.check(ext)
         out = self.block(ext, 0, Q, 0, K, None if device is None else torch.device(device))
-        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # [#B, #H, #Q, #K]
+        return as_4d(out)  # [#B, #H, #Q, #K]
 
     def __and__(self, other: Mask) -> Mask:
         return And(self, _as_mask(other))
@@ -318,7 +319,7 @@ def scalar(x: int, device) -> torch.Tensor:
 
 def index4(t: torch.Tensor) -> MaskMod:
     """A mod that reads ``t`` [#B, #H, #Q, #K] at (b, h, q_idx, kv_idx); a size-1 axis broadcasts."""
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [#B, #H, #Q, #K]
+    t = as_4d(t)  # [#B, #H, #Q, #K]
 
     def at(b, h, q_idx, kv_idx):
         idx = [i if n != 1 else 0 for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
@@ -336,7 +337,7 @@ def tile_bounds(ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, 
 
 def grid_of_dense(t: torch.Tensor, ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(empty, full) [nq, nk] of a bool tensor [#B, #H, #Q, #K], over every batch element and head."""
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).cpu()  # [#B, #H, #Q, #K]
+    t = as_4d(t).cpu()  # [#B, #H, #Q, #K]
     some, every = t.any(dim=1).any(dim=0), t.all(dim=1).all(dim=0)  # [#Q, #K]
     nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import MaskError, warn_misuse
-from ..shapes import Sizes, check_broadcast, tile_of
+from ..shapes import Sizes, as_4d, check_broadcast, tile_of
 from .base import NEGATED, Extent, Mask, Tile
 
 
@@ -27,7 +27,7 @@ class Dense(Mask):
             raise MaskError(f"mask must have dtype torch.bool (True = may attend), got {tensor.dtype}.{hint}")
         if tensor.dim() > 4:
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
-        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))  # [#B, #H, #Q, #K]
+        self.tensor = as_4d(tensor)  # [#B, #H, #Q, #K]
         self._polarity_checked = False
         self._grids = _grids_of(tensor)  # classify_grid's results, per extent and grid
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MaskError
+from ..shapes import as_4d
 from .base import Extent, Mask, Tile
 
 
@@ -81,7 +82,7 @@ class IndexMap:
 
 
 def _as4(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # [#B, #H, #q, #k]
+    return as_4d(t)  # [#B, #H, #q, #k]
 
 
 class View(Mask):
