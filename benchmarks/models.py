@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 from bhqk.models import GPT2, BertEncoder, GPT2Config, bundled_model_dir, load_checked, remap_gpt2
 
 
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     results = Path(__file__).parent / "results"
     out = Path(args.json) if args.json else (results / "local" / "models-quick.json" if args.quick else results / "models.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+    meta = {**machine.describe(), "machine": platform.machine(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)]}
     try:

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import machine  # benchmarks/machine.py: CPU model and flags for every JSON
+
 CORES = os.cpu_count() or 1
 
 
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print()
     print(table)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "cores": CORES, "kernel": "tiled",
+    meta = {**machine.describe(), "python": platform.python_version(), "cores": CORES, "kernel": "tiled",
             "machine": platform.machine(), "note": "processes share the cores: time is indicative only"}
     path = Path(args.json) if args.json else Path(__file__).parent / "results" / "ring.json"
     path.parent.mkdir(parents=True, exist_ok=True)
