@@ -73,9 +73,11 @@ def next_steps() -> str:
     return "\n".join([
         "Try next:",
         "  bhqk explain --batch 2 --heads 8 --q-len 5 --k-len 7 --head-dim 64 --kv-heads 2 [--lang zh]",
+        "  bhqk explain --html walkthrough.html      # every step of the worked example, with its numbers",
         "  bhqk mask causal --q-len 4 --k-len 6 --align bottom_right",
         "  bhqk mask sliding_window --q-len 8 --left 2",
         '  bhqk embed "A man is eating food." "A man eats a meal." "The sky is blue."',
-        '  bhqk show "The cat sat on the mat." --out show/',
+        '  bhqk show "The cat sat on the mat." [--model DIR]   # any local Hugging Face folder',
+        '  bhqk trace --model DIR "The cat sat on the mat."    # every attention call by module path',
         "  torchrun --nproc-per-node 4 -m bhqk.distributed.demo",
     ])
