@@ -293,7 +293,7 @@ def _keep_bits(rows: torch.Tensor, cols: torch.Tensor, threshold: int, x: torch.
 
 def _drop_(t: torch.Tensor, keep: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Zero the entries of ``t`` (float32/64) where ``keep`` (int32, -1 / 0) is 0, by ANDing bits."""
-    bits = t.view(torch.int32 if t.element_size() == 4 else torch.int64)
+    bits = t.view(torch.int32 if t.element_size() == 4 else torch.int64)  # same shape, the float's bits as integers
     k = keep if bits.dtype == torch.int32 else keep.to(torch.int64)  # -1 stays all ones
     dest = bits if out is None else out.view(bits.dtype)
     torch.bitwise_and(bits, k, out=dest)
@@ -318,9 +318,9 @@ def _slice_row_keys(kn: _Kernel, seed: int) -> torch.Tensor:
     def ar(n: int) -> torch.Tensor:
         return torch.arange(n, device=kn.device, dtype=torch.int64)
 
-    b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)
+    b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)  # [Bw] -> [Bw, 1, 1, 1]
     h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # query head hkv·G + g
-    q = ar(Q).view(1, 1, Q, 1)
+    q = ar(Q).view(1, 1, Q, 1)  # [Q] -> [1, 1, Q, 1]
     return _row_keys(seed, b, h, q, H, Q).reshape(kn.n, Q * kn.G)  # [Bw, Hkvw, Q, G] -> [n, (Q G)]
 
 
@@ -604,6 +604,7 @@ def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Ten
     # rows (q g) -> [Bw, Hkvw, G, q]
     lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)
     dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
+    # rows (q g) -> [Bw, Hkvw, q, G, ·]
     torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
         dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))  # NaN/inf where the row attends them

@@ -335,22 +335,6 @@ def tile_bounds(ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, 
     return q0, (q0 + block_q).clamp(max=ext.Q), k0, (k0 + block_k).clamp(max=ext.K)
 
 
-def grid_of_dense(t: torch.Tensor, ext: Extent, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(empty, full) [nq, nk] of a bool tensor [#B, #H, #Q, #K], over every batch element and head."""
-    t = as_4d(t).cpu()  # [#B, #H, #Q, #K]
-    some, every = t.any(dim=1).any(dim=0), t.all(dim=1).all(dim=0)  # [#Q, #K]
-    nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
-
-    def per_tile(x: torch.Tensor, reduce: str) -> torch.Tensor:
-        x = x.expand(ext.Q, ext.K)  # [Q, K]
-        fill = reduce == "all"  # padding never changes the reduction
-        x = torch.nn.functional.pad(x, (0, nk * block_k - ext.K, 0, nq * block_q - ext.Q), value=fill)
-        x = x.reshape(nq, block_q, nk, block_k)  # [nq, bq, nk, bk]
-        return x.all(dim=3).all(dim=1) if reduce == "all" else x.any(dim=3).any(dim=1)  # [nq, nk]
-
-    return ~per_tile(some, "any"), per_tile(every, "all")
-
-
 def _ordered(blocks: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask's (num_blocks [1, 1, nq], indices [1, 1, nq, nk]) of a bool [nq, nk], int32:
     each row's chosen tiles first, in key order."""

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MaskError
-from .base import Extent, Mask, grid_of_dense
+from .base import Extent, Mask
+from .dense import Dense
 
 
 class Predicate(Mask):
@@ -50,7 +51,7 @@ class Predicate(Mask):
         return self.fn  # already FlexAttention's form; keep it pure and vectorisable
 
     def classify_grid(self, ext: Extent, block_q, block_k):
-        return grid_of_dense(self.block(ext, 0, ext.Q, 0, ext.K), ext, block_q, block_k)  # O(Q·K), as create_block_mask
+        return Dense(self.block(ext, 0, ext.Q, 0, ext.K)).classify_grid(ext, block_q, block_k)  # O(Q·K), as create_block_mask
 
 
 def predicate(fn: Callable[..., torch.Tensor], name: str | None = None) -> Predicate:
