@@ -54,6 +54,6 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
-docs-page: $(STAMP)  # regenerate docs/attention.html, its PNGs and docs/walkthrough.html (assets: src/bhqk/viz/assets/)
+docs-page: $(STAMP)  # docs/attention.html (+ its PNGs) and docs/walkthrough.html, generated from src/bhqk/viz/assets/ (not committed)
 	$(BIN)/bhqk show "The cat sat on the mat." --out docs
 	$(BIN)/bhqk explain --html docs/walkthrough.html
