@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from tqdm import tqdm
 
 import bhqk
 import machine  # benchmarks/machine.py: CPU model and flags for every JSON
+import peak_memory  # benchmarks/peak_memory.py: resident-set peaks, measured in a fresh process
 from bhqk import masks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -189,39 +189,24 @@ def time_case(case: Case, impls: list[str], repeat: int, max_s: float) -> dict[s
     return res
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-
-
 def child(spec: dict) -> None:
     """Run one call in this (fresh) process and print its peak extra resident memory in MiB."""
     case = Case(spec["mask"], spec["N"], spec["dtype"], spec["mode"])
     small = Case(spec["mask"], 256, spec["dtype"], spec["mode"])
     if spec["impl"] not in ("flex", "bhqk_flex"):
         small.step(small.fn(spec["impl"]))  # threads and allocator warmed up
-    base = _status_kib("VmRSS")  # inputs (q, k, v, dout) exist: they are not "extra"
+    base = peak_memory.status_bytes("VmRSS")  # inputs (q, k, v, dout) exist: they are not "extra"
     f = case.fn(spec["impl"])  # SDPA's dense mask is built here, and counts
     if spec["impl"] in ("flex", "bhqk_flex"):
         case.step(f)  # compile first; its memory does not count
-        base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset the peak (VmHWM) to the current resident size
+        base = peak_memory.status_bytes("VmRSS")
+    peak_memory.reset_high_water()
     case.step(f)
-    print(json.dumps({"peak_mib": (_status_kib("VmHWM") - base) / 1024}))
+    print(json.dumps({"peak_mib": (peak_memory.status_bytes("VmHWM") - base) / 2**20}))
 
 
 def memory(spec: dict, timeout: float) -> dict:
-    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    try:
-        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                           text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"mem_note": f"memory run timed out after {timeout:.0f} s"}
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return {"mem_note": f"memory run failed: {tail[:160]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return peak_memory.in_fresh_process(__file__, spec, timeout)
 
 
 # ---- report --------------------------------------------------------------------------------------

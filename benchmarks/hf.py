@@ -20,14 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+import machine  # benchmarks/machine.py: CPU model and flags for every JSON
+import peak_memory  # benchmarks/peak_memory.py: resident-set peaks, measured in a fresh process
 
 HERE = Path(__file__).resolve().parent
 IMPLS = ("bhqk", "sdpa", "eager")
@@ -36,24 +37,6 @@ FULL = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermedia
         "vocab": 1000, "window": 256, "N": 4096, "capture_N": 16384, "capture_layers": 1, "repeat": 3}
 QUICK = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 512, "layers": 2,
          "vocab": 1000, "window": 64, "N": 512, "capture_N": 1024, "capture_layers": 1, "repeat": 2}
-
-
-def cpu_info() -> dict:
-    """CPU model and flags (benchmarks on these shared machines are compared only within one CPU)."""
-    info = {"machine": platform.machine(), "processor": platform.processor()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and "model" not in info:
-                info["model"] = value.strip()
-            elif key == "flags" and "flags" not in info:
-                info["flags"] = value.split()
-    except OSError:
-        pass
-    info["simd"] = sorted(f for f in info.get("flags", []) if f.startswith(("avx", "amx", "fma", "sse4")))
-    return info
 
 
 def build(kind: str, impl: str, c: dict, layers: int | None = None):
@@ -111,36 +94,21 @@ def eager_gib(c: dict, N: int, mode: str, layers: int) -> float:
 # ---- memory in a fresh process -------------------------------------------------------------------
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-
-
 def child(spec: dict) -> None:
     """Build the model, warm up on a short input, then print the peak extra resident MiB of one step."""
     c = spec["config"]
     model = build(spec["kind"], spec["impl"], c, spec.get("layers"))
     step(model, inputs(c, 64), spec["mode"])  # threads and allocator warmed up
     ids = inputs(c, spec["N"])
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset the peak (VmHWM) to the current resident size
+    base = peak_memory.status_bytes("VmRSS")
+    peak_memory.reset_high_water()
     step(model, ids, spec["mode"])
-    print(json.dumps({"peak_mib": (_status_kib("VmHWM") - base) / 1024}))
+    print(json.dumps({"peak_mib": (peak_memory.status_bytes("VmHWM") - base) / 2**20}))
 
 
 def memory(spec: dict, timeout: float) -> dict:
     log(f"memory {spec['kind']} {spec['impl']} {spec['mode']} N={spec['N']}")
-    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    try:
-        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                           text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"mem_note": f"memory run timed out after {timeout:.0f} s"}
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return {"mem_note": f"memory run failed: {tail[:160]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return peak_memory.in_fresh_process(__file__, spec, timeout)
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -268,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             c[key] = val
     torch.set_num_threads(torch.get_num_threads())
     meta = {"command": " ".join(["python", "benchmarks/hf.py", *(sys.argv[1:] if argv is None else argv)]),
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "threads": torch.get_num_threads(), "cpu": cpu_info(), "loadavg_start": os.getloadavg(),
+            **machine.describe(), "transformers": __import__("transformers").__version__,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "config": c, "dtype": "float32", "B": 1}
     rows: list[dict] = []
     mem = (a.memory or ("off" if a.quick else "on")) == "on"
@@ -282,9 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_capture(c, a.mem_limit_gib, mem, a.timeout)
     meta["loadavg_end"] = os.getloadavg()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    cpu = meta["cpu"]
-    print(f"# {meta['command']}\n\nCPU: {cpu.get('model', '?')} ({', '.join(cpu['simd'])}), {meta['threads']} threads, "
-          f"torch {meta['torch']}, transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
+    print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads, "
+          f"transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
           f"{meta['loadavg_end'][0]:.1f}. Widths: D={c['hidden']}, H={c['heads']}, Hkv={c['kv_heads']}, "
           f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}), "
           f"window {c['window']}, fp32, B=1.\n")

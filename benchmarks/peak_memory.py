@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -27,12 +31,34 @@ def exact_cpu_peaks() -> None:
         pass
 
 
-def _status(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (``VmRSS``: resident now; ``VmHWM``: its high-water mark)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024  # kB -> bytes
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_high_water() -> None:
+    """Set VmHWM to the current resident size (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def in_fresh_process(script: str, spec: dict, timeout: float) -> dict:
+    """Run ``script --child SPEC`` in a new interpreter and return the JSON object it prints last
+    (a benchmark's peak-memory child), or ``{"mem_note": why}`` when it fails or times out."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    try:
+        r = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True,
+                           text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"mem_note": f"memory run timed out after {timeout:.0f} s"}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"mem_note": f"memory run failed: {tail[:160]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 class Peak:
@@ -49,9 +75,8 @@ class Peak:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             exact_cpu_peaks()
-            with open("/proc/self/clear_refs", "w") as f:  # Linux >= 4.0: VmHWM := VmRSS
-                f.write("5")
-            self.start = _status("VmRSS")
+            reset_high_water()
+            self.start = status_bytes("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,4 +84,4 @@ class Peak:
             torch.cuda.synchronize(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.start
         else:
-            self.bytes = _status("VmHWM") - self.start
+            self.bytes = status_bytes("VmHWM") - self.start
