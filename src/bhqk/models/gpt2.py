@@ -21,7 +21,7 @@ from ..masks import Mask, causal, key_padding
 from ..nn import KVCache, MultiHeadAttention
 from ..shapes import Sizes
 from .common import activation, check_ids
-from .loading import config_float, config_int, config_str, load_gpt2, read_config
+from .loading import config_float, config_heads, config_int, config_str, load_gpt2, read_config
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,7 @@ class GPT2Config:
                 raise LoadError(f"{where}: {key}={bad} is not supported by bhqk.models.gpt2.")
         if not config.get("tie_word_embeddings", True):
             raise LoadError(f"{where}: tie_word_embeddings=false is not supported: bhqk's LM head is the token embedding.")
-        D = config_int(config, "n_embd", where)
-        H = config_int(config, "n_head", where)
-        if D % H:
-            raise LoadError(f"{where}: n_embd={D} is not divisible by n_head={H}; D = H·d needs a whole head dimension.")
+        D, H = config_heads(config, "n_embd", "n_head", where)
         inner = config.get("n_inner")
         c = cls(
             vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),

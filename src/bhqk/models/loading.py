@@ -136,6 +136,14 @@ def config_int(config: dict, key: str, where: str, *, minimum: int = 1, default:
     return value
 
 
+def config_heads(config: dict, width_key: str, heads_key: str, where: str) -> tuple[int, int]:
+    """(D, H): the model width and the head count of config.json, D = H·d with a whole d."""
+    D, H = config_int(config, width_key, where), config_int(config, heads_key, where)
+    if D % H:
+        raise LoadError(f"{where}: {width_key}={D} is not divisible by {heads_key}={H}; D = H·d needs a whole head dimension.")
+    return D, H
+
+
 def config_float(config: dict, key: str, where: str, default: float) -> float:
     """A positive finite number field of config.json (e.g. a LayerNorm epsilon)."""
     value = config.get(key, default)
