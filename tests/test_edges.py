@@ -1,4 +1,4 @@
-"""Numerical and size edges, decided once and held by every backend (DESIGN.md §2, issue 13).
+"""Numerical and size edges, decided once and held by every backend (docs/design.md §2, "Decided edges").
 
 - NaN/inf in v (or +inf in k) at key j never reaches a query row that may not attend j, for any
   tile size; a row that does attend it gets what the formula gives (NaN/inf).

@@ -1,4 +1,4 @@
-"""The one-way flow of DESIGN.md §3: a module imports only from its own or lower layers."""
+"""The one-way flow of docs/design.md §3: a module imports only from its own or lower layers."""
 
 from __future__ import annotations
 

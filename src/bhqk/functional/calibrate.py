@@ -61,7 +61,7 @@ class Costs:
     source: str = "measured"
 
 
-# The 2-core Intel Xeon (AVX-512, AMX) of DESIGN.md §7, torch 2.13, B=1, H=8, d=64 (the constants
+# The 2-core Intel Xeon (AVX-512, AMX) the project was first tuned on, torch 2.13, B=1, H=8, d=64 (the constants
 # auto used before it measured): used with BHQK_COSTS=reference and for tests.
 REFERENCE = {
     torch.float32: Costs(20e-6, 1.08e-9, 0.6, 0.31e-9, 1.0, 1.0, 0.5e-9, 3.6, 3.1, "reference"),

@@ -42,7 +42,7 @@ unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta (:func:`sin
 Dropout: P's entries are dropped after the row sums (lse has no dropout), by a keep-mask that each
 tile regenerates from the call's seed and its (b, h, q, k) (see "dropout" below); never stored.
 
-Axes. The call keeps DESIGN.md's names: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
+Axes. The call keeps the names of docs/design.md §1: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
 G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
 
     Bw, Hkvw    the batch elements and key/value heads of one worker (Hw = Hkvw·G query heads)
