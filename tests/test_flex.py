@@ -8,6 +8,8 @@ length, window or padding does not compile again. Compiling every mask kind is m
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import bhqk
 from bhqk import BackendError, masks
 from bhqk import bias as biases
-from bhqk.functional import flex, names
+from bhqk.functional import calibrate, flex, names, registry
 from bhqk.functional.problem import prepare
 from bhqk.functional.registry import decide
 from bhqk.masks import Extent
@@ -225,12 +227,120 @@ def test_why_not_names_each_limit():
         bhqk.attention(*qkv(1, 2, None, 4, 4, 8, requires_grad=True), backend="flex")
 
 
-def test_auto_does_not_pick_flex():
+def test_auto_does_not_weigh_flex_until_its_costs_are_measured():
     assert "flex" in names()
     for Q, m in ((8, None), (300, masks.sliding_window(16)), (2000, masks.causal())):
         q, k, v = qkv(1, 2, None, Q, Q, 16, dtype=torch.float32)
-        c = decide(prepare(q, k, v, m), False)
+        with torch.no_grad():
+            c = decide(prepare(q, k, v, m), False)
         assert c.backend.name != "flex" and "flex" not in c.estimates
+        assert "flex: its costs were never measured on this machine (cpu, float32)" in c.reason
+
+
+# ---- auto weighs flex with its compile counted -------------------------------------------------
+
+FLEX = calibrate.FlexCosts(compile=0.5, call=1e-4, elem=0.2e-9)  # a FlexAttention 5× cheaper per entry than tiled
+
+
+@pytest.fixture
+def flex_costs():
+    with calibrate.fixed(flex=FLEX):
+        registry._SAVED.clear()
+        yield
+        registry._SAVED.clear()
+
+
+def _window_call(Q=4096, seed=0):
+    q, k, v = qkv(1, 8, None, Q, Q, 64, dtype=torch.float32, seed=seed)
+    return prepare(q, k, v, masks.sliding_window(256))
+
+
+def test_auto_compiles_flex_once_repeated_calls_have_paid_for_it(flex_costs, monkeypatch):
+    monkeypatch.setattr(flex, "compiled", lambda key: False)  # never compiled: decide only, nothing runs
+    p = _window_call()
+    with torch.no_grad():
+        first = decide(p, False)
+        est = registry.estimate_flex(p, False)
+        gain = min(first.estimates.values()) - est.seconds  # what one call saves with a compiled kernel
+        assert first.name != "flex" and est.upfront == FLEX.compile and gain > 0
+        assert "never on a first call" in first.reason and "would first compile (0.5 s)" in first.reason
+        calls = 2  # the call being decided
+        while (c := decide(p, False)).name != "flex":
+            calls += 1
+            assert calls < 100
+    # rent until the savings of the earlier calls and this one reach the compile, then buy
+    assert calls == max(2, math.ceil(FLEX.compile / gain)), (calls, gain)
+    assert "flex pays its compile now (0.5 s)" in c.reason
+
+
+def test_auto_never_compiles_flex_for_tiny_calls_or_when_only_asked(flex_costs, monkeypatch):
+    monkeypatch.setattr(flex, "compiled", lambda key: False)
+    tiny = _window_call(Q=64)
+    big = _window_call()
+    with torch.no_grad():
+        for _ in range(50):  # a tiny call would not be faster: nothing is saved, nothing compiles
+            assert decide(tiny, False).name == "torch"
+        for _ in range(50):  # choose_backend says what auto would run, and records nothing
+            assert bhqk.choose_backend(big.q, big.k, big.v, big.mask).name != "flex"
+    assert registry._SAVED == {}
+
+
+def test_auto_picks_a_compiled_flex_kernel_from_the_first_call(flex_costs, monkeypatch):
+    monkeypatch.setattr(flex, "compiled", lambda key: True)
+    with torch.no_grad():
+        c = decide(_window_call(), False)
+    assert c.name == "flex" and "compiled" in c.reason and "pays" not in c.reason
+
+
+def test_auto_runs_flex_and_it_equals_the_reference(flex_costs):
+    q, k, v = qkv(2, 4, 2, 700, 700, 32, dtype=torch.float32)
+    m = masks.sliding_window(64) & masks.padding(torch.tensor([700, 500]))
+    with flex.uncompiled(), torch.no_grad():  # the eager path compiles nothing: no upfront cost
+        assert bhqk.choose_backend(q, k, v, m).name == "flex"
+        got = bhqk.attention(q, k, v, m, bias=biases.alibi(4))
+    want = bhqk.attention(q, k, v, m, bias=biases.alibi(4), backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs):
+    q, k, v = qkv(1, 4, None, 2000, 2000, 64, dtype=torch.float32, requires_grad=True)
+    c = decide(prepare(q, k, v, masks.sliding_window(64)), False)  # gradients: no backward on the CPU
+    assert c.name != "flex" and "flex: FlexAttention does not support backward on CPU" in c.reason
+
+
+def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch):
+    monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
+    monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))  # the eager path builds [1, 4, N, N]: keep it small
+    with flex.uncompiled():
+        c = calibrate.measure_flex("cpu", torch.float32)
+    assert all(math.isfinite(x) and x >= 0 for x in (c.compile, c.call, c.elem)) and c.elem > 0 and c.backward is None
+    saved = json.loads((tmp_path / "costs.json").read_text())
+    assert any("flex float32" in entry for entry in saved.values())
+    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})  # a new process: read back from the file
+    assert calibrate.flex_costs(torch.device("cpu"), torch.float32) == c
+    calibrate.observed_compile(torch.device("cpu"), torch.float32, 12.5)  # a compile bhqk paid: the next estimate
+    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
+    assert calibrate.flex_costs(torch.device("cpu"), torch.float32).compile == 12.5
+    q, k, v = qkv(1, 2, None, 600, 600, 64, dtype=torch.float32)
+    with torch.no_grad():
+        c = decide(prepare(q, k, v, masks.sliding_window(64)), False)
+    assert "not flex: it would first compile (12.5 s)" in c.reason  # weighed, with the compile it last paid
+
+
+def test_cli_calibrate_measures_and_says_where_it_keeps_the_costs(tmp_path, monkeypatch, capsys):
+    from bhqk import cli
+
+    monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))
+    with flex.uncompiled():
+        assert cli.main(["calibrate", "--flex"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept in: {tmp_path / 'costs.json'}" in out and "SDPA (float32)" in out and "tiled (float32)" in out
+    assert "flex (float32):  compile" in out and "auto now weighs it" in out
+    assert cli.main(["calibrate", "--device", "cuda"] if not torch.cuda.is_available() else ["calibrate", "--dtype", "half"]) == 2
 
 
 # ---- compiled: one shared kernel, new sizes do not recompile --------------------------------------

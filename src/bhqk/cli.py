@@ -103,6 +103,35 @@ def cmd_mask(a: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+# --- bhqk calibrate ------------------------------------------------------------------------------
+
+
+def cmd_calibrate(a: argparse.Namespace) -> str:
+    """Measure what attention costs here (what ``auto`` weighs), and FlexAttention's with --flex."""
+    from .functional import calibrate
+
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False).")
+    where = calibrate.stored_in()
+    out = [f"machine: {calibrate.machine_key(dev.type)}",
+           f"kept in: {where}" if where else "kept in: this process only (BHQK_COSTS is 'measure' or 'reference')"]
+    c = calibrate.remeasure(dev, dtype)
+    ns = lambda t: f"{1e9 * t:.3g} ns"  # noqa: E731
+    out += [f"SDPA ({a.dtype}):  {1e6 * c.sdpa_call:.3g} µs per call, {ns(c.sdpa_elem)} per score entry, "
+            f"causal × {c.sdpa_causal:.2f}, forward+backward × {c.sdpa_backward:.2f}",
+            f"tiled ({a.dtype}): fixed part × {c.tiled_fixed:.2f} and per-entry part × {c.tiled_elem:.2f} of the "
+            f"reference machine's, forward+backward × {c.tiled_backward:.2f}"]
+    if a.flex:
+        f = calibrate.measure_flex(dev, dtype)
+        back = "no backward here" if f.backward is None else f"forward+backward × {f.backward:.2f}"
+        out.append(f"flex ({a.dtype}):  compile {f.compile:.3g} s, {1e6 * f.call:.3g} µs per call, "
+                   f"{ns(f.elem)} per visited score entry, {back}; auto now weighs it")
+    else:
+        out.append("flex: not measured (--flex compiles a kernel: tens of seconds on a CPU); until it is, auto does not weigh it")
+    return "\n".join(out)
+
+
 # --- bhqk demo and show -------------------------------------------------------------------------
 
 
@@ -173,6 +202,16 @@ def parser() -> Parser:
                                    "pictures of a real sentence's attention through the bundled MiniLM.")
     d.add_argument("--out", default="bhqk-show", help="folder for the attention pictures (default: bhqk-show)")
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("calibrate", help="measure what attention costs on this machine (what backend='auto' weighs)",
+                       description="Time SDPA and the tiled backend (a second or two) and, with --flex, compile and time "
+                                   "FlexAttention; keep the costs for this machine (BHQK_COSTS names the file, default "
+                                   "~/.cache/bhqk/costs.json). auto weighs flex only once its costs are measured.")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to measure (default cpu)")
+    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+                   help="the dtype to measure (default float32)")
+    c.add_argument("--flex", action="store_true", help="also compile and time FlexAttention (tens of seconds on a CPU)")
+    c.set_defaults(func=cmd_calibrate)
 
     from .models.cli import add_embed_parser, add_generate_parser
     from .viz.cli import add_show_parser, add_trace_parser

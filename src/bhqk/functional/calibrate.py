@@ -15,6 +15,11 @@ and torch version, so a process pays for the measurement once per machine.
 - ``measure``: measured in every process, never read from or written to a file.
 
 Tests inject fixed costs with :func:`fixed`, so the choices they check do not depend on the machine.
+
+FlexAttention's costs (:class:`FlexCosts`: the compile, per call, per visited score entry) are
+never measured implicitly: measuring them compiles a kernel (tens of seconds on a CPU). They are
+measured by :func:`measure_flex` (``bhqk calibrate --flex``), kept in the same file, and updated
+with every compile bhqk observes; until they exist, ``auto`` does not weigh ``flex``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -70,8 +76,27 @@ REFERENCE = {
     torch.float64: Costs(20e-6, 2.4e-9, 0.6, 0.62e-9, 1.0, 2.2, 0.5e-9, 3.6, 3.1, "reference"),
 }
 
+@dataclass(frozen=True)
+class FlexCosts:
+    """Seconds, per (device type, dtype), of compiled FlexAttention at d = dv = 64: ``compile`` per
+    new kernel (a new mask / bias structure; the latest compile observed), ``call`` per call and
+    ``elem`` per score entry of the blocks it visits (full and partial 128×128 blocks of the
+    ``BlockMask``, × B·H); ``backward``: forward+backward / forward time (None: not measured; on
+    the CPU FlexAttention has no backward)."""
+
+    compile: float
+    call: float
+    elem: float
+    backward: float | None = None
+    source: str = "measured"
+
+
+_C = TypeVar("_C", Costs, FlexCosts)
+
 _MEMO: dict[tuple[str, str], Costs] = {}  # in-process: (device type, dtype) -> costs
+_FLEX_MEMO: dict[tuple[str, str], FlexCosts] = {}  # in-process: (device type, dtype) -> FlexAttention's costs
 _FIXED: list[Callable[[str, torch.dtype], Costs] | None] = [None]  # set by fixed()
+_FIXED_FLEX: list[Callable[[str, torch.dtype], FlexCosts | None] | None] = [None]  # set by fixed(..., flex=)
 
 
 def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs:
@@ -81,10 +106,10 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
     mode = os.environ.get("BHQK_COSTS", "")
     if mode == "reference":
         return REFERENCE.get(dtype, REFERENCE[torch.float32])
-    key = (device.type, str(dtype).removeprefix("torch."))
+    key = _key(device, dtype)
     c = _MEMO.get(key)
     if c is None and mode != "measure":
-        c = _load(key)
+        c = _load(key, Costs)
     if c is None:
         c = measure(device, dtype)
     if grad and (c.sdpa_backward is None or c.tiled_backward is None):
@@ -97,21 +122,62 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
     return c
 
 
+def _key(device: torch.device | str, dtype: torch.dtype, what: str = "") -> tuple[str, str]:
+    return torch.device(device).type, what + str(dtype).removeprefix("torch.")
+
+
+def flex_costs(device: torch.device, dtype: torch.dtype) -> FlexCosts | None:
+    """FlexAttention's measured costs on ``device``'s type in ``dtype``, or None where they were
+    never measured here (``auto`` then does not weigh it; :func:`measure_flex` measures them).
+    ``BHQK_COSTS=reference`` has none: the reference table predates FlexAttention in bhqk."""
+    if _FIXED_FLEX[0] is not None:
+        return _FIXED_FLEX[0](torch.device(device).type, dtype)
+    mode = os.environ.get("BHQK_COSTS", "")
+    if mode == "reference":
+        return None
+    key = _key(device, dtype, "flex ")
+    c = _FLEX_MEMO.get(key)
+    if c is None and mode != "measure":
+        c = _load(key, FlexCosts)
+        if c is not None:
+            _FLEX_MEMO[key] = c
+    return c
+
+
+def observed_compile(device: torch.device, dtype: torch.dtype, seconds: float) -> None:
+    """Record a compile bhqk just paid (the first call of a new FlexAttention kernel): the
+    estimate of the next compile on this machine, where FlexAttention's costs were measured."""
+    if _FIXED_FLEX[0] is not None:
+        return
+    c = flex_costs(device, dtype)
+    if c is not None:
+        _keep_flex(_key(device, dtype, "flex "), replace(c, compile=seconds))
+
+
+def _keep_flex(key: tuple[str, str], c: FlexCosts) -> None:
+    _FLEX_MEMO[key] = c
+    if stored_in() is not None:
+        _store(key, c)
+
+
 @contextlib.contextmanager
-def fixed(table: dict[torch.dtype, Costs] | Costs | None = None) -> Iterator[None]:
+def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex: FlexCosts | None = None) -> Iterator[None]:
     """Use fixed costs inside the ``with`` block (default: ``REFERENCE``), whatever the machine;
-    estimates are then pure functions of the call (no measured planning time)."""
+    estimates are then pure functions of the call (no measured planning time). ``flex``:
+    FlexAttention's costs for every device and dtype (default None: auto does not weigh it)."""
     table = REFERENCE if table is None else table
     if isinstance(table, Costs):
         table = replace(table, source="fixed")
     else:
         table = {dt: replace(c, source="fixed") for dt, c in table.items()}
-    old = _FIXED[0]
+    fixed_flex = None if flex is None else replace(flex, source="fixed")
+    old, old_flex = _FIXED[0], _FIXED_FLEX[0]
     _FIXED[0] = (lambda dev, dt: table) if isinstance(table, Costs) else (lambda dev, dt: table.get(dt, table[torch.float32]))
+    _FIXED_FLEX[0] = lambda dev, dt: fixed_flex
     try:
         yield
     finally:
-        _FIXED[0] = old
+        _FIXED[0], _FIXED_FLEX[0] = old, old_flex
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -187,6 +253,24 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N))
 
 
+def remeasure(device: torch.device | str, dtype: torch.dtype) -> Costs:
+    """Measure SDPA's and the tiled backend's costs again, forward and forward+backward, and keep
+    them (in the file unless ``BHQK_COSTS`` is ``measure`` or ``reference``), replacing old ones."""
+    device = torch.device(device)
+    ratios = measure_backward(device, dtype)
+    c = replace(measure(device, dtype), sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"])
+    key = _key(device, dtype)
+    _MEMO[key] = c
+    if stored_in() is not None:
+        _store(key, c)
+    return c
+
+
+def stored_in() -> Path | None:
+    """The file measured costs are kept in (None with ``BHQK_COSTS=measure`` or ``reference``)."""
+    return None if os.environ.get("BHQK_COSTS", "") in ("measure", "reference") else _path()
+
+
 def tiled_parts(p, plan) -> tuple[float, float]:
     """``plan.cost`` (tiled_plan's model) split into its fixed part and its per-entry part."""
     rows_per_q, n = p.ext.B * p.ext.H, len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers()))
@@ -213,6 +297,47 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     t = _fastest(fns, device)
     q.grad = k.grad = v.grad = None
     return {f"{n}_backward": max(1.5, t[n + "_both"] / t[n]) for n in ("sdpa", "tiled")}
+
+
+FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a window of 256 at these lengths
+
+
+def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
+    """Compile FlexAttention for a sliding-window mask (a fresh kernel, even if one is cached) and
+    time it: the first call is the compile, then calls at the two ``FLEX_N`` lengths (the same
+    kernel: dynamic sizes), interleaved, give the per-call and per-visited-entry costs; on CUDA
+    also forward+backward / forward. Stored for this machine: ``auto`` weighs ``flex`` from then
+    on. Tens of seconds on a CPU (the compile); a BackendError where FlexAttention cannot run."""
+    from ..errors import BackendError
+    from . import flex
+
+    device = torch.device(device)
+    window = masks.sliding_window(256)
+    calls = [prepare(*_inputs(device, dtype, n), window) for n in FLEX_N]
+    reason = flex.why_not(calls[0], False)
+    if reason is not None:
+        raise BackendError(f"cannot measure FlexAttention on {device.type} in {dtype}: {reason}.")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    flex.forget(flex.kernel_key(calls[0]))  # the first call below compiles
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        flex.run(calls[0])
+        sync()
+        first = time.perf_counter() - t0
+        t = _fastest({"short": lambda: flex.run(calls[0]), "long": lambda: flex.run(calls[1])}, device, rounds=3)
+    e1, e2 = (flex.visited(p) for p in calls)
+    elem = max(t["long"] - t["short"], 1e-9) / (e2 - e1)
+    c = FlexCosts(compile=max(first - t["short"], 0.0), call=max(t["short"] - elem * e1, 0.0), elem=elem)
+    if device.type != "cpu":  # FlexAttention has a backward here
+        q, k, v = _inputs(device, dtype, FLEX_N[1], grad=True)
+
+        def both() -> None:
+            out, _ = flex.run(prepare(q, k, v, window))
+            out.sum().backward()
+
+        c = replace(c, backward=max(1.5, _fastest({"both": both}, device, rounds=3)["both"] / t["long"]))
+    _keep_flex(_key(device, dtype, "flex "), c)
+    return c
 
 
 # ---- the file cache -------------------------------------------------------------------------------
@@ -250,15 +375,15 @@ def _read() -> dict:
         return {}
 
 
-def _load(key: tuple[str, str]) -> Costs | None:
+def _load(key: tuple[str, str], kind: type[_C]) -> _C | None:
     entry = _read().get(machine_key(key[0]), {}).get(key[1])
     try:
-        return Costs(**entry) if entry else None
+        return kind(**entry) if entry else None
     except TypeError:  # written by another version
         return None
 
 
-def _store(key: tuple[str, str], c: Costs) -> None:
+def _store(key: tuple[str, str], c: Costs | FlexCosts) -> None:
     data = _read()
     data.setdefault(machine_key(key[0]), {})[key[1]] = asdict(c)
     path = _path()

@@ -22,14 +22,18 @@ CUDA). Sinks (``Problem.sinks``) join through the lse, since a ``score_mod`` can
 to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully masked row) and the
 returned lse includes the sink, as on every backend; the seam is in :func:`run`, and on the CPU it
 needs the lse the compiled kernel lacks.
-``auto`` does not consider this backend: its cost would have to count the compile (seconds per
-new structure), so it is explicit only, ``backend="flex"``.
+``auto`` weighs this backend only where its costs were measured on this machine
+(``calibrate.measure_flex``, ``bhqk calibrate --flex``), and counts the compile: a kernel not yet
+compiled is paid for only once calls with its key would have saved more than the compile takes
+(see ``registry.decide``). The first call of each kernel is timed, and that compile becomes the
+estimate of the next (``calibrate.observed_compile``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 import types
 import weakref
 
@@ -41,11 +45,13 @@ from ..bias import Sum as BiasSum
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from ..shapes import all_finite
+from . import calibrate
 from .problem import Problem
 
 BLOCK = 128  # FlexAttention's sparse block (tile) size
 
 _KERNELS: dict[tuple, object] = {}  # key -> compiled function
+_WARM: set[tuple] = set()  # keys whose kernel has run (compiled) at least once
 _COMPILE = True
 _BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> (key, BlockMask) of its last call
 
@@ -115,20 +121,40 @@ def uncompiled():
         _COMPILE = old
 
 
+def uses_compile() -> bool:
+    """False inside :func:`uncompiled`."""
+    return _COMPILE
+
+
 # ---- the call's pieces: block mask, score_mod, kernel ------------------------------------------
 
 def block_mask(mask: Mask | None, B: int, H: int, Q: int, K: int, device):
     """``mask.block_mask``, reused while the same mask object is called with the same sizes
     (every layer of a model shares one)."""
-    if mask is None:
-        return None
+    return None if mask is None else _block_mask(mask, B, H, Q, K, device)[0]
+
+
+def _block_mask(mask: Mask, B: int, H: int, Q: int, K: int, device) -> tuple:
+    """(BlockMask, blocks it visits per (b, h)), cached as :func:`block_mask` says."""
     key = (B, H, Q, K, str(device))
     hit = _BLOCK_MASKS.get(mask)
     if hit is not None and hit[0] == key:
         return hit[1]
     bm = mask.block_mask(B, H, Q, K, BLOCK, device)
-    _BLOCK_MASKS[mask] = (key, bm)
-    return bm
+    blocks = int(bm.kv_num_blocks.sum()) + (int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0)
+    _BLOCK_MASKS[mask] = (key, (bm, blocks))
+    return bm, blocks
+
+
+def visited(p: Problem) -> int:
+    """Score entries in the blocks FlexAttention computes for this call: its BlockMask's partial
+    and full 128×128 blocks (every block without a mask), × B·H (the cost model's unit)."""
+    e = p.ext
+    if p.mask is None:
+        blocks = -(-e.Q // BLOCK) * -(-e.K // BLOCK)
+    else:
+        blocks = _block_mask(p.mask, e.B, e.H, e.Q, e.K, p.q.device)[1]
+    return blocks * BLOCK * BLOCK * e.B * e.H
 
 
 def _bias_mod(bias: Bias, B: int, H: int, Q: int, K: int, device, dtype):
@@ -206,6 +232,26 @@ def kernels() -> list[tuple]:
     return list(_KERNELS)
 
 
+def kernel_key(p: Problem) -> tuple:
+    """What one compiled kernel serves: device, dtype, head dims, GQA, whether it returns the lse
+    (always on CUDA, where it is nearly free, so a call that needs it shares the kernel; never on
+    the CPU, whose compiled kernel has none), scale, mask and bias structure, softcap."""
+    q = p.q
+    return (q.device.type, q.device.index, q.dtype, p.sizes["d"], p.sizes["dv"], p.k.shape[1] != p.ext.H,
+            q.device.type != "cpu", p.scale, _structure(p.mask), _structure(p.bias), p.softcap is not None)
+
+
+def compiled(key: tuple) -> bool:
+    """Whether the kernel for ``key`` has compiled (run once) in this process."""
+    return key in _WARM
+
+
+def forget(key: tuple) -> None:
+    """Drop the kernel for ``key``: its next call compiles again (``calibrate.measure_flex``)."""
+    _KERNELS.pop(key, None)
+    _WARM.discard(key)
+
+
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32) when asked."""
     e = p.ext
@@ -223,9 +269,10 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     gqa = k.shape[1] != e.H
     bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
     mod = score_mod(p)
+    with_lse = need_lse or _sinks(p) is not None
     if _COMPILE:
-        key = (q.device.type, q.device.index, q.dtype, p.sizes["d"], dv, gqa, need_lse, p.scale,
-               _structure(p.mask), _structure(p.bias), p.softcap is not None)
+        key = kernel_key(p)
+        with_lse = key[6]
         fn = kernel(key)
         if bm is not None:  # its tile counts follow Q and K: dynamic from the first compile, not after a recompile
             for t in bm.as_tuple():
@@ -236,7 +283,15 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     else:
         fn = _call
     sinks = _sinks(p)
-    out, lse = fn(q, k, v, bm, mod, p.scale, gqa, need_lse or sinks is not None)  # [B, H, Q, dv], [B, H, Q]
+    if _COMPILE and key not in _WARM:  # its first call compiles: timed, the estimate of the next compile
+        t0 = time.perf_counter()
+        out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+        _WARM.add(key)
+        calibrate.observed_compile(q.device, q.dtype, time.perf_counter() - t0)
+    else:
+        out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
     if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
         s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
         out = (out * torch.sigmoid(lse - s)[..., None]).to(out.dtype)  # [B, H, Q, dv]

@@ -27,11 +27,15 @@ WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why i
 
 class Estimate(NamedTuple):
     """What a backend expects a call to cost: ``seconds`` (inf: auto must not pick it, ``note`` says
-    why), a ``note`` on what the figure rests on, and the ``plan`` its run reuses (the tile plan)."""
+    why), a ``note`` on what the figure rests on, the ``plan`` its run reuses (the tile plan), and
+    ``upfront`` seconds its first run pays once for every later call with the same ``upfront_key``
+    (a compile; 0 when already paid). See :func:`decide` for how auto weighs it."""
 
     seconds: float
     note: str = ""
     plan: object = None  # opaque to auto, handed back to its run (object, not Any: pdoc evaluates it out of this module)
+    upfront: float = 0.0
+    upfront_key: object = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,27 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     return Estimate(t + planning, note, plan)
 
 
+def estimate_flex(p: Problem, grad: bool) -> Estimate:
+    """Compiled FlexAttention: per call plus per entry of the blocks its BlockMask visits, from
+    costs measured on this machine (none: auto does not weigh it), and the compile as ``upfront``
+    while its kernel is not compiled yet."""
+    dev, dt = p.q.device, p.q.dtype
+    c = calibrate.flex_costs(dev, dt)
+    if c is None:
+        where = f"{dev.type}, {str(dt).removeprefix('torch.')}"
+        return Estimate(math.inf, f"its costs were never measured on this machine ({where}); "
+                                  "`bhqk calibrate --flex` measures them once (it compiles a kernel)")
+    if grad and c.backward is None:
+        return Estimate(math.inf, "its forward+backward was never measured on this machine")
+    entries = flex.visited(p)
+    t = (c.call + entries * c.elem * _width(p)) * _grad_factor(c.backward, grad)
+    note = f"{entries / max(1, p.ext.B * p.ext.H * p.ext.Q * p.ext.K):.0%} of the scores in the blocks it visits"
+    key = flex.kernel_key(p)
+    if not flex.uses_compile() or flex.compiled(key):
+        return Estimate(t, note + ", compiled")
+    return Estimate(t, note, upfront=c.compile, upfront_key=("flex", key))
+
+
 def tiled_floor(p: Problem, grad: bool) -> float:
     """A lower bound of ``estimate_tiled`` without a tile plan: per call and per query row."""
     c = calibrate.costs(p.q.device, p.q.dtype, grad)
@@ -157,8 +182,7 @@ def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
 register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: None))  # the spec: builds [B, H, Q, K]
 register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch))
 register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
-# FlexAttention, compiled; no estimate: auto does not weigh its compile cost yet
-register(Backend("flex", _plan_free(flex.run), flex.why_not))
+register(Backend("flex", _plan_free(flex.run), flex.why_not, estimate_flex))  # compiled FlexAttention
 
 
 # ---- the policy -----------------------------------------------------------------------------------
@@ -208,12 +232,22 @@ def _ms(t: float) -> str:
     return f"{1e3 * t:.3g} ms"
 
 
-def decide(p: Problem, need_lse: bool) -> Choice:
+_SAVED: dict[object, float] = {}  # upfront_key -> seconds its backend would have saved on earlier calls
+
+
+def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     """The ``auto`` policy: every registered backend with an ``estimate`` that can take the call
     (``why_not`` is None) is weighed, and the cheapest by its estimate runs. Backends are
     estimated in order of their ``floor``; one whose floor already exceeds the best estimate is
     not estimated. Backends without an estimate (the reference: O(Q·K) memory) are never picked:
-    auto never falls back to a path whose memory grows with Q·K silently."""
+    auto never falls back to a path whose memory grows with Q·K silently.
+
+    An estimate with an ``upfront`` cost (a compile) competes only once it is paid for, like
+    renting before buying: calls with its ``upfront_key`` add up what it would have saved over the
+    best of the others (``record``: this call counts; :func:`choose_backend` does not record), and
+    it is weighed when the savings of earlier calls and this one reach the upfront cost. A first
+    call never pays it, nor does a call it would not make faster (a tiny one); in all, auto spends
+    at most about twice what knowing the future would have let it spend."""
     grad = _grad(p)
     refused: dict[str, str] = {}
     floors: dict[str, float] = {}
@@ -229,7 +263,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
             estimates[be.name] = be.estimate
     found: dict[str, Estimate] = {}
     for name in sorted(floors, key=floors.__getitem__):
-        best = min((e.seconds for e in found.values()), default=math.inf)
+        best = min((e.seconds for e in found.values() if not e.upfront), default=math.inf)  # upfront: maybe not weighed
         if floors[name] >= best:
             refused[name] = f"its fixed costs alone (≈ {_ms(floors[name])}) exceed that"
             continue
@@ -238,6 +272,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
             refused[name] = est.note
         else:
             found[name] = est
+    paying = _weigh_upfront(found, refused, record)
     if not found:
         reasons = "; ".join(f"{n}: {r}" for n, r in refused.items())
         raise BackendError(
@@ -246,19 +281,45 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         )
     ranked = sorted(found, key=lambda n: found[n].seconds)
     win = ranked[0]
+    if record and found[win].upfront:
+        _SAVED.pop(found[win].upfront_key, None)  # paid: its later calls start from nothing
 
     def said(n: str) -> str:
         return f"{_ms(found[n].seconds)}" + (f" ({found[n].note})" if found[n].note else "")
 
     why = f"{win}: estimated {said(win)}" + "".join(f" vs {n} {said(n)}" for n in ranked[1:])
     why += " (forward+backward)" if grad else ""
+    why += f"; {paying[win]}" if win in paying else ""
     why += "".join(f"; not {n}: {r}" for n, r in refused.items())
     return Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan)
 
 
+def _weigh_upfront(found: dict[str, Estimate], refused: dict[str, str], record: bool) -> dict[str, str]:
+    """Drop from ``found`` (into ``refused``, with the reason) every estimate whose upfront cost is
+    not paid for yet (see :func:`decide`), recording what it would have saved; return a note for
+    each that stays ("compiles now")."""
+    paid = [e.seconds for e in found.values() if not e.upfront]
+    best = min(paid, default=math.inf)
+    paying = {}
+    for name, est in list(found.items()):
+        if not est.upfront:
+            continue
+        saved, gain = _SAVED.get(est.upfront_key, 0.0), max(0.0, best - est.seconds)
+        if saved > 0 and saved + gain >= est.upfront:
+            paying[name] = (f"{name} pays its compile now ({est.upfront:.3g} s), saved by calls with this structure "
+                            f"({saved + gain:.3g} s so far)")
+            continue
+        del found[name]
+        refused[name] = (f"it would first compile ({est.upfront:.3g} s), which calls with this structure have not paid for "
+                         f"yet ({saved + gain:.3g} s saved so far{'' if saved else '; never on a first call'})")
+        if record and gain > 0:
+            _SAVED[est.upfront_key] = saved + gain
+    return paying
+
+
 def choose(p: Problem, need_lse: bool) -> Backend:
-    """The backend ``auto`` runs for this call (see :func:`decide` for the policy and its reasons)."""
-    return decide(p, need_lse).backend
+    """The backend ``auto`` would run for this call (see :func:`decide`), without recording it."""
+    return decide(p, need_lse, record=False).backend
 
 
 def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0, layout="bhnd",
@@ -267,7 +328,7 @@ def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, d
     the :class:`Choice` (``.name``, ``.estimates`` in seconds per backend weighed, ``.reason``
     naming the winner). Gradients count when q, k or v require them and grad mode is on."""
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
-    return decide(prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options), return_lse)
+    return decide(prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options), return_lse, record=False)
 
 
 def resolve(backend: str, p: Problem, need_lse: bool) -> Choice:
