@@ -206,3 +206,14 @@ def test_input_dtype_must_match_the_module():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts inside the projections
         assert m(x.bfloat16()).dtype == torch.bfloat16
     assert m.double()(x.double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("attn_mask, num_heads, match", [
+    (torch.zeros(5, 3, 3), 2, r"bias.from_torch_mha: attn_mask's first axis 5 is not B·H with H=2"),
+    (torch.zeros(3, 3, dtype=torch.bool), 1, r"must be a float tensor .* got dtype torch.bool; a bool attn_mask is a mask"),
+    (torch.zeros(1, 1, 3, 3), 1, r"must be \[Q, K\] or \[B·H, Q, K\], got shape \[1, 1, 3, 3\]"),
+    (torch.zeros(3, 3), 0, r"num_heads must be an integer with num_heads >= 1"),
+])
+def test_bias_from_torch_mha_names_what_is_wrong(attn_mask, num_heads, match):
+    with pytest.raises(MaskError, match=match):
+        bhqk.bias.from_torch_mha(attn_mask, num_heads=num_heads)

@@ -10,6 +10,7 @@ import math
 import torch
 
 from .errors import MaskError
+from .masks.args import count
 from .masks.base import Extent, causal_offset
 from .shapes import Sizes, as_4d, check_broadcast, tile_of
 
@@ -146,10 +147,20 @@ def dense(tensor: torch.Tensor) -> Dense:
 
 
 def from_torch_mha(attn_mask: torch.Tensor, *, num_heads: int) -> Dense:
-    """A float ``nn.MultiheadAttention`` attn_mask ([Q, K] or [B·H, Q, K]) as an additive bias."""
+    """A float ``nn.MultiheadAttention`` attn_mask ([Q, K] or [B·H, Q, K]) as an additive bias
+    (a bool attn_mask is a mask: ``bhqk.masks.from_torch_mha``)."""
+    num_heads = count("bias.from_torch_mha", "num_heads", num_heads, minimum=1)
+    if not isinstance(attn_mask, torch.Tensor) or not attn_mask.is_floating_point():
+        got = f"dtype {attn_mask.dtype}" if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        raise MaskError(f"bias.from_torch_mha: attn_mask must be a float tensor [Q, K] or [B·H, Q, K] (added to the "
+                        f"scores), got {got}; a bool attn_mask is a mask: use bhqk.masks.from_torch_mha.")
     if attn_mask.dim() == 3:
         bh, Q, K = attn_mask.shape
+        if bh % num_heads:
+            raise MaskError(f"bias.from_torch_mha: attn_mask's first axis {bh} is not B·H with H={num_heads}.")
         attn_mask = attn_mask.reshape(bh // num_heads, num_heads, Q, K)  # [B·H, Q, K] -> [B, H, Q, K]
+    elif attn_mask.dim() != 2:
+        raise MaskError(f"bias.from_torch_mha: attn_mask must be [Q, K] or [B·H, Q, K], got shape {list(attn_mask.shape)}.")
     return Dense(attn_mask)
 
 
