@@ -76,7 +76,7 @@ def test_a_registered_backend_loses_when_dearer_or_refusing(fake, reference_cost
 
 
 def test_policy_choices_and_reasons(reference_costs):
-    big = torch.empty(1, 8, 4096, 64)
+    big = torch.zeros(1, 8, 4096, 64)  # finite: NaN/inf would be handed to tiled
     q = k = v = big
 
     def decide(*args, lse=False, **kw):
@@ -93,7 +93,7 @@ def test_policy_choices_and_reasons(reference_costs):
     dense_win = decide(masks.sliding_window(256).materialize(1, 1, 4096, 4096))
     assert dense_win.name == "tiled" and "dense mask 16.8 M entries" in dense_win.reason
     assert decide(masks.document(torch.arange(4096) // 512)).name == "tiled"
-    huge = torch.empty(1, 1, 8192, 8)
+    huge = torch.zeros(1, 1, 8192, 8)
     far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
     assert far.name == "tiled" and "not torch: it would need a dense mask" in far.reason
     dropping = registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)

@@ -19,6 +19,7 @@ import torch
 import bhqk
 from bhqk import masks
 from bhqk.errors import MaskError, ShapeError
+from bhqk.functional import flex
 from conftest import concrete_backends, qkv
 
 BACKENDS = concrete_backends()
@@ -52,6 +53,21 @@ def test_nonfinite_value_reaches_only_rows_that_attend_it(backend, blocks, poiso
     rest[0, 2:, attends, 3] = False
     assert torch.isfinite(out[rest]).all(), "NaN/inf reached a row that may not attend the key"
     torch.testing.assert_close(out[rest], clean[rest])
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex", "auto"])
+def test_a_call_handed_to_tiled_is_traced_as_tiled(backend):
+    """SDPA and FlexAttention let NaN/inf cross the mask: such a call is computed by tiled, and says so."""
+    q, k, v = qkv(1, 2, None, 12, 12, 8, dtype=torch.float32)
+    v[0, 1, 5, 0] = NAN
+    m = _banded(12, 12)
+    with torch.no_grad(), flex.uncompiled(), bhqk.trace() as t:
+        out = bhqk.attention(q, k, v, m, backend=backend)
+        bhqk.attention(q, k, v.nan_to_num(0.0), m, backend=backend)
+        reason = bhqk.choose_backend(q, k, v, m).reason
+    assert [c.backend for c in t.calls] == ["tiled", "torch" if backend == "auto" else backend]
+    torch.testing.assert_close(out, bhqk.attention(q, k, v, m, backend="tiled"), equal_nan=True)
+    assert "torch hands it to tiled: q, k or v holds NaN/inf, which SDPA lets cross the mask" in reason
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,6 +16,9 @@ still compile once more each: dynamo specializes sizes of 1 (Q or K within one 1
 after a call with Q = K, shares one symbol between them (so the first Q ≠ K call compiles again).
 Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.py, bhqk_flex).
 
+A call whose q, k or v holds NaN/inf is handed to the tiled backend (:func:`hands_off`):
+FlexAttention would let them cross the mask.
+
 Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
 log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
 CUDA). Sinks (``Problem.sinks``) join through the lse, since a ``score_mod`` cannot add a column
@@ -107,6 +110,12 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return ("FlexAttention's compiled CPU kernel does not return the log-sum-exp (torch 2.13)"
                 + ("; sinks need it" if _sinks(p) is not None else ""))
     return None
+
+
+def hands_off(p: Problem) -> tuple[str, str] | None:
+    """("tiled", why) when q, k or v holds NaN/inf (FlexAttention lets them cross the mask; the
+    tiled backend keeps them where they belong), else None."""
+    return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which FlexAttention lets cross the mask")
 
 
 @contextlib.contextmanager
@@ -262,10 +271,6 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     q, k, v = p.q, p.k, p.v
     if not _grad(p):  # FlexAttention refuses CPU tensors that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    if not all_finite(q, k, v):  # FlexAttention lets NaN/inf cross the mask: the tiled backend keeps them where they belong
-        from . import tiled
-
-        return tiled.run(p, need_lse)
     gqa = k.shape[1] != e.H
     bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
     mod = score_mod(p)

@@ -44,7 +44,9 @@ class Backend:
     picks it, e.g. the reference, whose memory grows with Q·K); ``floor(problem, grad)`` is an
     optional cheap lower bound of the estimate, so auto skips estimating a backend (planning its
     tiles) that cannot win. ``traceable``: ``torch.compile`` can trace its run (else the run
-    happens outside the compiled graph, see :meth:`Choice.run`)."""
+    happens outside the compiled graph, see :meth:`Choice.run`). ``hands_off(problem)``: the
+    backend that computes a call it takes but cannot compute right, and why (None: it computes
+    it); the Choice then names that backend, so traces say what ran."""
 
     name: str
     run: Run
@@ -52,6 +54,7 @@ class Backend:
     estimate: Callable[[Problem, bool], Estimate] | None = None
     floor: Callable[[Problem, bool], float] | None = None
     traceable: bool = True
+    hands_off: Callable[[Problem], tuple[str, str] | None] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -180,9 +183,9 @@ def _plan_free(run: Callable[[Problem, bool], tuple]) -> Run:
 
 
 register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: None))  # the spec: builds [B, H, Q, K]
-register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch))
+register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch, hands_off=torch_sdpa.hands_off))
 register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
-register(Backend("flex", _plan_free(flex.run), flex.why_not, estimate_flex))  # compiled FlexAttention
+register(Backend("flex", _plan_free(flex.run), flex.why_not, estimate_flex, hands_off=flex.hands_off))  # compiled FlexAttention
 
 
 # ---- the policy -----------------------------------------------------------------------------------
@@ -291,7 +294,16 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     why += " (forward+backward)" if grad else ""
     why += f"; {paying[win]}" if win in paying else ""
     why += "".join(f"; not {n}: {r}" for n, r in refused.items())
-    return Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan)
+    return _handed_off(Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan), p)
+
+
+def _handed_off(choice: Choice, p: Problem) -> Choice:
+    """``choice``, or the backend its backend hands this call to (``Backend.hands_off``)."""
+    to = choice.backend.hands_off(p) if choice.backend.hands_off is not None else None
+    if to is None:
+        return choice
+    name, why = to
+    return Choice(get(name), f"{choice.reason}; {choice.name} hands it to {name}: {why}", choice.estimates)
 
 
 def _weigh_upfront(found: dict[str, Estimate], refused: dict[str, str], record: bool) -> dict[str, str]:
@@ -342,7 +354,7 @@ def resolve(backend: str, p: Problem, need_lse: bool) -> Choice:
     reason = be.why_not(p, need_lse)
     if reason is not None:
         raise BackendError(f"backend {backend!r} cannot take this call: {reason}.")
-    return Choice(be, f"{backend}: requested", {})
+    return _handed_off(Choice(be, f"{backend}: requested", {}), p)
 
 
 def why_not(backend: str, q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0,

@@ -3,8 +3,9 @@ the reference's answer. PyTorch's bool mask has bhqk's polarity (True = may atte
 ``is_causal`` is top-left, so a bottom-right causal mask with Q ≠ K becomes a dense mask.
 
 PyTorch's kernels let NaN/inf cross the mask (0·NaN, inf - inf) and its fused kernel turns a NaN
-query row into zeros, so a call whose q (or, with a mask or bias, k or v) holds NaN/inf is computed
-by the tiled backend instead (which has dropout too): the same answer as every other backend."""
+query row into zeros, so a call whose q (or, with a mask or bias, k or v) holds NaN/inf is handed
+to the tiled backend (:func:`hands_off`; the registry runs it, which has dropout too): the same
+answer as every other backend."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..masks import Causal, to_sdpa
 from ..shapes import all_finite
-from . import tiled
 from .problem import Problem
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -60,9 +60,13 @@ def _nonfinite(p: Problem) -> bool:
     return not all_finite(p.q, *((p.k, p.v) if structured else ()))
 
 
+def hands_off(p: Problem) -> tuple[str, str] | None:
+    """("tiled", why) when SDPA would let NaN/inf in the inputs cross the mask, else None."""
+    return ("tiled", "q, k or v holds NaN/inf, which SDPA lets cross the mask") if _nonfinite(p) else None
+
+
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if _nonfinite(p):
-        return tiled.run(p, need_lse)
+    """SDPA on a call it computes right (finite inputs: see :func:`hands_off`): out [B, H, Q, dv], no lse."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
     attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
