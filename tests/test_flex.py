@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,18 @@ def test_gpu_benchmark_exits_clearly_without_cuda(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         gpu.main()
     assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_gpu_user_is_told_once_to_measure_flex_when_auto_falls_back_to_tiled(monkeypatch):
+    from bhqk.errors import PerformanceHint
+
+    monkeypatch.setattr(registry, "_HINTED", set())
+    unmeasured = registry.estimate_flex(_window_call(Q=256), False).note
+    with pytest.warns(PerformanceHint, match=r"bhqk calibrate --device cuda --flex"):
+        registry.flex_hint("cuda", torch.bfloat16, "tiled", unmeasured)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        registry.flex_hint("cuda", torch.bfloat16, "tiled", unmeasured)  # once per device type and dtype
+        registry.flex_hint("cpu", torch.float32, "tiled", unmeasured)  # on the CPU tiled is the fast path
+        registry.flex_hint("cuda", torch.float16, "torch", unmeasured)  # SDPA ran: nothing to say
+        registry.flex_hint("cuda", torch.float16, "tiled", "FlexAttention has no dropout")  # flex could not run

@@ -23,6 +23,11 @@ class MisuseWarning(UserWarning):
     ``warnings.filterwarnings("ignore", category=bhqk.errors.MisuseWarning)``."""
 
 
+class PerformanceHint(UserWarning):
+    """A call that runs right but could run much faster, and how (said once per process and kind):
+    e.g. ``auto`` running the tiled backend on a GPU where FlexAttention was never measured."""
+
+
 def warn_misuse(message: str) -> None:
     """Warn with MisuseWarning, attributed to the first caller outside bhqk (the user's line)."""
     import sys

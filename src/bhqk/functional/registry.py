@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -16,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..bias import Dense as DenseBias
-from ..errors import BackendError
+from ..errors import BackendError, PerformanceHint
 from ..masks import Dense
 from . import calibrate, flex, reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
@@ -134,6 +135,9 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     return Estimate(t + planning, note, plan)
 
 
+_UNMEASURED = "its costs were never measured on this machine"
+
+
 def estimate_flex(p: Problem, grad: bool) -> Estimate:
     """Compiled FlexAttention: per call plus per entry of the blocks its BlockMask visits, from
     costs measured on this machine (none: auto does not weigh it), and the compile as ``upfront``
@@ -142,7 +146,7 @@ def estimate_flex(p: Problem, grad: bool) -> Estimate:
     c = calibrate.flex_costs(dev, dt)
     if c is None:
         where = f"{dev.type}, {str(dt).removeprefix('torch.')}"
-        return Estimate(math.inf, f"its costs were never measured on this machine ({where}); "
+        return Estimate(math.inf, f"{_UNMEASURED} ({where}); "
                                   "`bhqk calibrate --flex` measures them once (it compiles a kernel)")
     if grad and c.backward is None:
         return Estimate(math.inf, "its forward+backward was never measured on this machine")
@@ -294,7 +298,25 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     why += " (forward+backward)" if grad else ""
     why += f"; {paying[win]}" if win in paying else ""
     why += "".join(f"; not {n}: {r}" for n, r in refused.items())
+    if record:
+        flex_hint(p.q.device.type, p.q.dtype, win, refused.get("flex", ""))
     return _handed_off(Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan), p)
+
+
+_HINTED: set[tuple[str, torch.dtype]] = set()
+
+
+def flex_hint(device_type: str, dtype: torch.dtype, winner: str, flex_refusal: str) -> None:
+    """Once per (device type, dtype): a PerformanceHint when auto runs the tiled backend off the
+    CPU because FlexAttention's costs were never measured there (tiled is the fallback on a GPU)."""
+    if device_type == "cpu" or winner != "tiled" or not flex_refusal.startswith(_UNMEASURED):
+        return
+    if (device_type, dtype) not in _HINTED:
+        _HINTED.add((device_type, dtype))
+        warnings.warn(f"bhqk: auto ran the tiled backend on {device_type} ({str(dtype).removeprefix('torch.')}) because "
+                      "FlexAttention's costs were never measured on this machine; on a GPU FlexAttention is usually much "
+                      f"faster for masks: run `bhqk calibrate --device {device_type} --flex` once (it is kept for this "
+                      "machine), or pass backend='flex'.", PerformanceHint, stacklevel=2)
 
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
