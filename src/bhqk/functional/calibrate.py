@@ -40,7 +40,7 @@ from .. import masks
 from . import tiled, tiled_plan, torch_sdpa
 from .problem import prepare
 
-VERSION = 5  # bump when what is measured changes: old cache entries are then ignored
+VERSION = 6  # bump when what is measured changes: old cache entries are then ignored
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class Costs:
     sdpa_backward: float | None = None
     tiled_backward: float | None = None
     source: str = "measured"
+    sdpa_causal_backward: float | None = None  # is_causal's share of SDPA's forward+backward (None: sdpa_causal)
 
 
 # The 2-core Intel Xeon (AVX-512, AMX) the project was first tuned on, torch 2.13, B=1, H=8, d=64 (the constants
@@ -112,9 +113,8 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
         c = _load(key, Costs)
     if c is None:
         c = measure(device, dtype)
-    if grad and (c.sdpa_backward is None or c.tiled_backward is None):
-        ratios = measure_backward(device, dtype)
-        c = replace(c, sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"])
+    if grad and None in (c.sdpa_backward, c.tiled_backward, c.sdpa_causal_backward):
+        c = _with_backward(c, measure_backward(device, dtype))
     if _MEMO.get(key) != c:
         _MEMO[key] = c
         if mode != "measure":
@@ -183,6 +183,7 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex: FlexCosts
 # ---- measuring ------------------------------------------------------------------------------------
 
 N, H, D = 512, 4, 64  # the measured call: [1, H, N, D]; ~1 M score entries, a few ms on a CPU core
+N_BIG = 2048  # SDPA's per-entry cost and its causal share: at N = 512 its causal kernel skips nothing measurable
 
 
 SAMPLE_S = 4e-3  # each timed sample repeats a call until it lasts about this long
@@ -193,11 +194,13 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
     interleaved round by round after one warm-up each (the machines are shared: interleaving lets
     a burst of load hit every function alike, and only the ratios between them decide anything).
     A sample repeats a short call until it lasts ``SAMPLE_S``: a 0.5 ms call that loses the core
-    for a scheduler slice measured 20-40× too slow in every round, a 10 ms one tiled call 5×."""
+    for a scheduler slice measured 20-40× too slow in every round, a 10 ms one tiled call 5×.
+    Rounds go on (up to 3 × ``rounds``) until each function's two fastest samples agree."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = dict.fromkeys(fns, float("inf"))
+    best2 = {name: [float("inf"), float("inf")] for name in fns}  # the two fastest samples of each
     reps = dict.fromkeys(fns, 1)
-    for r in range(rounds + 1):
+    r = 0
+    while r <= rounds or (r <= 3 * rounds and not _settled(best2)):
         for name, fn in fns.items():
             t = time.perf_counter()
             for _ in range(reps[name]):
@@ -205,10 +208,17 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
             sync()
             took = (time.perf_counter() - t) / reps[name]
             if r:
-                best[name] = min(best[name], took)
+                best2[name] = sorted(best2[name] + [took])[:2]
             else:
                 reps[name] = max(1, min(50, round(SAMPLE_S / max(took, 1e-6))))
-    return best
+        r += 1
+    return {name: b[0] for name, b in best2.items()}
+
+
+def _settled(best2: dict[str, list[float]], spread: float = 0.1) -> bool:
+    """Every function's two fastest samples agree within ``spread`` (under a burst of load the
+    fastest sample so far is not yet the function's speed)."""
+    return all(b[1] <= (1 + spread) * b[0] for b in best2.values())
 
 
 def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H,
@@ -229,9 +239,11 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     for args in ((q, k, v), _inputs(device, dtype, 128, 1)):
         p = prepare(*args, masks.causal())
         tiled_calls.append((p, tiled_plan.plan_for(p)))
+    bq, bk, bv = _inputs(device, dtype, N_BIG)
     fns = {
         "plain": lambda: torch_sdpa.run(prepare(q, k, v)),
-        "causal": lambda: torch_sdpa.run(prepare(q, k, v, masks.causal())),
+        "plain_big": lambda: torch_sdpa.run(prepare(bq, bk, bv)),
+        "causal_big": lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal())),
         "mask": lambda: torch_sdpa.run(prepare(q, k, v, dense)),
         "call": lambda: torch_sdpa.run(prepare(tq, tk, tv)),
         "build": lambda: masks.sliding_window(N // 8).materialize(1, 1, N, N, device),
@@ -242,23 +254,32 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
         t = _fastest(fns, device)
     entries = H * N * N
     call = min(t["call"], t["plain"])
-    elem = max(t["plain"] - call, 0.1 * t["plain"]) / entries
+    elem = max(t["plain_big"] - call, 0.1 * t["plain_big"]) / (H * N_BIG * N_BIG)
     (f1, e1), (f2, e2) = (tiled_parts(*c) for c in tiled_calls)
     t1, t2 = t["tiled"], t["tiled_small"]
     det = f1 * e2 - f2 * e1
     a_fixed, a_elem = ((t1 * e2 - t2 * e1) / det, (f1 * t2 - f2 * t1) / det) if det else (-1.0, -1.0)
     if a_fixed <= 0 or a_elem <= 0:  # noise broke the fit: one scale for both parts
         a_fixed = a_elem = (t1 + t2) / (f1 + e1 + f2 + e2)
-    causal = min(1.0, max(0.3, (t["causal"] - call) / max(t["plain"] - call, 1e-9)))
+    causal = _causal_share(t["causal_big"], t["plain_big"], call)
     return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N))
+
+
+def _with_backward(c: Costs, ratios: dict[str, float]) -> Costs:
+    return replace(c, sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"],
+                   sdpa_causal_backward=ratios["sdpa_causal_backward"])
+
+
+def _causal_share(causal: float, plain: float, call: float) -> float:
+    """is_causal's time over the unmasked one, per entry (0.3 … 1)."""
+    return min(1.0, max(0.3, (causal - call) / max(plain - call, 1e-9)))
 
 
 def remeasure(device: torch.device | str, dtype: torch.dtype) -> Costs:
     """Measure SDPA's and the tiled backend's costs again, forward and forward+backward, and keep
     them (in the file unless ``BHQK_COSTS`` is ``measure`` or ``reference``), replacing old ones."""
     device = torch.device(device)
-    ratios = measure_backward(device, dtype)
-    c = replace(measure(device, dtype), sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"])
+    c = _with_backward(measure(device, dtype), measure_backward(device, dtype))
     key = _key(device, dtype)
     _MEMO[key] = c
     if stored_in() is not None:
@@ -281,9 +302,17 @@ def tiled_parts(p, plan) -> tuple[float, float]:
 
 def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Forward+backward / forward of SDPA and of the tiled backend: no mask, N = 1024 (4 M score
-    entries, where the per-entry costs dominate as they do in the calls that matter)."""
+    entries, where the per-entry costs dominate as they do in the calls that matter); and
+    is_causal's share of SDPA's forward+backward at N = ``N_BIG``."""
     q, k, v = _inputs(device, dtype, 2 * N, grad=True)  # at N=512 fixed costs dominate both backwards (SDPA 20×, tiled 1.5×)
+    bq, bk, bv = _inputs(device, dtype, N_BIG, grad=True)
     fns: dict[str, Callable[[], object]] = {}
+    for name, mask in (("sdpa_big_both", None), ("sdpa_causal_big_both", masks.causal())):
+        def big(mask=mask):
+            out = torch_sdpa.run(prepare(bq, bk, bv, mask))[0]
+            out.sum().backward()
+
+        fns[name] = big
     for name, run in (("sdpa", torch_sdpa.run), ("tiled", tiled.run)):
         def fwd(run=run):
             with torch.no_grad():
@@ -295,8 +324,9 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
 
         fns[name], fns[name + "_both"] = fwd, both
     t = _fastest(fns, device)
-    q.grad = k.grad = v.grad = None
-    return {f"{n}_backward": max(1.5, t[n + "_both"] / t[n]) for n in ("sdpa", "tiled")}
+    q.grad = k.grad = v.grad = bq.grad = bk.grad = bv.grad = None
+    ratios = {f"{n}_backward": max(1.5, t[n + "_both"] / t[n]) for n in ("sdpa", "tiled")}
+    return ratios | {"sdpa_causal_backward": _causal_share(t["sdpa_causal_big_both"], t["sdpa_big_both"], 0.0)}
 
 
 FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a window of 256 at these lengths

@@ -108,8 +108,8 @@ def estimate_torch(p: Problem, grad: bool) -> Estimate:
     entries = e.B * e.H * e.Q * e.K
     t, note = entries * c.sdpa_elem * _width(p), ""
     if torch_sdpa.structure_free(p):
-        if p.mask is not None:
-            t *= c.sdpa_causal
+        if p.mask is not None:  # is_causal: its share of the time, forward or forward+backward
+            t *= c.sdpa_causal_backward if grad and c.sdpa_causal_backward is not None else c.sdpa_causal
     else:
         dense = _dense_entries(p)
         if dense > DENSE_LIMIT:
