@@ -79,7 +79,7 @@ from ..bias import Sum as BiasSum
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
-from .tiled_plan import Plan, Rect, RowGroup, plan_for, split, workers
+from .tiled_plan import Plan, Rect, RowGroup, device_mode, on_device, plan_for, split, workers
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 TAU = 12.0  # rescale only when a row's max grows by more than this, in base 2 (2^12 = 4096)
@@ -87,7 +87,7 @@ _SUM_LIMIT = 2.0**24  # a tile's row sum above this sends the tile back through 
 _BIG = 1e30  # stands in for lse = -inf in the folded column: 2^(S - BIG) = 0
 _NEG_INF = float("-inf")
 
-__all__ = ["TAU", "backward", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
+__all__ = ["TAU", "backward", "device_mode", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
 
 
 # ---- the pieces of one call ------------------------------------------------------------------------
@@ -118,6 +118,7 @@ class _Kernel:
     floor_bias: bool  # the bias holds finite values that overflow in base 2: keep them finite
     dt: torch.dtype
     device: torch.device
+    on_device: bool  # the device path: every per-rectangle decision made with tensor ops, no host sync
 
     @classmethod
     def of(cls, p: Problem, part: tuple[slice, slice], finite: bool) -> _Kernel:
@@ -126,7 +127,7 @@ class _Kernel:
         Bw, Hkvw = p.k[part].shape[:2]
         dt = compute_dtype(p.q)
         floor_bias = p.bias is not None and p.bias.floor * LOG2E < -torch.finfo(dt).max
-        return cls(p, part[0], part[1], hq, Bw, Hkvw, G, finite, floor_bias, dt, p.q.device)
+        return cls(p, part[0], part[1], hq, Bw, Hkvw, G, finite, floor_bias, dt, p.q.device, on_device(p.q.device))
 
     @property
     def n(self) -> int:
@@ -218,11 +219,13 @@ def _key_span(kn: _Kernel, k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, K
     return kt, vt
 
 
-def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = False) -> tuple[torch.Tensor, ...]:
     """Zero the key rows of ``blocks`` [n, kw, x] that no row of the score tile ``s`` [n, rows, kw]
-    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN."""
+    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN. On the
+    CPU path a tile every key row of which is reachable is returned as it is (a host check); on the
+    device path the rows are always masked."""
     reach = (s > _NEG_INF).any(dim=1)  # [n, kw]
-    if bool(reach.all()):
+    if not device_path and bool(reach.all()):
         return blocks
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
 
@@ -441,11 +444,12 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(_per_query_head(p), plan)
     v, flags = (p.v, None) if finite else finite_part(p.v)  # NaN/inf in v as 0; flags [B, Hkv, K, 3·dv] say where
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
-    parts = split(B, Hkv, workers())
-    if len(parts) > 1 or workers() == 1 or len(plan.rows) == 1:
+    n_workers = workers(p.q.device)  # 1 on the device path: one job, run inline
+    parts = split(B, Hkv, n_workers)
+    if len(parts) > 1 or n_workers == 1 or len(plan.rows) == 1:
         shares = [(part, plan.rows) for part in parts]
     else:  # one batch element and one K/V head: the workers share out the row groups instead
-        shares = [(parts[0], rows) for rows in _balance(plan.rows, workers())]
+        shares = [(parts[0], rows) for rows in _balance(plan.rows, n_workers)]
     _in_parallel([partial(_forward_part, _Kernel.of(p, part, finite), rows, v, flags, out, lse) for part, rows in shares])
     return out, lse
 
@@ -481,7 +485,7 @@ class _GroupState:
     offset: torch.Tensor  # m, [n, R]: a stand-in 0 until the row has seen a finite score
     has_max: torch.Tensor  # [n, R]: the row has seen a finite score
     hits: torch.Tensor | None  # [n, R, 3·dv]
-    settled: bool = False  # every row has a real offset: rectangles may skip the max pass
+    settled: bool = False  # every row has a real offset: rectangles may skip the max pass (CPU path only)
 
 
 def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
@@ -529,7 +533,8 @@ def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Ten
 
 def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rect: Rect,
                   k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
-    """Fold one rectangle into its group's state, by the optimistic protocol (file docstring)."""
+    """Fold one rectangle into its group's state, by the optimistic protocol on the CPU path, by
+    the max pass always on the device path (file docstring)."""
     a, b, kw = kn.G * (rect.r0 - q0), kn.G * (rect.r1 - q0), rect.k1 - rect.k0  # its rows (q g) of the group
     R = st.acc.shape[1]
     queries, acc, row_sum, offset = st.queries[:, a:b], st.acc[:, a:b], st.row_sum[:, a:b], st.offset[:, a:b]
@@ -567,6 +572,9 @@ def _dropped(work: _ForwardWork, s: torch.Tensor, q0: int, rect: Rect) -> torch.
 def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
     """Raise the offset m of rows a:b whose tile max exceeds it by more than TAU (or that see their
     first finite score), rescaling what they have accumulated; ``s`` is shifted to match."""
+    if kn.on_device:
+        _max_pass_on_device(kn, work, st, s, a, b)
+        return
     R = st.acc.shape[1]
     tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
     rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
@@ -585,6 +593,27 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor,
         st.offset[:, a:b].add_(raise_by)
         if kn.fold:
             st.queries[:, a:b, -1].sub_(raise_by)
+
+
+def _max_pass_on_device(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
+    """``_max_pass`` without reading the device: the same rows are raised (lazy rescaling: the max
+    grew by more than TAU, or a first finite score), chosen by ``torch.where``; rows not raised get
+    raise_by = 0, alpha = 1, so the rescale ops run unconditionally and leave them as they were."""
+    R = st.acc.shape[1]
+    tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
+    rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
+    seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
+    has_max = st.has_max[:, a:b]
+    rescale |= seen & ~has_max
+    has_max |= seen
+    raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
+    s.sub_(raise_by[..., None])
+    alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # 1 where not raised; rows with nothing accumulated may get any value
+    st.acc[:, a:b].mul_(alpha[..., None])
+    st.row_sum[:, a:b].mul_(alpha)
+    st.offset[:, a:b].add_(raise_by)
+    if kn.fold:
+        st.queries[:, a:b, -1].sub_(raise_by)
 
 
 def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
@@ -646,7 +675,7 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
         return gq, gk.unflatten(1, (Hkv, G)).sum(2), gv.unflatten(1, (Hkv, G)).sum(2), gb  # [B, (Hkv G), K, ·] -> [B, Hkv, K, ·]
     finite_v = finite
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
-    parts = split(B, Hkv, workers())
+    parts = split(B, Hkv, workers(p.q.device))  # one part on the device path: run inline
     shares = _in_parallel([partial(_backward_part, _Kernel.of(p, part, finite), plan, out, lse, grad_out, grad_lse,
                                    grads, biases, finite_v) for part in parts])
     for (bs, hs), share in zip(parts, shares):
@@ -761,7 +790,7 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         th.copy_(s.tanh_())
         s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])
     _bias_and_mask_(s, kn, rect)
-    kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
+    kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values, device_path=kn.on_device)
     s.exp2_()  # P
     ds = work.grad_scores.take(n, b - a, kw)
     if drop is None or work.kept is None:
