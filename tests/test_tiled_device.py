@@ -349,3 +349,37 @@ def test_the_problem_is_unchanged_by_the_mode():
         dev = tiled.forward(dataclasses.replace(p))
     cpu = tiled.forward(p)
     torch.testing.assert_close(dev, cpu, atol=1e-12, rtol=1e-12)
+
+
+# ---- masks and biases staged on the device once per pass ----------------------------------------------
+
+
+def _public_tensors(x):
+    """Every public tensor attribute of a mask or bias tree."""
+    out = []
+    for name, value in vars(x).items():
+        if isinstance(value, torch.Tensor) and not name.startswith("_"):
+            out.append(value)
+        elif isinstance(value, (masks.Mask, bhqk.bias.Bias)):
+            out += _public_tensors(value)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(mask_kinds(2, 4, 33, 47)))
+def test_masks_and_biases_are_staged_on_the_device(kind):
+    """The ``meta`` device stands in for a GPU: every tensor a tile reads is moved there once, the
+    caller's mask and bias are left as they were, and the staged blocks have the same shape."""
+    B, H, Q, K = 2, 4, 33, 47
+    m = mask_kinds(B, H, Q, K)[kind]
+    b = bhqk.bias.alibi(H, "top_left") + bhqk.bias.dense(torch.randn(B, 1, Q, K))
+    before = [t.device for t in _public_tensors(m) + _public_tensors(b)]
+    meta = torch.device("meta")
+    sm, sb = tiled._staged(m, meta), tiled._staged(b, meta)
+    assert all(t.device == meta for t in _public_tensors(sm) + _public_tensors(sb))
+    assert [t.device for t in _public_tensors(m) + _public_tensors(b)] == before  # the caller's are untouched
+    assert sb is not b and tiled._staged(b, torch.device("cpu")) is b  # nothing to move: the same object
+    ext = masks.Extent(B, H, Q, K)
+    cpu = torch.device("cpu")
+    for staged, orig, what in ((sm, m, "block"), (sb, b, "block")):
+        tile, want = getattr(staged, what)(ext, 8, 16, 16, 32, meta), getattr(orig, what)(ext, 8, 16, 16, 32, cpu)
+        assert tile.device == meta and tile.shape == want.shape and tile.dtype == want.dtype

@@ -62,6 +62,7 @@ the max pass after all ("redo"). Accepted rectangles are exact to rounding: 2^(S
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -76,6 +77,7 @@ import torch
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
+from ..masks import Mask
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
@@ -228,6 +230,39 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = 
     if not device_path and bool(reach.all()):
         return blocks
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
+
+
+def _staged(x: Mask | Bias | None, device: torch.device):
+    """A mask or bias whose public tensors, and those of the masks and biases it holds, are on
+    ``device``: a shallow copy where one had to move (copied once per pass), else ``x`` itself. On
+    the device path every tile's mask and bias then come from tensors on the device: a CPU-held
+    tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be copied
+    to the device per tile, a host sync each. Private attributes (classification caches, read on
+    the host by the planner) stay where they are; a predicate's function is called as it is."""
+    if x is None:
+        return None
+    moved: dict[str, object] = {}
+    for name, value in vars(x).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, torch.Tensor) and value.device != device:
+            moved[name] = value.to(device)
+        elif isinstance(value, (Mask, Bias)):
+            inner = _staged(value, device)
+            if inner is not value:
+                moved[name] = inner
+    if not moved:
+        return x
+    y = copy.copy(x)
+    vars(y).update(moved)
+    return y
+
+
+def _on_device(p: Problem) -> Problem:
+    """The call with its mask and bias staged on q's device (the device path only)."""
+    dev = p.q.device
+    mask, bias = _staged(p.mask, dev), _staged(p.bias, dev)
+    return p if mask is p.mask and bias is p.bias else dataclasses.replace(p, mask=mask, bias=bias)
 
 
 def _per_query_head(p: Problem) -> Problem:
@@ -439,6 +474,8 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         lse.copy_(p.sinks.to(lse.dtype)[None, :, None].expand_as(lse))  # [H] -> [B, H, Q]
     if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
+    if on_device(p.q.device):
+        p = _on_device(p)
     finite = all_finite(p.k, p.v)
     if not finite and H > Hkv:
         return _forward(_per_query_head(p), plan)
@@ -669,6 +706,8 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     grad_bias = [torch.zeros(b.tensor.shape, dtype=dt, device=p.q.device) for b in biases]  # [#B, #H, #Q, #K]
     if Q == 0 or plan.tiles == 0:
         return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
+    if on_device(p.q.device):
+        p = _on_device(p)
     finite = all_finite(p.k, p.v)
     if not finite and G > 1:
         gq, gk, gv, gb = _backward_ng(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
