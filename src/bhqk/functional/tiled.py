@@ -25,8 +25,9 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
   of 2^(S - m) stay below 2^24 and m never exceeds the true max, so the result is exact to
   rounding (the max only keeps exp2 from overflowing);
 - empty tiles of a structured mask are skipped, full tiles never evaluate the mask (``tiled_plan``);
-- the (batch, key/value head) slices are shared out among ``torch.get_num_threads()`` worker
-  threads running single-threaded ops (see ``_in_parallel``).
+- on the CPU, the (batch, key/value head) slices are shared out among ``torch.get_num_threads()``
+  worker threads running single-threaded ops (see ``_in_parallel``); on any other device the whole
+  call is one slice, queued from the calling thread (the device path, below), never the pool.
 
 Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
 path; float64 stays float64.
@@ -58,6 +59,28 @@ the group has seen a finite score (``settled``), each rectangle takes the max pa
 where needed, rescale). Once settled, a rectangle is exponentiated first; if some row's sum exceeds
 2^24 its max grew by more than 24 (base 2), so the rectangle's scores are recomputed and it takes
 the max pass after all ("redo"). Accepted rectangles are exact to rounding: 2^(S - m) < 2^24.
+
+The device path (tensors on any non-CPU device, e.g. CUDA; CPU tensors too inside
+``device_mode()``, a test tool from ``tiled_plan``): the CPU path above decides per rectangle on the
+host (the optimistic check, ``settled``, whether any row needs rescaling, whether every key row of
+a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
+those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
+inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
+rectangle takes the max pass); the lazy rescaling decided with tensor ops (``torch.where``: rows
+not raised get alpha = 1, m still moves only when a row's max grew by more than TAU or it sees its
+first finite score); unreachable key rows always masked on the non-finite path; the mask's and
+bias's tensors moved to the device once per pass (``_staged``), so no tile copies between devices.
+The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
+Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
+(``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
+full check of each tensor whose sum is not finite, ``finite_part``'s check of v, and the checks
+again on the per-query-head copies when GQA heads are expanded); the backward the same. Planning
+reads a mask's device-held tensors where its classification needs them (a document mask's ids:
+the min and max of each range the planner visits; a dense mask's tile classes per candidate grid;
+both cached on the mask, so a mask reused across calls is read once; a predicate is classified on
+the CPU). Padding lengths and key-padding validity are read when the mask is built, a dense bias's
+finite floor when the bias is built (``bias.Dense``: per call when a tensor is passed); the dropout
+seed is drawn on the CPU.
 """
 
 from __future__ import annotations
@@ -422,10 +445,11 @@ if hasattr(os, "register_at_fork"):
 
 
 def _in_parallel(jobs: list[Callable[[], object]]) -> list:
-    """Run ``jobs``: inline when there is one (PyTorch's intra-op threads then split each op);
-    otherwise on worker threads, each running single-threaded ops, so that no op waits at an
-    OpenMP barrier for a thread the OS has descheduled (on a shared machine that wait made the
-    many small ops of a tile loop up to ten times slower)."""
+    """Run ``jobs``: inline when there is one (always on the device path; on the CPU, PyTorch's
+    intra-op threads then split each op); otherwise on worker threads, each running
+    single-threaded ops, so that no op waits at an OpenMP barrier for a thread the OS has
+    descheduled (on a shared machine that wait made the many small ops of a tile loop up to ten
+    times slower)."""
     if len(jobs) == 1:
         return [jobs[0]()]
     threads = torch.get_num_threads()
