@@ -118,6 +118,15 @@ def test_device_mode_switches_workers_model_and_plan():
     assert split(2, 4, workers(torch.device("meta"))) == [(slice(None), slice(None))]  # one bmm batch
 
 
+def test_the_switch_is_one_flag_seen_from_both_modules():
+    assert tiled.device_mode is device_mode  # tiled re-exports tiled_plan's switch
+    with tiled.device_mode():
+        with device_mode():  # nests
+            assert on_device(torch.device("cpu"))
+        assert on_device(torch.device("cpu"))
+    assert not on_device(torch.device("cpu"))
+
+
 def test_cpu_model_keeps_its_historical_names():
     assert tiled_plan.TILE_ELEMS == CPU_MODEL.tile_elems == 1 << 21
     assert (tiled_plan.COST_CALL, tiled_plan.COST_ROW) == (CPU_MODEL.call, CPU_MODEL.row)
@@ -157,7 +166,7 @@ def test_device_path_reads_nothing_in_the_loops_with_nonfinite_input_dropout_and
     reads = Reads(monkeypatch)
     with device_mode():
         out = bhqk.attention(q, k, v, masks.sliding_window(6, align="bottom_right"), sinks=sinks, dropout_p=0.2,
-                             backend="tiled", block_q=8, block_k=16)
+                             bias=bhqk.bias.alibi(4, "bottom_right"), backend="tiled", block_q=8, block_k=16)
         out[torch.isfinite(out)].sum().backward()
     assert reads.in_loops == [] and reads.pool_calls == 0
 
@@ -383,3 +392,16 @@ def test_masks_and_biases_are_staged_on_the_device(kind):
     for staged, orig, what in ((sm, m, "block"), (sb, b, "block")):
         tile, want = getattr(staged, what)(ext, 8, 16, 16, 32, meta), getattr(orig, what)(ext, 8, 16, 16, 32, cpu)
         assert tile.device == meta and tile.shape == want.shape and tile.dtype == want.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_matches_the_cpu_path(dtype):
+    q, k, v = (t.to(dtype) for t in qkv(2, 4, 2, 40, 64, d=16))
+    m = masks.causal("bottom_right")
+    with device_mode():
+        dev, dev_lse = bhqk.attention(q, k, v, m, backend="tiled", return_lse=True, block_q=16, block_k=16)
+    cpu, cpu_lse = bhqk.attention(q, k, v, m, backend="tiled", return_lse=True, block_q=16, block_k=16)
+    assert dev.dtype == dtype and dev_lse.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(dev, cpu, atol=tol, rtol=tol)
+    torch.testing.assert_close(dev_lse, cpu_lse, atol=1e-5, rtol=1e-5)
