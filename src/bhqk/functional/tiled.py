@@ -94,6 +94,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -255,8 +256,8 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = 
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
 
 
-def _staged(x: Mask | Bias | None, device: torch.device):
-    """A mask or bias whose public tensors, and those of the masks and biases it holds, are on
+def _staged(x: Any, device: torch.device) -> Any:
+    """A mask or bias (or None) whose public tensors, and those of the masks and biases it holds, are on
     ``device``: a shallow copy where one had to move (copied once per pass), else ``x`` itself. On
     the device path every tile's mask and bias then come from tensors on the device: a CPU-held
     tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be copied
