@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bhqk
 from bhqk import masks
@@ -211,6 +213,19 @@ def test_every_mask_kind(kind):
     q, k, v = qkv(B, H, Hkv, Q, K, d=8, dv=5)
     m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
     assert_same(*both(q, k, v, m))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 3), Q=st.integers(1, 30), K=st.integers(1, 30),
+    bq=st.integers(1, 16), bk=st.integers(1, 16), kind=st.sampled_from(list(mask_kinds(1, 1, 4, 4)) + ["none"]),
+    seed=st.integers(0, 10_000),
+)
+def test_random_shapes_masks_and_blocks(B, Hkv, groups, Q, K, bq, bk, kind, seed):
+    H = Hkv * groups
+    q, k, v = qkv(B, H, Hkv, Q, K, 4, 3, seed=seed)
+    m = None if kind == "none" else mask_kinds(B, H, Q, K, seed=seed)[kind]
+    assert_same(*both(q, k, v, m, blocks=(bq, bk)))
 
 
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
