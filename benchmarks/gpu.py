@@ -8,7 +8,9 @@ One prepared run (≤ 8 minutes on one H200; a time budget skips what does not f
 2. correctness: every backend (reference, torch, tiled, flex, auto) on CUDA in fp32 / bf16 / fp16,
    forward and backward (dq, dk, dv), against the fp64 reference on the CPU; the yardstick is the
    error of the same formula computed naively in that dtype on the GPU (DESIGN §5: within about
-   twice PyTorch's own math path);
+   twice PyTorch's own math path); for the tiled backend, the host syncs of one forward and one
+   backward (``torch.cuda.set_sync_debug_mode("warn")``), in all and inside its tile loops (0
+   expected there; the per-call ones are listed in tiled.py's docstring);
 3. timings, bf16 forward, B=1, H=16, d=64, N = 4096 … 32768, masks none / causal / window 256 /
    document (8 documents): SDPA (flash, cuDNN, or mem-efficient with a dense mask), raw FlexAttention
    (``torch.compile(flex_attention)`` with a hand-written mask_mod and ``create_block_mask``), bhqk
@@ -250,15 +252,62 @@ def correctness_section(r: Run) -> None:
                         bound = {n: 2 * y + (1e-5 if dt == torch.float32 else 1e-3)
                                  for n, y in zip(("fwd", "dq", "dk", "dv"), yerr)}
                         rec["within_bound"] = all(e is not None and e <= bound[n] for n, e in errs.items())
+                        if be == "tiled" and r.dev.type == "cuda":
+                            rec["host_syncs"] = tiled_syncs(q, k, v, dout, kw)
                     except Exception as e:  # noqa: BLE001 — a refusal (why_not) is a result
                         rec["error"] = err(e)
                 r.data["correctness"].append(rec)
                 shown = rec.get("error") or rec.get("note") or (
                     f"out {rec['fwd_err']:.2e}  "
                     + "  ".join(f"{n} {rec.get(n + '_err', float('nan')):.2e}" for n in ("dq", "dk", "dv"))
-                    + f"  (yardstick out {yerr[0]:.2e})  {'ok' if rec.get('within_bound') else 'OUT OF BOUND'}")
+                    + f"  (yardstick out {yerr[0]:.2e})  {'ok' if rec.get('within_bound') else 'OUT OF BOUND'}"
+                    + (f"  syncs {rec['host_syncs']}" if "host_syncs" in rec else ""))
                 print(f"  {dt_name} {name:>20} {be:>9}: {shown}", flush=True)
             r.save()
+
+
+def tiled_syncs(q, k, v, dout, kw) -> dict[str, int]:
+    """Host syncs (``torch.cuda.set_sync_debug_mode("warn")``'s warnings) of one tiled forward and
+    one backward, called directly (not through autograd, whose CUDA backward runs on another thread),
+    in all and while the tile loops (``_forward_part``, ``_backward_part``) run."""
+    import warnings
+
+    from bhqk.functional import tiled
+    from bhqk.functional.problem import prepare
+
+    p = prepare(q.detach(), k.detach(), v.detach(), **kw)
+    counts = {"forward": 0, "forward_in_tile_loops": 0, "backward": 0, "backward_in_tile_loops": 0}
+    saved = tiled._forward_part, tiled._backward_part
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def syncs(ws) -> int:
+            return sum(1 for w in ws if "synchroniz" in str(w.message))
+
+        def counted(part, key):
+            def run(*a, **kw_):
+                n0 = len(caught)
+                try:
+                    return part(*a, **kw_)
+                finally:
+                    counts[key] += syncs(caught[n0:])
+            return run
+
+        tiled._forward_part = counted(saved[0], "forward_in_tile_loops")
+        tiled._backward_part = counted(saved[1], "backward_in_tile_loops")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            n0 = len(caught)
+            out, lse = tiled.forward(p)
+            counts["forward"] = syncs(caught[n0:])
+            n0 = len(caught)
+            tiled.backward(p, out, lse, dout)
+            counts["backward"] = syncs(caught[n0:])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            tiled._forward_part, tiled._backward_part = saved
+    return counts
 
 
 class _null:
@@ -361,6 +410,12 @@ def summary(r: Run) -> None:
         if x.get("N") == max((y["N"] for y in r.data["block_masks"]), default=0) and "speedup" in x:
             lines.append(f"block_mask vs create_block_mask, {x['mask']}, N={x['N']}: {x['speedup']:.1f}× "
                          f"({'met' if x['speedup'] >= 10 else 'NOT met'}: ≥ 10×)")
+    synced = [x for x in r.data["correctness"] if "host_syncs" in x]
+    if synced:
+        inside = sum(x["host_syncs"]["forward_in_tile_loops"] + x["host_syncs"]["backward_in_tile_loops"] for x in synced)
+        most = max(x["host_syncs"]["forward"] + x["host_syncs"]["backward"] for x in synced)
+        lines.append(f"tiled on CUDA: {inside} host syncs inside the tile loops over {len(synced)} runs "
+                     f"({'met' if inside == 0 else 'NOT met'}: 0); at most {most} per forward+backward in all")
     judged = [x for x in r.data["correctness"] if "within_bound" in x]
     bad = [f"{x['dtype']} {x['case']} {x['backend']}" for x in judged if not x["within_bound"]]
     ran = len(judged)

@@ -25,8 +25,9 @@ about as much as a pass of the matmuls; fresh allocations cost page faults):
   of 2^(S - m) stay below 2^24 and m never exceeds the true max, so the result is exact to
   rounding (the max only keeps exp2 from overflowing);
 - empty tiles of a structured mask are skipped, full tiles never evaluate the mask (``tiled_plan``);
-- the (batch, key/value head) slices are shared out among ``torch.get_num_threads()`` worker
-  threads running single-threaded ops (see ``_in_parallel``).
+- on the CPU, the (batch, key/value head) slices are shared out among ``torch.get_num_threads()``
+  worker threads running single-threaded ops (see ``_in_parallel``); on any other device the whole
+  call is one slice, queued from the calling thread (the device path, below), never the pool.
 
 Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
 path; float64 stays float64.
@@ -58,10 +59,33 @@ the group has seen a finite score (``settled``), each rectangle takes the max pa
 where needed, rescale). Once settled, a rectangle is exponentiated first; if some row's sum exceeds
 2^24 its max grew by more than 24 (base 2), so the rectangle's scores are recomputed and it takes
 the max pass after all ("redo"). Accepted rectangles are exact to rounding: 2^(S - m) < 2^24.
+
+The device path (tensors on any non-CPU device, e.g. CUDA; CPU tensors too inside
+``device_mode()``, a test tool from ``tiled_plan``): the CPU path above decides per rectangle on the
+host (the optimistic check, ``settled``, whether any row needs rescaling, whether every key row of
+a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
+those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
+inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
+rectangle takes the max pass); the lazy rescaling decided with tensor ops (``torch.where``: rows
+not raised get alpha = 1, m still moves only when a row's max grew by more than TAU or it sees its
+first finite score); unreachable key rows always masked on the non-finite path; the mask's and
+bias's tensors moved to the device once per pass (``_staged``), so no tile copies between devices.
+The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
+Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
+(``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
+full check of each tensor whose sum is not finite, ``finite_part``'s check of v, and the checks
+again on the per-query-head copies when GQA heads are expanded); the backward the same. Planning
+reads a mask's device-held tensors where its classification needs them (a document mask's ids:
+the min and max of each range the planner visits; a dense mask's tile classes per candidate grid;
+both cached on the mask, so a mask reused across calls is read once; a predicate is classified on
+the CPU). Padding lengths and key-padding validity are read when the mask is built, a dense bias's
+finite floor when the bias is built (``bias.Dense``: per call when a tensor is passed); the dropout
+seed is drawn on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -70,16 +94,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
+from ..masks import Mask
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
-from .tiled_plan import Plan, Rect, RowGroup, plan_for, split, workers
+from .tiled_plan import Plan, Rect, RowGroup, device_mode, on_device, plan_for, split, workers
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 TAU = 12.0  # rescale only when a row's max grows by more than this, in base 2 (2^12 = 4096)
@@ -87,7 +113,7 @@ _SUM_LIMIT = 2.0**24  # a tile's row sum above this sends the tile back through 
 _BIG = 1e30  # stands in for lse = -inf in the folded column: 2^(S - BIG) = 0
 _NEG_INF = float("-inf")
 
-__all__ = ["TAU", "backward", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
+__all__ = ["TAU", "backward", "device_mode", "dropout_keep", "dropout_seed", "forward", "run", "sinks_grad", "why_not"]
 
 
 # ---- the pieces of one call ------------------------------------------------------------------------
@@ -118,6 +144,7 @@ class _Kernel:
     floor_bias: bool  # the bias holds finite values that overflow in base 2: keep them finite
     dt: torch.dtype
     device: torch.device
+    on_device: bool  # the device path: every per-rectangle decision made with tensor ops, no host sync
 
     @classmethod
     def of(cls, p: Problem, part: tuple[slice, slice], finite: bool) -> _Kernel:
@@ -126,7 +153,7 @@ class _Kernel:
         Bw, Hkvw = p.k[part].shape[:2]
         dt = compute_dtype(p.q)
         floor_bias = p.bias is not None and p.bias.floor * LOG2E < -torch.finfo(dt).max
-        return cls(p, part[0], part[1], hq, Bw, Hkvw, G, finite, floor_bias, dt, p.q.device)
+        return cls(p, part[0], part[1], hq, Bw, Hkvw, G, finite, floor_bias, dt, p.q.device, on_device(p.q.device))
 
     @property
     def n(self) -> int:
@@ -218,13 +245,48 @@ def _key_span(kn: _Kernel, k: torch.Tensor, v: torch.Tensor, k0: int, k1: int, K
     return kt, vt
 
 
-def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = False) -> tuple[torch.Tensor, ...]:
     """Zero the key rows of ``blocks`` [n, kw, x] that no row of the score tile ``s`` [n, rows, kw]
-    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN."""
+    may attend (all -inf), so that NaN/inf held there cannot reach the result through 0·NaN. On the
+    CPU path a tile every key row of which is reachable is returned as it is (a host check); on the
+    device path the rows are always masked."""
     reach = (s > _NEG_INF).any(dim=1)  # [n, kw]
-    if bool(reach.all()):
+    if not device_path and bool(reach.all()):
         return blocks
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
+
+
+def _staged(x: Any, device: torch.device) -> Any:
+    """A mask or bias (or None) whose public tensors, and those of the masks and biases it holds, are on
+    ``device``: a shallow copy where one had to move (copied once per pass), else ``x`` itself. On
+    the device path every tile's mask and bias then come from tensors on the device: a CPU-held
+    tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be copied
+    to the device per tile, a host sync each. Private attributes (classification caches, read on
+    the host by the planner) stay where they are; a predicate's function is called as it is."""
+    if x is None:
+        return None
+    moved: dict[str, object] = {}
+    for name, value in vars(x).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, torch.Tensor) and value.device != device:
+            moved[name] = value.to(device)
+        elif isinstance(value, (Mask, Bias)):
+            inner = _staged(value, device)
+            if inner is not value:
+                moved[name] = inner
+    if not moved:
+        return x
+    y = copy.copy(x)
+    vars(y).update(moved)
+    return y
+
+
+def _on_device(p: Problem) -> Problem:
+    """The call with its mask and bias staged on q's device (the device path only)."""
+    dev = p.q.device
+    mask, bias = _staged(p.mask, dev), _staged(p.bias, dev)
+    return p if mask is p.mask and bias is p.bias else dataclasses.replace(p, mask=mask, bias=bias)
 
 
 def _per_query_head(p: Problem) -> Problem:
@@ -384,10 +446,11 @@ if hasattr(os, "register_at_fork"):
 
 
 def _in_parallel(jobs: list[Callable[[], object]]) -> list:
-    """Run ``jobs``: inline when there is one (PyTorch's intra-op threads then split each op);
-    otherwise on worker threads, each running single-threaded ops, so that no op waits at an
-    OpenMP barrier for a thread the OS has descheduled (on a shared machine that wait made the
-    many small ops of a tile loop up to ten times slower)."""
+    """Run ``jobs``: inline when there is one (always on the device path; on the CPU, PyTorch's
+    intra-op threads then split each op); otherwise on worker threads, each running
+    single-threaded ops, so that no op waits at an OpenMP barrier for a thread the OS has
+    descheduled (on a shared machine that wait made the many small ops of a tile loop up to ten
+    times slower)."""
     if len(jobs) == 1:
         return [jobs[0]()]
     threads = torch.get_num_threads()
@@ -436,16 +499,19 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         lse.copy_(p.sinks.to(lse.dtype)[None, :, None].expand_as(lse))  # [H] -> [B, H, Q]
     if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
+    if on_device(p.q.device):
+        p = _on_device(p)
     finite = all_finite(p.k, p.v)
     if not finite and H > Hkv:
         return _forward(_per_query_head(p), plan)
     v, flags = (p.v, None) if finite else finite_part(p.v)  # NaN/inf in v as 0; flags [B, Hkv, K, 3·dv] say where
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
-    parts = split(B, Hkv, workers())
-    if len(parts) > 1 or workers() == 1 or len(plan.rows) == 1:
+    n_workers = workers(p.q.device)  # 1 on the device path: one job, run inline
+    parts = split(B, Hkv, n_workers)
+    if len(parts) > 1 or n_workers == 1 or len(plan.rows) == 1:
         shares = [(part, plan.rows) for part in parts]
     else:  # one batch element and one K/V head: the workers share out the row groups instead
-        shares = [(parts[0], rows) for rows in _balance(plan.rows, workers())]
+        shares = [(parts[0], rows) for rows in _balance(plan.rows, n_workers)]
     _in_parallel([partial(_forward_part, _Kernel.of(p, part, finite), rows, v, flags, out, lse) for part, rows in shares])
     return out, lse
 
@@ -481,7 +547,7 @@ class _GroupState:
     offset: torch.Tensor  # m, [n, R]: a stand-in 0 until the row has seen a finite score
     has_max: torch.Tensor  # [n, R]: the row has seen a finite score
     hits: torch.Tensor | None  # [n, R, 3·dv]
-    settled: bool = False  # every row has a real offset: rectangles may skip the max pass
+    settled: bool = False  # every row has a real offset: rectangles may skip the max pass (CPU path only)
 
 
 def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
@@ -529,7 +595,8 @@ def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Ten
 
 def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rect: Rect,
                   k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
-    """Fold one rectangle into its group's state, by the optimistic protocol (file docstring)."""
+    """Fold one rectangle into its group's state, by the optimistic protocol on the CPU path, by
+    the max pass always on the device path (file docstring)."""
     a, b, kw = kn.G * (rect.r0 - q0), kn.G * (rect.r1 - q0), rect.k1 - rect.k0  # its rows (q g) of the group
     R = st.acc.shape[1]
     queries, acc, row_sum, offset = st.queries[:, a:b], st.acc[:, a:b], st.row_sum[:, a:b], st.offset[:, a:b]
@@ -567,6 +634,9 @@ def _dropped(work: _ForwardWork, s: torch.Tensor, q0: int, rect: Rect) -> torch.
 def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
     """Raise the offset m of rows a:b whose tile max exceeds it by more than TAU (or that see their
     first finite score), rescaling what they have accumulated; ``s`` is shifted to match."""
+    if kn.on_device:
+        _max_pass_on_device(kn, work, st, s, a, b)
+        return
     R = st.acc.shape[1]
     tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
     rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
@@ -585,6 +655,27 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor,
         st.offset[:, a:b].add_(raise_by)
         if kn.fold:
             st.queries[:, a:b, -1].sub_(raise_by)
+
+
+def _max_pass_on_device(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
+    """``_max_pass`` without reading the device: the same rows are raised (lazy rescaling: the max
+    grew by more than TAU, or a first finite score), chosen by ``torch.where``; rows not raised get
+    raise_by = 0, alpha = 1, so the rescale ops run unconditionally and leave them as they were."""
+    R = st.acc.shape[1]
+    tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
+    rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
+    seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
+    has_max = st.has_max[:, a:b]
+    rescale |= seen & ~has_max
+    has_max |= seen
+    raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
+    s.sub_(raise_by[..., None])
+    alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # 1 where not raised; rows with nothing accumulated may get any value
+    st.acc[:, a:b].mul_(alpha[..., None])
+    st.row_sum[:, a:b].mul_(alpha)
+    st.offset[:, a:b].add_(raise_by)
+    if kn.fold:
+        st.queries[:, a:b, -1].sub_(raise_by)
 
 
 def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
@@ -640,13 +731,15 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     grad_bias = [torch.zeros(b.tensor.shape, dtype=dt, device=p.q.device) for b in biases]  # [#B, #H, #Q, #K]
     if Q == 0 or plan.tiles == 0:
         return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
+    if on_device(p.q.device):
+        p = _on_device(p)
     finite = all_finite(p.k, p.v)
     if not finite and G > 1:
         gq, gk, gv, gb = _backward_ng(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
         return gq, gk.unflatten(1, (Hkv, G)).sum(2), gv.unflatten(1, (Hkv, G)).sum(2), gb  # [B, (Hkv G), K, ·] -> [B, Hkv, K, ·]
     finite_v = finite
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
-    parts = split(B, Hkv, workers())
+    parts = split(B, Hkv, workers(p.q.device))  # one part on the device path: run inline
     shares = _in_parallel([partial(_backward_part, _Kernel.of(p, part, finite), plan, out, lse, grad_out, grad_lse,
                                    grads, biases, finite_v) for part in parts])
     for (bs, hs), share in zip(parts, shares):
@@ -761,7 +854,7 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         th.copy_(s.tanh_())
         s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])
     _bias_and_mask_(s, kn, rect)
-    kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values)
+    kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values, device_path=kn.on_device)
     s.exp2_()  # P
     ds = work.grad_scores.take(n, b - a, kw)
     if drop is None or work.kept is None:

@@ -9,13 +9,21 @@ the number of blocks, and full regions come out as large rectangles. Other masks
 are classified block by block.
 
 Query rows are processed in *row groups* of ``group_q`` rows that share the online-softmax state.
-Full regions are computed as tall rectangles (up to a worker's ``TILE_ELEMS`` scores each), partial
+Full regions are computed as tall rectangles (up to a worker's ``tile_elems`` scores each), partial
 blocks one by one: causal attention then runs its full part with the big matmuls of the unmasked
 case and only its diagonal with small tiles.
+
+Costs and tile sizes come from a cost model per device type (:class:`Model`): ``CPU_MODEL`` was
+fitted on the 2-core reference CPU, where worker threads share a call; ``CUDA_MODEL`` is a guess,
+not measured (no GPU was available), that makes the plan prefer few large rectangles where every
+op is a kernel launch and one worker queues the whole call. :func:`on_device` decides which path a
+call takes (any non-CPU device; CPU tensors too inside :func:`device_mode`, a test tool).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,25 +34,75 @@ from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, 
 from ..masks.dense import GRID_CODES
 from .problem import Problem
 
-# Score-tile size the heuristic aims for, per worker thread (one core), in elements of its slice
-# [B·Hkv / workers, G·block_q, block_k]: 2^21 (8 MiB fp32). Measured on the 2-core reference
-# machine: tiles of 2^19-2^20 (which fit L2) lost more to per-op overhead than they gained in cache
-# hits; 2^21 ran ~10% faster, 2^23 slower again.
-TILE_ELEMS = 1 << 21
-BLOCK_K = 256  # default block_k; block_q follows from TILE_ELEMS
 
-# Cost model of one forward (seconds), fitted on the 2-core reference machine (torch 2.13, fp32,
-# d = 64): per rectangle and per row group a worker visits (Python and per-op overhead, paid by
-# every worker, and the two workers' contention for the GIL), per score entry (two matmuls, exp2,
-# sum; shared among the workers) and extra per entry and per rectangle that is partial (the mask).
-# Checked against B=1, H=8, N = 512 … 4096, no mask, padding, document: within about 20%.
-COST_CALL = 3e-3  # planning, checks, thread hand-off
-COST_ROW = 1.0e-6  # per query row and head a worker handles: the O(Q·d) passes (copies, output)
-COST_TILE = 400e-6
-COST_BLOCK = 150e-6
-COST_ELEM = 2.3e-9
-COST_PARTIAL_ELEM = 0.5e-9
-COST_PARTIAL_TILE = 40e-6
+class Model(NamedTuple):
+    """The planner's cost model for one device type: the score-tile size it aims for per worker
+    (``tile_elems``, in elements of a worker's slice [B·Hkv / workers, G·block_q, block_k]) and the
+    estimated seconds of one forward (float32, d = 64): per call, per query row and head a worker
+    handles (the O(Q·d) passes), per rectangle and per row group a worker visits, per score entry
+    (shared among the workers), and extra per entry and per rectangle that is partial (the mask)."""
+
+    tile_elems: int
+    call: float
+    row: float
+    tile: float
+    block: float
+    elem: float
+    partial_elem: float
+    partial_tile: float
+
+
+# Fitted on the 2-core reference machine (Xeon, torch 2.13, fp32, d = 64). Per rectangle and row
+# group: Python and per-op overhead, paid by every worker, and the two workers' contention for the
+# GIL; per entry: two matmuls, exp2, sum. Checked against B=1, H=8, N = 512 … 4096, no mask,
+# padding, document: within about 20%. Tiles of 2^21 elements (8 MiB fp32): 2^19-2^20 (which fit
+# L2) lost more to per-op overhead than they gained in cache hits; 2^21 ran ~10% faster, 2^23
+# slower again.
+CPU_MODEL = Model(tile_elems=1 << 21, call=3e-3, row=1.0e-6, tile=400e-6, block=150e-6,
+                  elem=2.3e-9, partial_elem=0.5e-9, partial_tile=40e-6)
+
+# CUDA (and any other accelerator): NOT fitted or measured (no GPU was available when it was written). A
+# launch-bound guess, there only so that the plan prefers few large rectangles on a GPU: each op
+# is a kernel launch queued from Python (~10 µs with its dispatch), a rectangle is ~20 of them and
+# a row group ~15, while a score entry costs ~1e-11 s (two fp32 matmuls at d = 64 and a few passes
+# at HBM bandwidth). Tiles of 2^23 elements (32 MiB fp32) keep the launches few.
+CUDA_MODEL = Model(tile_elems=1 << 23, call=1e-3, row=1e-10, tile=200e-6, block=150e-6,
+                     elem=1e-11, partial_elem=1e-11, partial_tile=60e-6)
+
+# The CPU model's values under their historical names (tests and the registry read them).
+TILE_ELEMS = CPU_MODEL.tile_elems
+COST_CALL, COST_ROW, COST_TILE, COST_BLOCK = CPU_MODEL.call, CPU_MODEL.row, CPU_MODEL.tile, CPU_MODEL.block
+COST_ELEM, COST_PARTIAL_ELEM, COST_PARTIAL_TILE = CPU_MODEL.elem, CPU_MODEL.partial_elem, CPU_MODEL.partial_tile
+BLOCK_K = 256  # default block_k; block_q follows from the model's tile_elems
+
+_FORCED = 0  # > 0 inside ``device_mode()``: CPU tensors take the device path
+
+
+@contextmanager
+def device_mode() -> Iterator[None]:
+    """A test and debug tool: inside it, the tiled backend treats CPU tensors exactly as it treats
+    tensors on a GPU (one worker, no thread pool, every decision inside the tile loops made on the
+    device, the device cost model), so the GPU code path can be checked on a machine without one.
+    Process-wide (the flag is read by whichever thread runs the call, autograd's included); slower
+    than the CPU path. Not for production use."""
+    global _FORCED
+    _FORCED += 1
+    try:
+        yield
+    finally:
+        _FORCED -= 1
+
+
+def on_device(device: torch.device) -> bool:
+    """Whether a call on ``device`` takes the device path: any non-CPU device, or any device inside
+    :func:`device_mode`."""
+    return device.type != "cpu" or _FORCED > 0
+
+
+def model(device: torch.device) -> Model:
+    """The cost model for calls on ``device``: the CPU's, or CUDA's for every device path (other
+    accelerators have no model of their own; CPU tensors inside :func:`device_mode` take it too)."""
+    return CUDA_MODEL if on_device(device) else CPU_MODEL
 
 
 class Rect(NamedTuple):
@@ -90,6 +148,7 @@ class Plan:
     tiles: int = 0
     partial: int = 0  # rectangles where the mask is evaluated
     partial_elems: int = 0  # Σ (r1 - r0)·(k1 - k0) over the partial ones
+    model: Model = CPU_MODEL  # the cost model of the device it was made for
     _cols: list[KeySpan] | None = field(default=None, repr=False)
 
     @property
@@ -119,10 +178,10 @@ class Plan:
 
     def cost(self, rows_per_q: int, n_workers: int = 1) -> float:
         """Estimated seconds of one float32 forward at d = dv = 64 (``rows_per_q`` = B·H), by the
-        cost model above; ``n_workers`` threads share the score entries."""
-        Q = self.rows[-1].q1 if self.rows else 0
-        per_worker = (self.computed * COST_ELEM + self.partial_elems * COST_PARTIAL_ELEM + Q * COST_ROW) * rows_per_q / n_workers
-        return COST_CALL + self.tiles * COST_TILE + self.blocks * COST_BLOCK + self.partial * COST_PARTIAL_TILE + per_worker
+        plan's cost model (``model``); ``n_workers`` threads share the score entries."""
+        m, Q = self.model, (self.rows[-1].q1 if self.rows else 0)
+        per_worker = (self.computed * m.elem + self.partial_elems * m.partial_elem + Q * m.row) * rows_per_q / n_workers
+        return m.call + self.tiles * m.tile + self.blocks * m.block + self.partial * m.partial_tile + per_worker
 
 
 def _cuts(n: int, b: int) -> list[int]:
@@ -226,11 +285,12 @@ def grid_leaves(mask: Mask, ext: Extent, qcuts: list[int], kcuts: list[int]) -> 
 def make_plan(p: Problem, block_q: int, block_k: int, group_q: int | None = None) -> Plan:
     """Classify the ``block_q × block_k`` grid and lay out the computed rectangles: row groups of
     ``group_q`` rows (a multiple of block_q; default block_q); partial blocks one by one; full
-    regions merged along the keys and cut into rectangles of at most a worker's ``TILE_ELEMS``."""
-    ext = p.ext
+    regions merged along the keys and cut into rectangles of at most a worker's ``tile_elems`` (the
+    device's cost model)."""
+    ext, m = p.ext, model(p.q.device)
     group_q = block_q if group_q is None else max(block_q, group_q // block_q * block_q)
     qcuts, kcuts = _cuts(ext.Q, block_q), _cuts(ext.K, block_k)
-    per_q = max(1, ext.B * ext.H // len(split(ext.B, p.sizes["Hkv"], workers())))  # a worker's rows per query
+    per_q = max(1, ext.B * ext.H // len(split(ext.B, p.sizes["Hkv"], workers(p.q.device))))  # a worker's rows per query
     step = group_q // block_q  # blocks per row group
     groups: list[list[Rect]] = [[] for _ in range(0, max(1, len(qcuts) - 1), step)]
     for i0, i1, j0, j1, t in classify_leaves(p.mask, ext, qcuts, kcuts):
@@ -244,14 +304,15 @@ def make_plan(p: Problem, block_q: int, block_k: int, group_q: int | None = None
         q0, q1 = qcuts[g * step], qcuts[min(len(qcuts) - 1, (g + 1) * step)]
         rects = [x for x in pieces if x.partial]
         for full in _merged_full(pieces):
-            wide = max(block_k, TILE_ELEMS // (per_q * (full.r1 - full.r0)) // block_k * block_k)  # widest rectangle
+            wide = max(block_k, m.tile_elems // (per_q * (full.r1 - full.r0)) // block_k * block_k)  # widest rectangle
             n = -(-(full.k1 - full.k0) // wide)
             cuts = [full.k0 + (full.k1 - full.k0) * c // n for c in range(n + 1)]
             rects.extend(full._replace(k0=a, k1=b) for a, b in zip(cuts, cuts[1:]))
         rows.append(RowGroup(q0, q1, _diagonal_first(rects, ext)))
     every = [rect for group in rows for rect in group.rects]
     partial = [rect for rect in every if rect.partial]
-    return Plan(block_q, block_k, rows, sum(r.elems for r in every), len(every), len(partial), sum(r.elems for r in partial))
+    return Plan(block_q, block_k, rows, sum(r.elems for r in every), len(every), len(partial),
+                sum(r.elems for r in partial), m)
 
 
 def _merged_full(pieces: list[Rect]) -> list[Rect]:
@@ -294,8 +355,12 @@ def _pow2_floor(x: float) -> int:
     return n
 
 
-def workers() -> int:
-    """Worker threads for one call: PyTorch's intra-op thread count (``torch.set_num_threads``)."""
+def workers(device: torch.device | None = None) -> int:
+    """Worker threads for one call on ``device``: 1 on the device path (:func:`on_device`: the
+    whole call is one batch of every op, queued from the calling thread), else PyTorch's intra-op
+    thread count (``torch.set_num_threads``). ``None``: a CPU call."""
+    if device is not None and on_device(device):
+        return 1
     return max(1, torch.get_num_threads())
 
 
@@ -315,12 +380,12 @@ def split(B: int, Hkv: int, n_workers: int) -> list[tuple[slice, slice]]:
 
 def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     """The heuristic without a mask: ``block_k = 256``; ``block_q`` (and the row group) such that a
-    worker's score tile [B·Hkv/workers, G·block_q, block_k] holds about ``TILE_ELEMS`` elements
-    (16 … 2048)."""
+    worker's score tile [B·Hkv/workers, G·block_q, block_k] holds about the device model's
+    ``tile_elems`` elements (16 … 2048)."""
     ext = p.ext
     bk = max(1, min(block_k, ext.K))
-    parts = len(split(ext.B, p.sizes["Hkv"], workers()))
-    bq = _pow2_floor(TILE_ELEMS * parts / max(1, ext.B * ext.H * bk))  # B·Hkv·G = B·H rows per query
+    parts = len(split(ext.B, p.sizes["Hkv"], workers(p.q.device)))
+    bq = _pow2_floor(model(p.q.device).tile_elems * parts / max(1, ext.B * ext.H * bk))  # B·Hkv·G = B·H rows per query
     bq = max(16, min(2048, bq))
     return max(1, min(bq, ext.Q)), bk
 
@@ -333,7 +398,7 @@ def plan_for(p: Problem) -> Plan:
     No queries or no keys: an empty plan (every row fully masked)."""
     bq_given, bk_given = _given(p, "block_q"), _given(p, "block_k")
     if p.ext.Q == 0 or p.ext.K == 0:
-        return Plan(bq_given or 1, bk_given or 1, [])
+        return Plan(bq_given or 1, bk_given or 1, [], model=model(p.q.device))
     group, bk0 = default_blocks(p, bk_given or BLOCK_K)
     if bq_given:
         return make_plan(p, bq_given, bk0)
@@ -344,6 +409,6 @@ def plan_for(p: Problem) -> Plan:
         for fk in (1, 2):
             bk = bk0 if bk_given else max(32, bk0 // fk)
             candidates.add((max(16, group // fq), min(bk, p.ext.K)))
-    rows_per_q, n = p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers()))
+    rows_per_q, n = p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device)))
     plans = [make_plan(p, bq, bk, group) for bq, bk in sorted(candidates, reverse=True)]
     return min(plans, key=lambda pl: pl.cost(rows_per_q, n))
