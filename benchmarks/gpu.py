@@ -11,7 +11,9 @@ One prepared run (≤ 8 minutes on one H200; a time budget skips what does not f
    twice PyTorch's own math path); for the tiled backend, the host syncs of one forward and one
    backward (``torch.cuda.set_sync_debug_mode("warn")``), in all and inside its tile loops (0
    expected there; the per-call ones are listed in tiled.py's docstring);
-3. timings, bf16 forward, B=1, H=16, d=64, N = 4096 … 32768, masks none / causal / window 256 /
+3. costs: what ``auto`` weighs on this device (SDPA's and tiled's costs, FlexAttention's, which
+   compiles) and the backend it chooses for every timing mask and N, forward and with gradients;
+4. timings, bf16 forward, B=1, H=16, d=64, N = 4096 … 32768, masks none / causal / window 256 /
    document (8 documents): SDPA (flash, cuDNN, or mem-efficient with a dense mask), raw FlexAttention
    (``torch.compile(flex_attention)`` with a hand-written mask_mod and ``create_block_mask``), bhqk
    ``flex``, ``auto`` and ``tiled`` (these two only up to 8192); compile times apart from run times.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 RESULTS = ROOT / "benchmarks" / "results"
+os.environ.setdefault("BHQK_COSTS", "measure")  # this run's own measurements: auto weighs what the costs section measured
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -318,6 +322,46 @@ class _null:
         return False
 
 
+# ---- costs: what auto weighs on this device, and what it chooses ------------------------------------
+
+def costs_section(r: Run, Ns: list[int]) -> None:
+    """SDPA's and the tiled backend's costs (``calibrate.remeasure``) and FlexAttention's
+    (``calibrate.measure_flex``, which compiles) on this device in the timing dtype, then ``auto``'s
+    choice (``choose_backend``, nothing run) for every timing mask and N, forward and with gradients."""
+    from dataclasses import asdict
+
+    import bhqk
+    from bhqk.functional import calibrate, flex
+
+    dt = torch.bfloat16 if r.dev.type == "cuda" else torch.float32
+    print(f"costs on {r.dev} ({dt}): what auto weighs", flush=True)
+    rec: dict = {"dtype": str(dt).replace("torch.", "")}
+    t0 = time.perf_counter()
+    rec["costs"] = asdict(calibrate.remeasure(r.dev, dt))
+    rec["costs_s"] = round(time.perf_counter() - t0, 2)
+    if r.left() < 120:
+        r.skip("measure_flex (it compiles)")
+    else:
+        t0 = time.perf_counter()
+        with flex.uncompiled() if r.dev.type == "cpu" else _null():
+            rec["flex_costs"] = asdict(calibrate.measure_flex(r.dev, dt))
+        rec["flex_costs_s"] = round(time.perf_counter() - t0, 2)
+    print(f"  {json.dumps(rec)}", flush=True)
+    B, H, d = 1, (2 if r.smoke else 16), (16 if r.smoke else 64)
+    rec["choices"] = []
+    for N in Ns:
+        q, k, v = (torch.randn(B, H, N, d, device=r.dev, dtype=dt) for _ in range(3))
+        for mname, (m, _) in {"none": (None, None), **mask_cases(doc_ids(N, r.dev))}.items():
+            for grad in (False, True):
+                with torch.enable_grad():
+                    args = [t.requires_grad_(grad) for t in (q, k, v)]
+                    c = bhqk.choose_backend(*args, m)
+                rec["choices"].append({"N": N, "mask": mname, "grad": grad, "backend": c.name, "estimates": c.estimates,
+                                       "reason": c.reason})
+                print(f"  auto {mname:>10} N={N:<6} {'fwd+bwd' if grad else 'fwd':>7}: {c.name}", flush=True)
+    r.data["costs"] = rec
+
+
 # ---- 3. timings ------------------------------------------------------------------------------------
 
 def timing_impls(r: Run, raw, q, k, v, mname: str, m, mod) -> dict:
@@ -416,6 +460,11 @@ def summary(r: Run) -> None:
         most = max(x["host_syncs"]["forward"] + x["host_syncs"]["backward"] for x in synced)
         lines.append(f"tiled on CUDA: {inside} host syncs inside the tile loops over {len(synced)} runs "
                      f"({'met' if inside == 0 else 'NOT met'}: 0); at most {most} per forward+backward in all")
+    chosen = r.data.get("costs", {}).get("choices", [])
+    if chosen:  # the issue: SDPA for none and causal, flex for structured masks, tiled as the fallback
+        n = max(x["N"] for x in chosen)
+        lines.append(f"auto's choices at N={n}: " + ", ".join(f"{x['mask']} {'fwd+bwd' if x['grad'] else 'fwd'} -> {x['backend']}"
+                                                          for x in chosen if x["N"] == n))
     judged = [x for x in r.data["correctness"] if "within_bound" in x]
     bad = [f"{x['dtype']} {x['case']} {x['backend']}" for x in judged if not x["within_bound"]]
     ran = len(judged)
@@ -434,8 +483,8 @@ def main() -> None:
                     help="stop starting new work after this many seconds (a started compile may run past it)")
     ap.add_argument("--n", type=int, nargs="+", help="sequence lengths for timings and block masks (default 4096 … 32768)")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per implementation")
-    ap.add_argument("--sections", nargs="+", default=["block_masks", "correctness", "timings"],
-                    choices=["block_masks", "correctness", "timings"])
+    ap.add_argument("--sections", nargs="+", default=["block_masks", "correctness", "costs", "timings"],
+                    choices=["block_masks", "correctness", "costs", "timings"])
     a = ap.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False). "
@@ -453,6 +502,8 @@ def main() -> None:
                 block_mask_section(r, Ns)
             elif section == "correctness":
                 correctness_section(r)
+            elif section == "costs":
+                costs_section(r, Ns)
             else:
                 timing_section(r, Ns, 3 if a.smoke else a.repeat)
         except Exception:  # noqa: BLE001 — keep what the other sections measured

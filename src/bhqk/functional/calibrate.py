@@ -294,7 +294,7 @@ def stored_in() -> Path | None:
 
 def tiled_parts(p, plan) -> tuple[float, float]:
     """``plan.cost`` (tiled_plan's model) split into its fixed part and its per-entry part."""
-    rows_per_q, n = p.ext.B * p.ext.H, len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers()))
+    rows_per_q, n = p.ext.B * p.ext.H, len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers(p.q.device)))
     total = plan.cost(rows_per_q, n)
     per_entry = total - plan.cost(0, n)  # the model's per-entry, per-row part scales with rows_per_q
     return total - per_entry, per_entry

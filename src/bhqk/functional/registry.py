@@ -163,8 +163,9 @@ def tiled_floor(p: Problem, grad: bool) -> float:
     """A lower bound of ``estimate_tiled`` without a tile plan: per call and per query row."""
     c = calibrate.costs(p.q.device, p.q.dtype, grad)
     ext = p.ext
-    n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers()))
-    t = tiled_plan.COST_CALL * c.tiled_fixed + tiled_plan.COST_ROW * ext.Q * ext.B * ext.H / n * c.tiled_elem * _width(p)
+    n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers(p.q.device)))
+    m = tiled_plan.model(p.q.device)
+    t = m.call * c.tiled_fixed + m.row * ext.Q * ext.B * ext.H / n * c.tiled_elem * _width(p)
     return t * _grad_factor(c.tiled_backward, grad)
 
 
