@@ -410,3 +410,20 @@ def test_a_gpu_user_is_told_once_to_measure_flex_when_auto_falls_back_to_tiled(m
         registry.flex_hint("cpu", torch.float32, "tiled", unmeasured)  # on the CPU tiled is the fast path
         registry.flex_hint("cuda", torch.float16, "torch", unmeasured)  # SDPA ran: nothing to say
         registry.flex_hint("cuda", torch.float16, "tiled", "FlexAttention has no dropout")  # flex could not run
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_logic_runs_on_the_cpu_in_smoke_mode(tmp_path):
+    """benchmarks/gpu.py --smoke --device cpu: every section's logic, tiny sizes, flex eager."""
+    import subprocess
+
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    judged = [x for x in data["correctness"] if "within_bound" in x]
+    assert judged and all(x["within_bound"] for x in judged)
+    assert {x["backend"] for x in judged} >= {"reference", "torch", "tiled", "auto"}  # flex: no CPU backward
+    assert data["costs"]["flex_costs"]["elem"] > 0 and len(data["costs"]["choices"]) == 2 * 4 * 2
+    assert not data.get("errors")
