@@ -145,7 +145,9 @@ FAKE = calibrate.Costs(1e-5, 1e-9, 0.6, 1e-10, 2.0, 3.0, 1e-10, source="measured
 def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(calibrate, "measure", lambda dev, dt: calls.append(dt) or FAKE)
-    monkeypatch.setattr(calibrate, "measure_backward", lambda dev, dt: {"sdpa_backward": 4.0, "tiled_backward": 3.0, "sdpa_causal_backward": 0.7})
+    backward = {"sdpa_backward": 4.0, "tiled_backward": 1.0, "sdpa_causal_backward": 0.7, "tiled_fixed_backward": 2.0,
+                "tiled_elem_backward": 3.0}
+    monkeypatch.setattr(calibrate, "measure_backward", lambda dev, dt: backward)
     monkeypatch.setattr(calibrate, "_MEMO", {})
     path = tmp_path / "costs.json"
     monkeypatch.setenv("BHQK_COSTS", str(path))
@@ -153,7 +155,7 @@ def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, mon
     assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [torch.float32]
     assert calibrate.costs(cpu, torch.float32).sdpa_elem == 1e-9 and len(calls) == 1  # in-process memo
     with_grad = calibrate.costs(cpu, torch.float32, grad=True)
-    assert (with_grad.sdpa_backward, with_grad.tiled_backward) == (4.0, 3.0) and len(calls) == 1
+    assert (with_grad.sdpa_backward, with_grad.tiled_elem_backward) == (4.0, 3.0) and len(calls) == 1
     monkeypatch.setattr(calibrate, "_MEMO", {})  # a new process: read from the file, nothing measured
     assert calibrate.costs(cpu, torch.float32, grad=True) == with_grad and len(calls) == 1
     data = json.loads(path.read_text())
@@ -167,10 +169,22 @@ def test_measuring_gives_positive_finite_costs(monkeypatch):
     monkeypatch.setenv("BHQK_COSTS", "measure")
     monkeypatch.setattr(calibrate, "_MEMO", {})
     c = calibrate.measure(torch.device("cpu"), torch.float32)
-    for name in ("sdpa_call", "sdpa_elem", "tiled_fixed", "tiled_elem", "sdpa_build_elem"):
+    for name in ("sdpa_call", "sdpa_elem", "tiled_fixed", "tiled_elem", "tiled_partial", "sdpa_build_elem"):
         value = getattr(c, name)
         assert math.isfinite(value) and value > 0, (name, value)
     assert 0.3 <= c.sdpa_causal <= 1.0 and c.sdpa_mask_elem >= 0
+    b = calibrate.measure_backward(torch.device("cpu"), torch.float32)
+    assert b["sdpa_backward"] >= 1.5 and 0.3 <= b["sdpa_causal_backward"] <= 1.0
+    assert b["tiled_fixed_backward"] > 0 and b["tiled_elem_backward"] > 0
+
+
+def test_the_tile_models_three_parts_are_fitted_exactly_when_consistent():
+    parts = [(1.0, 2.0, 0.5), (0.2, 8.0, 0.1), (3.0, 0.5, 0.0)]
+    scales = (0.5, 2.0, 7.0)
+    times = [sum(p * s for p, s in zip(row, scales)) for row in parts]
+    assert calibrate._scales(parts, times) == pytest.approx(scales)
+    one = calibrate._scales(parts, [times[0], -1.0, times[2]])  # noise that makes a scale negative: one scale for all
+    assert one[0] == one[1] == one[2] > 0
 
 
 def test_models_use_auto_directly():

@@ -102,6 +102,7 @@ def other_argv(draw):
         [], ["nonsense"], ["--nonsense"], ["demo", "--nonsense"], ["demo", "extra"],
         ["show"], ["show", "a sentence"], ["show", "a", "--out", "x", "--layer", "one"],
         ["show", "a", "--out", "x", "--head", "1.5"], ["explain"], ["mask"], ["generate"],
+        ["calibrate", "--dtype", "int8"], ["calibrate", "--device", "tpu"], ["calibrate", "extra"], ["calibrate", "--flex=1"],
     ]))
 
 
@@ -109,7 +110,7 @@ def other_argv(draw):
 @given(st.one_of(explain_argv(), mask_argv(), generate_argv(), embed_argv(), other_argv()))
 def test_bad_argument_vectors_exit_2_with_one_message(argv):
     code, out, err = run(argv)
-    command = argv[0] if argv and argv[0] in ("explain", "mask", "demo", "embed", "generate", "show") else ""
+    command = argv[0] if argv and argv[0] in ("explain", "mask", "demo", "embed", "generate", "show", "calibrate") else ""
     assert_one_error(code, out, err, command)
 
 

@@ -50,10 +50,13 @@ class Costs:
     SDPA: ``sdpa_call`` per call, ``sdpa_elem`` per score entry (one query-key pair of one head)
     without a mask, × ``sdpa_causal`` with ``is_causal``, + ``sdpa_mask_elem`` per score entry when
     it is handed a dense mask or bias, + ``sdpa_build_elem`` per [Q, K] entry of a structured mask
-    it materializes for SDPA. Tiled: ``tiled_plan``'s model (fitted on the reference
-    machine) split into its fixed part (per call, rectangle, row group) and its per-entry part,
-    scaled by ``tiled_fixed`` and ``tiled_elem``. ``*_backward``: forward+backward time / forward
-    time (None: not measured yet)."""
+    it materializes for SDPA. Tiled: ``tiled_plan``'s model (fitted on the reference machine) in
+    its fixed part (per call, rectangle, row group), its per-entry part and its partial (mask)
+    part, scaled by ``tiled_fixed``, ``tiled_elem`` and ``tiled_partial``. Forward+backward:
+    ``sdpa_backward`` (its time / the forward's), ``sdpa_causal_backward`` (is_causal's share), and
+    the tile model's fixed and per-entry scales ``tiled_fixed_backward`` / ``tiled_elem_backward``
+    (the tiled backend's ratio grows with N, so it is no ratio); ``tiled_backward``: a ratio, for
+    tables without those scales (``REFERENCE``). None: not measured yet."""
 
     sdpa_call: float
     sdpa_elem: float
@@ -66,6 +69,9 @@ class Costs:
     tiled_backward: float | None = None
     source: str = "measured"
     sdpa_causal_backward: float | None = None  # is_causal's share of SDPA's forward+backward (None: sdpa_causal)
+    tiled_partial: float | None = None  # scale of the tile model's partial (mask) part (None: tiled_elem)
+    tiled_fixed_backward: float | None = None  # forward+backward scales of the tile model's fixed and per-entry
+    tiled_elem_backward: float | None = None  # parts (None: the forward's × tiled_backward)
 
 
 # The 2-core Intel Xeon (AVX-512, AMX) the project was first tuned on, torch 2.13, B=1, H=8, d=64 (the constants
@@ -113,7 +119,7 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
         c = _load(key, Costs)
     if c is None:
         c = measure(device, dtype)
-    if grad and None in (c.sdpa_backward, c.tiled_backward, c.sdpa_causal_backward):
+    if grad and None in (c.sdpa_backward, c.sdpa_causal_backward, c.tiled_elem_backward):
         c = _with_backward(c, measure_backward(device, dtype))
     if _MEMO.get(key) != c:
         _MEMO[key] = c
@@ -231,13 +237,16 @@ def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H,
 def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     """Time SDPA (no mask, is_causal, a dense mask; a tiny call), building a mask, and the tiled
     backend (an element-bound and an overhead-bound call), forward only, interleaved,
-    each sample about ``SAMPLE_S`` long: about 0.2 s in all on a quiet 2-core machine."""
+    each sample about ``SAMPLE_S`` long (SDPA's per-entry cost and causal share at N = ``N_BIG``;
+    the tiled backend without a mask, with a window and with few rows, for the three parts of its
+    model): about 2 s in all on a quiet 2-core machine."""
     q, k, v = _inputs(device, dtype)
     tq, tk, tv = _inputs(device, dtype, 16, 1)
     dense = masks.dense(torch.rand(1, 1, N, N, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
-    tiled_calls = []  # (p, plan): an element-bound call and an overhead-bound one (few rows)
-    for args in ((q, k, v), _inputs(device, dtype, 128, 1)):
-        p = prepare(*args, masks.causal())
+    tiled_calls = []  # (p, plan): element-bound, partial-bound (a window: its band is partial) and overhead-bound (few rows)
+    for args, mask in ((_inputs(device, dtype, N_BIG), None), (_inputs(device, dtype, N_BIG), masks.sliding_window(N_BIG // 8)),
+                       (_inputs(device, dtype, 128, 1), masks.causal())):
+        p = prepare(*args, mask)
         tiled_calls.append((p, tiled_plan.plan_for(p)))
     bq, bk, bv = _inputs(device, dtype, N_BIG)
     fns = {
@@ -248,26 +257,39 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
         "call": lambda: torch_sdpa.run(prepare(tq, tk, tv)),
         "build": lambda: masks.sliding_window(N // 8).materialize(1, 1, N, N, device),
         "tiled": lambda: tiled.forward(*tiled_calls[0]),
-        "tiled_small": lambda: tiled.forward(*tiled_calls[1]),
+        "tiled_window": lambda: tiled.forward(*tiled_calls[1]),
+        "tiled_small": lambda: tiled.forward(*tiled_calls[2]),
     }
     with torch.no_grad():
         t = _fastest(fns, device)
     entries = H * N * N
     call = min(t["call"], t["plain"])
-    elem = max(t["plain_big"] - call, 0.1 * t["plain_big"]) / (H * N_BIG * N_BIG)
-    (f1, e1), (f2, e2) = (tiled_parts(*c) for c in tiled_calls)
-    t1, t2 = t["tiled"], t["tiled_small"]
-    det = f1 * e2 - f2 * e1
-    a_fixed, a_elem = ((t1 * e2 - t2 * e1) / det, (f1 * t2 - f2 * t1) / det) if det else (-1.0, -1.0)
-    if a_fixed <= 0 or a_elem <= 0:  # noise broke the fit: one scale for both parts
-        a_fixed = a_elem = (t1 + t2) / (f1 + e1 + f2 + e2)
+    elem = max(t["plain_big"] - call, 0.1 * t["plain_big"]) / (H * N_BIG**2)
+    a_fixed, a_elem, a_partial = _scales([tiled_parts(*c) for c in tiled_calls],
+                                         [t["tiled"], t["tiled_window"], t["tiled_small"]])
     causal = _causal_share(t["causal_big"], t["plain_big"], call)
-    return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N))
+    return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N),
+                 tiled_partial=a_partial)
 
 
-def _with_backward(c: Costs, ratios: dict[str, float]) -> Costs:
-    return replace(c, sdpa_backward=ratios["sdpa_backward"], tiled_backward=ratios["tiled_backward"],
-                   sdpa_causal_backward=ratios["sdpa_causal_backward"])
+def _scales(parts: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
+    """The scales (fixed, per-entry, partial) that make the model's parts add up to the measured
+    times of the three tiled calls (a 3×3 solve); where noise makes one of them ≤ 0, one scale
+    for all three (the total over the total)."""
+    try:
+        x = torch.linalg.solve(torch.tensor(parts, dtype=torch.float64), torch.tensor(times, dtype=torch.float64))
+        if bool((x > 0).all()):
+            return float(x[0]), float(x[1]), float(x[2])
+    except RuntimeError:  # a singular system
+        pass
+    one = sum(times) / sum(map(sum, parts))
+    return one, one, one
+
+
+def _with_backward(c: Costs, b: dict[str, float]) -> Costs:
+    return replace(c, sdpa_backward=b["sdpa_backward"], tiled_backward=b["tiled_backward"],
+                   sdpa_causal_backward=b["sdpa_causal_backward"], tiled_fixed_backward=b["tiled_fixed_backward"],
+                   tiled_elem_backward=b["tiled_elem_backward"])
 
 
 def _causal_share(causal: float, plain: float, call: float) -> float:
@@ -292,41 +314,45 @@ def stored_in() -> Path | None:
     return None if os.environ.get("BHQK_COSTS", "") in ("measure", "reference") else _path()
 
 
-def tiled_parts(p, plan) -> tuple[float, float]:
-    """``plan.cost`` (tiled_plan's model) split into its fixed part and its per-entry part."""
+def tiled_parts(p, plan) -> tuple[float, float, float]:
+    """``plan.cost`` (tiled_plan's model) in its fixed, per-entry and partial (mask) parts."""
     rows_per_q, n = p.ext.B * p.ext.H, len(tiled_plan.split(p.ext.B, p.sizes["Hkv"], tiled_plan.workers(p.q.device)))
-    total = plan.cost(rows_per_q, n)
-    per_entry = total - plan.cost(0, n)  # the model's per-entry, per-row part scales with rows_per_q
-    return total - per_entry, per_entry
+    return plan.parts(rows_per_q, n)
 
 
 def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Forward+backward / forward of SDPA and of the tiled backend: no mask, N = 1024 (4 M score
-    entries, where the per-entry costs dominate as they do in the calls that matter); and
-    is_causal's share of SDPA's forward+backward at N = ``N_BIG``."""
-    q, k, v = _inputs(device, dtype, 2 * N, grad=True)  # at N=512 fixed costs dominate both backwards (SDPA 20×, tiled 1.5×)
+    """Forward+backward costs, interleaved, at N = ``N_BIG`` (where per-entry costs dominate as in
+    the calls that matter; at N = 512 fixed costs dominated both backwards, SDPA's 20×): SDPA's
+    forward+backward / forward and is_causal's share of it; the tiled backend's fixed and per-entry
+    scales of its tile model, from a no-mask call and an overhead-bound one (few rows), since its
+    forward+backward / forward ratio grows with N (2.3 at 1024, 3.6 at 4096 on a 2-core Xeon)."""
     bq, bk, bv = _inputs(device, dtype, N_BIG, grad=True)
-    fns: dict[str, Callable[[], object]] = {}
-    for name, mask in (("sdpa_big_both", None), ("sdpa_causal_big_both", masks.causal())):
-        def big(mask=mask):
-            out = torch_sdpa.run(prepare(bq, bk, bv, mask))[0]
-            out.sum().backward()
+    sq, sk, sv = _inputs(device, dtype, 128, 1, grad=True)
+    calls = [(p, tiled_plan.plan_for(p)) for p in (prepare(bq, bk, bv), prepare(sq, sk, sv, masks.causal()))]
 
-        fns[name] = big
-    for name, run in (("sdpa", torch_sdpa.run), ("tiled", tiled.run)):
-        def fwd(run=run):
-            with torch.no_grad():
-                run(prepare(q, k, v))
+    def both(run: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: run().sum().backward()
 
-        def both(run=run):
-            out, _ = run(prepare(q, k, v))
-            out.sum().backward()
+    def sdpa_big() -> None:
+        with torch.no_grad():
+            torch_sdpa.run(prepare(bq, bk, bv))
 
-        fns[name], fns[name + "_both"] = fwd, both
+    fns: dict[str, Callable[[], object]] = {
+        "sdpa_big": sdpa_big,
+        "sdpa_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv))[0]),
+        "sdpa_causal_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal()))[0]),
+        "tiled_big_both": both(lambda: tiled.run(calls[0][0], False, calls[0][1])[0]),
+        "tiled_small_both": both(lambda: tiled.run(calls[1][0], False, calls[1][1])[0]),
+    }
     t = _fastest(fns, device)
-    q.grad = k.grad = v.grad = bq.grad = bk.grad = bv.grad = None
-    ratios = {f"{n}_backward": max(1.5, t[n + "_both"] / t[n]) for n in ("sdpa", "tiled")}
-    return ratios | {"sdpa_causal_backward": _causal_share(t["sdpa_causal_big_both"], t["sdpa_big_both"], 0.0)}
+    for x in (bq, bk, bv, sq, sk, sv):
+        x.grad = None
+    (f1, e1, p1), (f2, e2, p2) = (tiled_parts(*c) for c in calls)
+    fixed, elem, _ = _scales([(f1, e1 + p1, 0.0), (f2, e2 + p2, 0.0), (0.0, 0.0, 1.0)],
+                             [t["tiled_big_both"], t["tiled_small_both"], 1.0])  # a 2×2 fit (the third row pins a dummy)
+    return {"sdpa_backward": max(1.5, t["sdpa_big_both"] / t["sdpa_big"]),
+            "sdpa_causal_backward": _causal_share(t["sdpa_causal_big_both"], t["sdpa_big_both"], 0.0),
+            "tiled_backward": 1.0, "tiled_fixed_backward": fixed, "tiled_elem_backward": elem}
 
 
 FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a window of 256 at these lengths

@@ -129,8 +129,12 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     t0 = time.perf_counter()
     plan = tiled_plan.plan_for(p)
     planning = time.perf_counter() - t0 if c.source != "fixed" else 0.0  # fixed costs: deterministic estimates
-    fixed, per_entry = calibrate.tiled_parts(p, plan)
-    t = (fixed * c.tiled_fixed + per_entry * c.tiled_elem * _width(p)) * _grad_factor(c.tiled_backward, grad)
+    fixed, entries, partial = calibrate.tiled_parts(p, plan)
+    entries += partial * (1.0 if c.tiled_partial is None else c.tiled_partial / c.tiled_elem)  # the mask's extra, in entries
+    if grad and c.tiled_elem_backward is not None and c.tiled_fixed_backward is not None:  # measured forward+backward
+        t = fixed * c.tiled_fixed_backward + entries * c.tiled_elem_backward * _width(p)
+    else:
+        t = (fixed * c.tiled_fixed + entries * c.tiled_elem * _width(p)) * _grad_factor(c.tiled_backward, grad)
     note = f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles, planned in {1e3 * planning:.2g} ms"
     return Estimate(t + planning, note, plan)
 
@@ -165,8 +169,10 @@ def tiled_floor(p: Problem, grad: bool) -> float:
     ext = p.ext
     n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers(p.q.device)))
     m = tiled_plan.model(p.q.device)
-    t = m.call * c.tiled_fixed + m.row * ext.Q * ext.B * ext.H / n * c.tiled_elem * _width(p)
-    return t * _grad_factor(c.tiled_backward, grad)
+    rows = m.row * ext.Q * ext.B * ext.H / n * _width(p)
+    if grad and c.tiled_elem_backward is not None and c.tiled_fixed_backward is not None:
+        return m.call * c.tiled_fixed_backward + rows * c.tiled_elem_backward
+    return (m.call * c.tiled_fixed + rows * c.tiled_elem) * _grad_factor(c.tiled_backward, grad)
 
 
 def _grad_factor(ratio: float | None, grad: bool) -> float:

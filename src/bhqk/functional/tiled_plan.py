@@ -179,9 +179,17 @@ class Plan:
     def cost(self, rows_per_q: int, n_workers: int = 1) -> float:
         """Estimated seconds of one float32 forward at d = dv = 64 (``rows_per_q`` = B·H), by the
         plan's cost model (``model``); ``n_workers`` threads share the score entries."""
+        return sum(self.parts(rows_per_q, n_workers))
+
+    def parts(self, rows_per_q: int, n_workers: int = 1) -> tuple[float, float, float]:
+        """:meth:`cost` in three parts, which ``calibrate`` scales to the machine one by one: fixed
+        (per call, rectangle, row group), per entry and row (the matmuls, exp2, the O(Q·d) passes),
+        and the mask's extra on partial rectangles."""
         m, Q = self.model, (self.rows[-1].q1 if self.rows else 0)
-        per_worker = (self.computed * m.elem + self.partial_elems * m.partial_elem + Q * m.row) * rows_per_q / n_workers
-        return m.call + self.tiles * m.tile + self.blocks * m.block + self.partial * m.partial_tile + per_worker
+        fixed = m.call + self.tiles * m.tile + self.blocks * m.block
+        entries = (self.computed * m.elem + Q * m.row) * rows_per_q / n_workers
+        partial = self.partial * m.partial_tile + self.partial_elems * m.partial_elem * rows_per_q / n_workers
+        return fixed, entries, partial
 
 
 def _cuts(n: int, b: int) -> list[int]:
