@@ -100,7 +100,7 @@ def embed_argv(draw):
 def other_argv(draw):
     return draw(st.sampled_from([
         [], ["nonsense"], ["--nonsense"], ["demo", "--nonsense"], ["demo", "extra"],
-        ["show"], ["show", "a sentence"], ["show", "a", "--out", "x", "--layer", "one"],
+        ["show"], ["show", "a", "--out", "x", "--layer", "one"],
         ["show", "a", "--out", "x", "--head", "1.5"], ["explain"], ["mask"], ["generate"],
         ["calibrate", "--dtype", "int8"], ["calibrate", "--device", "tpu"], ["calibrate", "extra"], ["calibrate", "--flex=1"],
     ]))
