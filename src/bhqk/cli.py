@@ -125,7 +125,8 @@ def cmd_calibrate(a: argparse.Namespace) -> str:
     if a.flex:
         f = calibrate.measure_flex(dev, dtype)
         back = "no backward here" if f.backward is None else f"forward+backward × {f.backward:.2f}"
-        out.append(f"flex ({a.dtype}):  compile {f.compile:.3g} s, {1e6 * f.call:.3g} µs per call, "
+        out.append(f"flex ({a.dtype}):  compile {f.compile:.3g} s a kernel (+{f.first_compile:.3g} s for a process's first), "
+                   f"{1e6 * f.call:.3g} µs per call, "
                    f"{ns(f.elem)} per visited score entry, {back}; auto now weighs it")
     else:
         out.append("flex: not measured (--flex compiles a kernel: tens of seconds on a CPU); until it is, auto does not weigh it")

@@ -25,6 +25,7 @@ with every compile bhqk observes; until they exist, ``auto`` does not weigh ``fl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -96,6 +97,7 @@ class FlexCosts:
     elem: float
     backward: float | None = None
     source: str = "measured"
+    first_compile: float = 0.0  # what the first compile of a process pays on top (imports, compiler warm-up)
 
 
 _C = TypeVar("_C", Costs, FlexCosts)
@@ -150,14 +152,16 @@ def flex_costs(device: torch.device, dtype: torch.dtype) -> FlexCosts | None:
     return c
 
 
-def observed_compile(device: torch.device, dtype: torch.dtype, seconds: float) -> None:
-    """Record a compile bhqk just paid (the first call of a new FlexAttention kernel): the
-    estimate of the next compile on this machine, where FlexAttention's costs were measured."""
+def observed_compile(device: torch.device, dtype: torch.dtype, seconds: float, first_in_process: bool) -> None:
+    """Record a compile bhqk just paid (the first call of a new FlexAttention kernel), where
+    FlexAttention's costs were measured: the estimate of the next compile on this machine, or,
+    for the process's first compile, of its one-time excess (``first_compile``)."""
     if _FIXED_FLEX[0] is not None:
         return
     c = flex_costs(device, dtype)
     if c is not None:
-        _keep_flex(_key(device, dtype, "flex "), replace(c, compile=seconds))
+        c = replace(c, first_compile=max(seconds - c.compile, 0.0)) if first_in_process else replace(c, compile=seconds)
+        _keep_flex(_key(device, dtype, "flex "), c)
 
 
 def _keep_flex(key: tuple[str, str], c: FlexCosts) -> None:
@@ -359,11 +363,13 @@ FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a win
 
 
 def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
-    """Compile FlexAttention for a sliding-window mask (a fresh kernel, even if one is cached) and
-    time it: the first call is the compile, then calls at the two ``FLEX_N`` lengths (the same
-    kernel: dynamic sizes), interleaved, give the per-call and per-visited-entry costs; on CUDA
-    also forward+backward / forward. Stored for this machine: ``auto`` weighs ``flex`` from then
-    on. Tens of seconds on a CPU (the compile); a BackendError where FlexAttention cannot run."""
+    """Compile FlexAttention for two structures (a sliding window, then causal & window; fresh
+    kernels, even if cached): the second compile is what a kernel costs, the first's excess the
+    one-time cost of a process's first compile (when none ran before in this process). Then calls
+    at the two ``FLEX_N`` lengths (the same kernel: dynamic sizes), interleaved, give the per-call
+    and per-visited-entry costs; on CUDA also forward+backward / forward. Stored for this machine:
+    ``auto`` weighs ``flex`` from then on. Tens of seconds on a CPU (the compiles); a BackendError
+    where FlexAttention cannot run."""
     from ..errors import BackendError
     from . import flex
 
@@ -374,16 +380,23 @@ def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
     if reason is not None:
         raise BackendError(f"cannot measure FlexAttention on {device.type} in {dtype}: {reason}.")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    flex.forget(flex.kernel_key(calls[0]))  # the first call below compiles
+    other = dataclasses.replace(calls[0], mask=masks.causal() & window)  # another structure: a second kernel
+    fresh = not flex.compiled_any(device.type)  # the first compile of the process pays its one-time costs
+    seconds = []
     with torch.no_grad():
-        t0 = time.perf_counter()
-        flex.run(calls[0])
-        sync()
-        first = time.perf_counter() - t0
+        for p in (calls[0], other):
+            flex.forget(flex.kernel_key(p))  # the call below compiles
+            t0 = time.perf_counter()
+            flex.run(p)
+            sync()
+            seconds.append(time.perf_counter() - t0)
         t = _fastest({"short": lambda: flex.run(calls[0]), "long": lambda: flex.run(calls[1])}, device, rounds=3)
     e1, e2 = (flex.visited(p) for p in calls)
     elem = max(t["long"] - t["short"], 1e-9) / (e2 - e1)
-    c = FlexCosts(compile=max(first - t["short"], 0.0), call=max(t["short"] - elem * e1, 0.0), elem=elem)
+    old = flex_costs(device, dtype)
+    first = max(seconds[0] - seconds[1], 0.0) if fresh else (old.first_compile if old is not None else 0.0)
+    c = FlexCosts(compile=max(seconds[1] - t["short"], 0.0), call=max(t["short"] - elem * e1, 0.0), elem=elem,
+                  first_compile=first)
     if device.type != "cpu":  # FlexAttention has a backward here
         q, k, v = _inputs(device, dtype, FLEX_N[1], grad=True)
 

@@ -160,7 +160,8 @@ def estimate_flex(p: Problem, grad: bool) -> Estimate:
     key = flex.kernel_key(p)
     if not flex.uses_compile() or flex.compiled(key):
         return Estimate(t, note + ", compiled")
-    return Estimate(t, note, upfront=c.compile, upfront_key=("flex", key))
+    first = 0.0 if flex.compiled_any(dev.type) else c.first_compile  # the process's first compile pays extra
+    return Estimate(t, note, upfront=c.compile + first, upfront_key=("flex", key))
 
 
 def tiled_floor(p: Problem, grad: bool) -> float:
