@@ -134,7 +134,8 @@ def all_finite(*ts: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True
     for t in ts:
-        if t.numel() and not bool(torch.isfinite(t.sum(dtype=compute_dtype(t)))) and not bool(torch.isfinite(t).all()):
+        wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
+        if t.numel() and not bool(torch.isfinite(t.sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
             return False
     return True
 

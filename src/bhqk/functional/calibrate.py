@@ -103,7 +103,7 @@ class FlexCosts:
 _C = TypeVar("_C", Costs, FlexCosts)
 
 _MEMO: dict[tuple[str, str], Costs] = {}  # in-process: (device type, dtype) -> costs
-_FLEX_MEMO: dict[tuple[str, str], FlexCosts] = {}  # in-process: (device type, dtype) -> FlexAttention's costs
+_FLEX_MEMO: dict[tuple[str, str], FlexCosts | None] = {}  # in-process: (device type, dtype) -> FlexAttention's costs
 _FIXED: list[Callable[[str, torch.dtype], Costs] | None] = [None]  # set by fixed()
 _FIXED_FLEX: list[Callable[[str, torch.dtype], FlexCosts | None] | None] = [None]  # set by fixed(..., flex=)
 
@@ -144,12 +144,9 @@ def flex_costs(device: torch.device, dtype: torch.dtype) -> FlexCosts | None:
     if mode == "reference":
         return None
     key = _key(device, dtype, "flex ")
-    c = _FLEX_MEMO.get(key)
-    if c is None and mode != "measure":
-        c = _load(key, FlexCosts)
-        if c is not None:
-            _FLEX_MEMO[key] = c
-    return c
+    if key not in _FLEX_MEMO and mode != "measure":
+        _FLEX_MEMO[key] = _load(key, FlexCosts)  # None too: the file is read once per process, not per call
+    return _FLEX_MEMO.get(key)
 
 
 def observed_compile(device: torch.device, dtype: torch.dtype, seconds: float, first_in_process: bool) -> None:
