@@ -510,3 +510,18 @@ def test_inference_mode_and_no_double_backward():
     (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()  # FA-2's backward is not itself differentiable: an error, not a silent 0
+
+
+def test_plans_are_kept_per_mask_and_remade_when_its_tensor_is_written_in_place():
+    q = torch.randn(1, 4, 600, 16)
+    allowed = masks.sliding_window(64).materialize(1, 1, 600, 600).clone()  # [1, 1, Q, K]
+    m = masks.dense(allowed)
+    blocks = {"options": {"block_q": 64, "block_k": 64}}
+    first = plan_for(prepare(q, q, q, m, **blocks))
+    assert plan_for(prepare(q, q, q, m, **blocks)) is first  # every layer of a model shares one mask: planned once
+    assert plan_for(prepare(q[:, :2], q[:, :2], q[:, :2], m, **blocks)) is not first  # other sizes: another plan
+    allowed[..., :300, :] = True  # written in place: the kept plan would skip keys the mask now allows
+    again = plan_for(prepare(q, q, q, m, **blocks))
+    assert again is not first and again.computed > first.computed
+    out = bhqk.attention(q, q, q, m, backend="tiled", block_q=64, block_k=64)
+    torch.testing.assert_close(out, bhqk.attention(q, q, q, m, backend="reference"))

@@ -22,6 +22,7 @@ call takes (any non-CPU device; CPU tensors too inside :func:`device_mode`, a te
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -398,12 +399,50 @@ def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     return max(1, min(bq, ext.Q)), bk
 
 
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {call key: plan}
+_PLANS_UNMASKED: dict[tuple, Plan] = {}  # call key -> plan
+_KEPT = 16  # plans kept per mask (and without a mask); more: the oldest half is dropped
+
+
 def plan_for(p: Problem) -> Plan:
     """The tile plan for a call. ``block_q`` / ``block_k`` from ``p.options`` set the grid (and
     the row group is block_q rows); otherwise the row group comes from the heuristic and, with a
     mask, the grid is the candidate (``block_q`` = group/1 … /16, ``block_k`` = 256 or 128) whose
     estimated cost is lowest, so masks that skip work get blocks small enough to skip it.
-    No queries or no keys: an empty plan (every row fully masked)."""
+    No queries or no keys: an empty plan (every row fully masked).
+
+    Plans are kept per mask object (every layer of a model shares one) and call key: sizes,
+    K/V heads, the block options, the device path, the thread count and the version of every
+    tensor the mask holds, so writing into a mask's tensor in place makes a new plan."""
+    e = p.ext
+    key = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), on_device(p.q.device),
+           workers(p.q.device), _versions(p.mask))
+    store = _PLANS_UNMASKED if p.mask is None else _PLANS.setdefault(p.mask, {})
+    plan = store.get(key)
+    if plan is None:
+        plan = _plan(p)
+        if len(store) >= _KEPT:
+            for old in list(store)[: _KEPT // 2]:
+                del store[old]
+        store[key] = plan
+    return plan
+
+
+def _versions(x: object) -> tuple:
+    """(id, version) of every tensor a mask holds, its parts' included (what an in-place write changes)."""
+    if x is None:
+        return ()
+    out: list = []
+    for value in vars(x).values():
+        if isinstance(value, torch.Tensor):
+            out.append((id(value), value._version))
+        elif isinstance(value, Mask):
+            out.extend(_versions(value))
+    return tuple(out)
+
+
+def _plan(p: Problem) -> Plan:
+    """:func:`plan_for`, uncached."""
     bq_given, bk_given = _given(p, "block_q"), _given(p, "block_k")
     if p.ext.Q == 0 or p.ext.K == 0:
         return Plan(bq_given or 1, bk_given or 1, [], model=model(p.q.device))

@@ -29,7 +29,13 @@ class Dense(Mask):
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
         self.tensor = as_4d(tensor)  # [#B, #H, #Q, #K]
         self._polarity_checked = False
-        self._grids = _grids_of(tensor)  # classify_grid's results, per extent and grid
+        self._source = tensor  # as the caller passed it: its in-place version counter keys the grid cache
+
+    @property
+    def _grids(self) -> dict:
+        """classify_grid's results per extent and grid, shared by every Dense on this tensor and
+        valid while it is unchanged: an in-place write starts a new cache, as it must."""
+        return _grids_of(self._source)
 
     def check(self, ext: Extent) -> None:
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
