@@ -256,10 +256,13 @@ def correctness_section(r: Run) -> None:
                         bound = {n: 2 * y + (1e-5 if dt == torch.float32 else 1e-3)
                                  for n, y in zip(("fwd", "dq", "dk", "dv"), yerr)}
                         rec["within_bound"] = all(e is not None and e <= bound[n] for n, e in errs.items())
-                        if be == "tiled" and r.dev.type == "cuda":
-                            rec["host_syncs"] = tiled_syncs(q, k, v, dout, kw)
                     except Exception as e:  # noqa: BLE001 — a refusal (why_not) is a result
                         rec["error"] = err(e)
+                    if be == "tiled" and r.dev.type == "cuda":
+                        try:
+                            rec["host_syncs"] = tiled_syncs(q, k, v, dout, kw)
+                        except Exception as e:  # noqa: BLE001 — the count failed, not the backend
+                            rec["host_syncs_error"] = err(e)
                 r.data["correctness"].append(rec)
                 shown = rec.get("error") or rec.get("note") or (
                     f"out {rec['fwd_err']:.2e}  "

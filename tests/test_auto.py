@@ -185,6 +185,8 @@ def test_the_tile_models_three_parts_are_fitted_exactly_when_consistent():
     assert calibrate._scales(parts, times) == pytest.approx(scales)
     one = calibrate._scales(parts, [times[0], -1.0, times[2]])  # noise that makes a scale negative: one scale for all
     assert one[0] == one[1] == one[2] > 0
+    two = calibrate._scales([(0.01, 0.05), (0.005, 0.0005)], [0.30, 0.002])  # the backward's 2×2 fit, noisy
+    assert two == pytest.approx((0.302 / 0.0655,) * 2)  # the total over the total, nothing else in either sum
 
 
 def test_models_use_auto_directly():

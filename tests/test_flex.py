@@ -245,7 +245,7 @@ FLEX = calibrate.FlexCosts(compile=0.5, call=1e-4, elem=0.2e-9)  # a FlexAttenti
 
 @pytest.fixture
 def flex_costs():
-    with calibrate.fixed(flex=FLEX):
+    with calibrate.fixed(flex_costs=FLEX):
         registry._SAVED.clear()
         yield
         registry._SAVED.clear()
@@ -257,7 +257,7 @@ def _window_call(Q=4096, seed=0):
 
 
 def test_auto_compiles_flex_once_repeated_calls_have_paid_for_it(flex_costs, monkeypatch):
-    monkeypatch.setattr(flex, "compiled", lambda key: False)  # never compiled: decide only, nothing runs
+    monkeypatch.setattr(flex, "compiled", lambda key, backward=False: False)  # never compiled: decide only, nothing runs
     p = _window_call()
     with torch.no_grad():
         first = decide(p, False)
@@ -275,7 +275,7 @@ def test_auto_compiles_flex_once_repeated_calls_have_paid_for_it(flex_costs, mon
 
 
 def test_auto_never_compiles_flex_for_tiny_calls_or_when_only_asked(flex_costs, monkeypatch):
-    monkeypatch.setattr(flex, "compiled", lambda key: False)
+    monkeypatch.setattr(flex, "compiled", lambda key, backward=False: False)
     tiny = _window_call(Q=64)
     big = _window_call()
     with torch.no_grad():
@@ -287,7 +287,7 @@ def test_auto_never_compiles_flex_for_tiny_calls_or_when_only_asked(flex_costs, 
 
 
 def test_auto_picks_a_compiled_flex_kernel_from_the_first_call(flex_costs, monkeypatch):
-    monkeypatch.setattr(flex, "compiled", lambda key: True)
+    monkeypatch.setattr(flex, "compiled", lambda key, backward=False: True)
     with torch.no_grad():
         c = decide(_window_call(), False)
     assert c.name == "flex" and "compiled" in c.reason and "pays" not in c.reason
@@ -311,6 +311,7 @@ def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs):
 
 def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch):
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(registry, "_SAVED", {})  # the decide below records: keep it out of other tests
     monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))  # the eager path builds [1, 4, N, N]: keep it small
     with flex.uncompiled():

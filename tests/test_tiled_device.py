@@ -1,7 +1,7 @@
 """The tiled backend's device path (what CUDA tensors take), run on the CPU with ``tiled.device_mode()``:
 it equals the reference (outputs, lse, gradients of q, k, v, a dense bias and sinks) for every mask
 kind and feature; its tile loops read nothing from the device (``Tensor.__bool__`` / ``item`` /
-``tolist`` / ``__int__`` / ``__float__`` are counted while ``_forward_part`` and ``_backward_part``
+``tolist`` / ``__int__`` / ``__float__`` / ``__index__`` are counted while ``_forward_part`` and ``_backward_part``
 run) and never use the worker pool; the CPU path still takes its host-checked shortcuts."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from bhqk.functional.tiled_plan import CPU_MODEL, CUDA_MODEL, device_mode, on_de
 from conftest import mask_kinds, qkv
 
 NAN, INF = float("nan"), float("inf")
-READS = ("__bool__", "item", "tolist", "__int__", "__float__")  # every way a tensor's value reaches Python
+READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")  # the ways a tensor's value reaches Python
 
 
 class Reads:

@@ -119,9 +119,11 @@ def cmd_calibrate(a: argparse.Namespace) -> str:
     c = calibrate.remeasure(dev, dtype)
     ns = lambda t: f"{1e9 * t:.3g} ns"  # noqa: E731
     out += [f"SDPA ({a.dtype}):  {1e6 * c.sdpa_call:.3g} µs per call, {ns(c.sdpa_elem)} per score entry, "
-            f"causal × {c.sdpa_causal:.2f}, forward+backward × {c.sdpa_backward:.2f}",
-            f"tiled ({a.dtype}): fixed part × {c.tiled_fixed:.2f} and per-entry part × {c.tiled_elem:.2f} of the "
-            f"reference machine's, forward+backward × {c.tiled_backward:.2f}"]
+            f"causal × {c.sdpa_causal:.2f} (forward+backward × {c.sdpa_causal_backward:.2f}), "
+            f"forward+backward × {c.sdpa_backward:.2f}",
+            f"tiled ({a.dtype}): the reference machine's tile model × {c.tiled_fixed:.2f} (fixed part), "
+            f"× {c.tiled_elem:.2f} (per entry), × {c.tiled_partial:.2f} (masked tiles); forward+backward: "
+            f"× {c.tiled_fixed_backward:.2f} (fixed), × {c.tiled_elem_backward:.2f} (per entry)"]
     if a.flex:
         f = calibrate.measure_flex(dev, dtype)
         back = "no backward here" if f.backward is None else f"forward+backward × {f.backward:.2f}"
@@ -129,7 +131,8 @@ def cmd_calibrate(a: argparse.Namespace) -> str:
                    f"{1e6 * f.call:.3g} µs per call, "
                    f"{ns(f.elem)} per visited score entry, {back}; auto now weighs it")
     else:
-        out.append("flex: not measured (--flex compiles a kernel: tens of seconds on a CPU); until it is, auto does not weigh it")
+        out.append("flex: not measured (--flex compiles two kernels: tens of seconds on a CPU); "
+                   "until it is, auto does not weigh it")
     return "\n".join(out)
 
 

@@ -30,12 +30,17 @@ class PerformanceHint(UserWarning):
 
 def warn_misuse(message: str) -> None:
     """Warn with MisuseWarning, attributed to the first caller outside bhqk (the user's line)."""
+    warn_user(message, MisuseWarning)
+
+
+def warn_user(message: str, category: type[Warning]) -> None:
+    """Warn with ``category``, attributed to the first caller outside bhqk (the user's line)."""
     import sys
     import warnings
     from types import FrameType
 
-    level = 2  # stacklevel 2 = the caller of warn_misuse
-    frame: FrameType | None = sys._getframe(1)
+    level = 3  # stacklevel 3 = the caller of the function that called warn_user
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "bhqk":
         level, frame = level + 1, frame.f_back
-    warnings.warn(message, MisuseWarning, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level)

@@ -11,13 +11,14 @@ and torch version, so a process pays for the measurement once per machine.
 
 - unset: measured, cached in ``$XDG_CACHE_HOME/bhqk/costs.json`` (``~/.cache/bhqk/costs.json``);
 - a file path: the same, cached in that file (edit it to override a measured value);
-- ``reference``: the built-in costs of the 2-core Xeon the project was tuned on (no measuring);
+- ``reference``: the built-in costs of the 2-core Xeon the project was tuned on (no measuring; CPU
+  figures, not meaningful on another device);
 - ``measure``: measured in every process, never read from or written to a file.
 
 Tests inject fixed costs with :func:`fixed`, so the choices they check do not depend on the machine.
 
 FlexAttention's costs (:class:`FlexCosts`: the compile, per call, per visited score entry) are
-never measured implicitly: measuring them compiles a kernel (tens of seconds on a CPU). They are
+never measured implicitly: measuring them compiles kernels (tens of seconds on a CPU). They are
 measured by :func:`measure_flex` (``bhqk calibrate --flex``), kept in the same file, and updated
 with every compile bhqk observes; until they exist, ``auto`` does not weigh ``flex``.
 """
@@ -98,6 +99,7 @@ class FlexCosts:
     backward: float | None = None
     source: str = "measured"
     first_compile: float = 0.0  # what the first compile of a process pays on top (imports, compiler warm-up)
+    backward_compile: float | None = None  # the backward's compile, at the first backward (None: not measured)
 
 
 _C = TypeVar("_C", Costs, FlexCosts)
@@ -105,7 +107,7 @@ _C = TypeVar("_C", Costs, FlexCosts)
 _MEMO: dict[tuple[str, str], Costs] = {}  # in-process: (device type, dtype) -> costs
 _FLEX_MEMO: dict[tuple[str, str], FlexCosts | None] = {}  # in-process: (device type, dtype) -> FlexAttention's costs
 _FIXED: list[Callable[[str, torch.dtype], Costs] | None] = [None]  # set by fixed()
-_FIXED_FLEX: list[Callable[[str, torch.dtype], FlexCosts | None] | None] = [None]  # set by fixed(..., flex=)
+_FIXED_FLEX: list[Callable[[str, torch.dtype], FlexCosts | None] | None] = [None]  # set by fixed(..., flex_costs=)
 
 
 def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs:
@@ -168,16 +170,16 @@ def _keep_flex(key: tuple[str, str], c: FlexCosts) -> None:
 
 
 @contextlib.contextmanager
-def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex: FlexCosts | None = None) -> Iterator[None]:
+def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex_costs: FlexCosts | None = None) -> Iterator[None]:
     """Use fixed costs inside the ``with`` block (default: ``REFERENCE``), whatever the machine;
-    estimates are then pure functions of the call (no measured planning time). ``flex``:
+    estimates are then pure functions of the call (no measured planning time). ``flex_costs``:
     FlexAttention's costs for every device and dtype (default None: auto does not weigh it)."""
     table = REFERENCE if table is None else table
     if isinstance(table, Costs):
         table = replace(table, source="fixed")
     else:
         table = {dt: replace(c, source="fixed") for dt, c in table.items()}
-    fixed_flex = None if flex is None else replace(flex, source="fixed")
+    fixed_flex = None if flex_costs is None else replace(flex_costs, source="fixed")
     old, old_flex = _FIXED[0], _FIXED_FLEX[0]
     _FIXED[0] = (lambda dev, dt: table) if isinstance(table, Costs) else (lambda dev, dt: table.get(dt, table[torch.float32]))
     _FIXED_FLEX[0] = lambda dev, dt: fixed_flex
@@ -267,30 +269,31 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     call = min(t["call"], t["plain"])
     elem = max(t["plain_big"] - call, 0.1 * t["plain_big"]) / (H * N_BIG**2)
     a_fixed, a_elem, a_partial = _scales([tiled_parts(*c) for c in tiled_calls],
-                                         [t["tiled"], t["tiled_window"], t["tiled_small"]])
+                                         [t["tiled"], t["tiled_window"], t["tiled_small"]])  # a 3×3 solve
     causal = _causal_share(t["causal_big"], t["plain_big"], call)
     return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N),
                  tiled_partial=a_partial)
 
 
-def _scales(parts: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
-    """The scales (fixed, per-entry, partial) that make the model's parts add up to the measured
-    times of the three tiled calls (a 3×3 solve); where noise makes one of them ≤ 0, one scale
-    for all three (the total over the total)."""
+def _scales(parts: list[tuple[float, ...]], times: list[float]) -> tuple[float, ...]:
+    """The scales of the model's parts (columns: fixed, per-entry[, partial]) that make them add
+    up to the measured times of as many tiled calls (a square solve); where noise makes one of
+    them ≤ 0, one scale for all (the total over the total)."""
     try:
         x = torch.linalg.solve(torch.tensor(parts, dtype=torch.float64), torch.tensor(times, dtype=torch.float64))
         if bool((x > 0).all()):
-            return float(x[0]), float(x[1]), float(x[2])
+            return tuple(float(s) for s in x)
     except RuntimeError:  # a singular system
         pass
     one = sum(times) / sum(map(sum, parts))
-    return one, one, one
+    return (one,) * len(parts[0])
 
 
 def _with_backward(c: Costs, b: dict[str, float]) -> Costs:
-    return replace(c, sdpa_backward=b["sdpa_backward"], tiled_backward=b["tiled_backward"],
-                   sdpa_causal_backward=b["sdpa_causal_backward"], tiled_fixed_backward=b["tiled_fixed_backward"],
-                   tiled_elem_backward=b["tiled_elem_backward"])
+    """``c`` with the forward+backward costs ``b`` (``tiled_backward``, a ratio, stays None: the tile
+    model's own scales replace it)."""
+    return replace(c, sdpa_backward=b["sdpa_backward"], sdpa_causal_backward=b["sdpa_causal_backward"],
+                   tiled_fixed_backward=b["tiled_fixed_backward"], tiled_elem_backward=b["tiled_elem_backward"])
 
 
 def _causal_share(causal: float, plain: float, call: float) -> float:
@@ -349,11 +352,10 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     for x in (bq, bk, bv, sq, sk, sv):
         x.grad = None
     (f1, e1, p1), (f2, e2, p2) = (tiled_parts(*c) for c in calls)
-    fixed, elem, _ = _scales([(f1, e1 + p1, 0.0), (f2, e2 + p2, 0.0), (0.0, 0.0, 1.0)],
-                             [t["tiled_big_both"], t["tiled_small_both"], 1.0])  # a 2×2 fit (the third row pins a dummy)
+    fixed, elem = _scales([(f1, e1 + p1), (f2, e2 + p2)], [t["tiled_big_both"], t["tiled_small_both"]])
     return {"sdpa_backward": max(1.5, t["sdpa_big_both"] / t["sdpa_big"]),
             "sdpa_causal_backward": _causal_share(t["sdpa_causal_big_both"], t["sdpa_big_both"], 0.0),
-            "tiled_backward": 1.0, "tiled_fixed_backward": fixed, "tiled_elem_backward": elem}
+            "tiled_fixed_backward": fixed, "tiled_elem_backward": elem}
 
 
 FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a window of 256 at these lengths
@@ -361,10 +363,12 @@ FLEX_N = (1024, 2048)  # FlexAttention is timed on [1, H, N, D] calls with a win
 
 def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
     """Compile FlexAttention for two structures (a sliding window, then causal & window; fresh
-    kernels, even if cached): the second compile is what a kernel costs, the first's excess the
-    one-time cost of a process's first compile (when none ran before in this process). Then calls
+    kernels, Inductor's on-disk caches off, so what is measured is a new structure's compile): the
+    second compile is what a kernel costs, the first's excess the one-time cost of a process's
+    first compile (when none ran before in this process). Then calls
     at the two ``FLEX_N`` lengths (the same kernel: dynamic sizes), interleaved, give the per-call
-    and per-visited-entry costs; on CUDA also forward+backward / forward. Stored for this machine:
+    and per-visited-entry costs; on CUDA also forward+backward / forward and the backward's compile
+    (its first backward, caches off). Stored for this machine:
     ``auto`` weighs ``flex`` from then on. Tens of seconds on a CPU (the compiles); a BackendError
     where FlexAttention cannot run."""
     from ..errors import BackendError
@@ -382,10 +386,11 @@ def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
     seconds = []
     with torch.no_grad():
         for p in (calls[0], other):
-            flex.forget(flex.kernel_key(p))  # the call below compiles
-            t0 = time.perf_counter()
-            flex.run(p)
-            sync()
+            flex.forget(flex.kernel_key(p))  # the call below compiles, from scratch (no on-disk caches):
+            with torch._inductor.config.patch(force_disable_caches=True):  # a new structure's compile
+                t0 = time.perf_counter()
+                flex.run(p)
+                sync()
             seconds.append(time.perf_counter() - t0)
         t = _fastest({"short": lambda: flex.run(calls[0]), "long": lambda: flex.run(calls[1])}, device, rounds=3)
     e1, e2 = (flex.visited(p) for p in calls)
@@ -401,7 +406,13 @@ def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
             out, _ = flex.run(prepare(q, k, v, window))
             out.sum().backward()
 
-        c = replace(c, backward=max(1.5, _fastest({"both": both}, device, rounds=3)["both"] / t["long"]))
+        with torch._inductor.config.patch(force_disable_caches=True):
+            t0 = time.perf_counter()
+            both()  # the first backward compiles the backward kernel
+            sync()
+            first_both = time.perf_counter() - t0
+        steady = _fastest({"both": both}, device, rounds=3)["both"]
+        c = replace(c, backward=max(1.5, steady / t["long"]), backward_compile=max(first_both - steady, 0.0))
     _keep_flex(_key(device, dtype, "flex "), c)
     return c
 

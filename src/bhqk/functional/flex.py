@@ -55,6 +55,7 @@ BLOCK = 128  # FlexAttention's sparse block (tile) size
 
 _KERNELS: dict[tuple, object] = {}  # key -> compiled function
 _WARM: set[tuple] = set()  # keys whose kernel has run (compiled) at least once
+_WARM_BACKWARD: set[tuple] = set()  # keys that have run with gradients (their backward compiles at the first backward)
 _COMPILE = True
 _BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> (key, BlockMask) of its last call
 
@@ -103,6 +104,8 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
             return reason
     if p.dropout_p > 0:
         return "FlexAttention has no dropout"
+    if dev.type == "cuda" and min(p.sizes["d"], p.sizes["dv"]) < 16:
+        return f"FlexAttention's CUDA kernel needs head dims of at least 16 (d={p.sizes['d']}, dv={p.sizes['dv']})"
     if dev.type == "cpu" and _grad(p):
         return ("FlexAttention does not support backward on CPU (torch 2.13); run under torch.no_grad() or with "
                 "tensors that do not require grad, or use backend='tiled'")
@@ -250,9 +253,10 @@ def kernel_key(p: Problem) -> tuple:
             q.device.type != "cpu", p.scale, _structure(p.mask), _structure(p.bias), p.softcap is not None)
 
 
-def compiled(key: tuple) -> bool:
-    """Whether the kernel for ``key`` has compiled (run once) in this process."""
-    return key in _WARM
+def compiled(key: tuple, backward: bool = False) -> bool:
+    """Whether the kernel for ``key`` has compiled (run once) in this process; ``backward``: and
+    run with gradients (so its backward compiles, or has compiled, at the first backward)."""
+    return key in (_WARM_BACKWARD if backward else _WARM)
 
 
 def compiled_any(device_type: str) -> bool:
@@ -264,6 +268,7 @@ def forget(key: tuple) -> None:
     """Drop the kernel for ``key``: its next call compiles again (``calibrate.measure_flex``)."""
     _KERNELS.pop(key, None)
     _WARM.discard(key)
+    _WARM_BACKWARD.discard(key)
 
 
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -303,6 +308,8 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
         calibrate.observed_compile(q.device, q.dtype, time.perf_counter() - t0, first)
     else:
         out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
+    if _COMPILE and _grad(p):
+        _WARM_BACKWARD.add(key)
     if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
         s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
         out = (out * torch.sigmoid(lse - s)[..., None]).to(out.dtype)  # [B, H, Q, dv]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..bias import Dense as DenseBias
-from ..errors import BackendError, PerformanceHint
+from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Dense
 from . import calibrate, flex, reference, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
@@ -151,17 +150,20 @@ def estimate_flex(p: Problem, grad: bool) -> Estimate:
     if c is None:
         where = f"{dev.type}, {str(dt).removeprefix('torch.')}"
         return Estimate(math.inf, f"{_UNMEASURED} ({where}); "
-                                  "`bhqk calibrate --flex` measures them once (it compiles a kernel)")
+                                  "`bhqk calibrate --flex` measures them once (it compiles kernels)")
     if grad and c.backward is None:
         return Estimate(math.inf, "its forward+backward was never measured on this machine")
     entries = flex.visited(p)
     t = (c.call + entries * c.elem * _width(p)) * _grad_factor(c.backward, grad)
     note = f"{entries / max(1, p.ext.B * p.ext.H * p.ext.Q * p.ext.K):.0%} of the scores in the blocks it visits"
     key = flex.kernel_key(p)
-    if not flex.uses_compile() or flex.compiled(key):
+    forward_paid = not flex.uses_compile() or flex.compiled(key)
+    backward_paid = not grad or not flex.uses_compile() or flex.compiled(key, backward=True)
+    if forward_paid and backward_paid:
         return Estimate(t, note + ", compiled")
-    first = 0.0 if flex.compiled_any(dev.type) else c.first_compile  # the process's first compile pays extra
-    return Estimate(t, note, upfront=c.compile + first, upfront_key=("flex", key))
+    upfront = 0.0 if forward_paid else c.compile + (0.0 if flex.compiled_any(dev.type) else c.first_compile)
+    upfront += 0.0 if backward_paid else (c.compile if c.backward_compile is None else c.backward_compile)
+    return Estimate(t, note, upfront=upfront, upfront_key=("flex", key, grad))
 
 
 def tiled_floor(p: Problem, grad: bool) -> float:
@@ -278,7 +280,7 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
             estimates[be.name] = be.estimate
     found: dict[str, Estimate] = {}
     for name in sorted(floors, key=floors.__getitem__):
-        best = min((e.seconds for e in found.values() if not e.upfront), default=math.inf)  # upfront: maybe not weighed
+        best = min((e.seconds for e in found.values() if e.upfront_key is None), default=math.inf)  # upfront: maybe not weighed
         if floors[name] >= best:
             refused[name] = f"its fixed costs alone (≈ {_ms(floors[name])}) exceed that"
             continue
@@ -296,7 +298,7 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
         )
     ranked = sorted(found, key=lambda n: found[n].seconds)
     win = ranked[0]
-    if record and found[win].upfront:
+    if record and found[win].upfront_key is not None:
         _SAVED.pop(found[win].upfront_key, None)  # paid: its later calls start from nothing
 
     def said(n: str) -> str:
@@ -321,10 +323,10 @@ def flex_hint(device_type: str, dtype: torch.dtype, winner: str, flex_refusal: s
         return
     if (device_type, dtype) not in _HINTED:
         _HINTED.add((device_type, dtype))
-        warnings.warn(f"bhqk: auto ran the tiled backend on {device_type} ({str(dtype).removeprefix('torch.')}) because "
-                      "FlexAttention's costs were never measured on this machine; on a GPU FlexAttention is usually much "
-                      f"faster for masks: run `bhqk calibrate --device {device_type} --flex` once (it is kept for this "
-                      "machine), or pass backend='flex'.", PerformanceHint, stacklevel=2)
+        warn_user(f"bhqk: auto ran the tiled backend on {device_type} ({str(dtype).removeprefix('torch.')}) because "
+                  "FlexAttention's costs were never measured on this machine; on a GPU FlexAttention is usually much "
+                  f"faster for masks: run `bhqk calibrate --device {device_type} --flex` once (it is kept for this "
+                  "machine), or pass backend='flex'.", PerformanceHint)
 
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
@@ -340,11 +342,11 @@ def _weigh_upfront(found: dict[str, Estimate], refused: dict[str, str], record: 
     """Drop from ``found`` (into ``refused``, with the reason) every estimate whose upfront cost is
     not paid for yet (see :func:`decide`), recording what it would have saved; return a note for
     each that stays ("compiles now")."""
-    paid = [e.seconds for e in found.values() if not e.upfront]
+    paid = [e.seconds for e in found.values() if e.upfront_key is None]
     best = min(paid, default=math.inf)
     paying = {}
     for name, est in list(found.items()):
-        if not est.upfront:
+        if est.upfront_key is None:
             continue
         saved, gain = _SAVED.get(est.upfront_key, 0.0), max(0.0, best - est.seconds)
         if saved > 0 and saved + gain >= est.upfront:

@@ -282,7 +282,7 @@ def _staged(x: Any, device: torch.device) -> Any:
     return y
 
 
-def _on_device(p: Problem) -> Problem:
+def _staged_problem(p: Problem) -> Problem:
     """The call with its mask and bias staged on q's device (the device path only)."""
     dev = p.q.device
     mask, bias = _staged(p.mask, dev), _staged(p.bias, dev)
@@ -500,7 +500,7 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     if lse.numel() == 0 or plan.tiles == 0:
         return out, lse
     if on_device(p.q.device):
-        p = _on_device(p)
+        p = _staged_problem(p)
     finite = all_finite(p.k, p.v)
     if not finite and H > Hkv:
         return _forward(_per_query_head(p), plan)
@@ -732,7 +732,7 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     if Q == 0 or plan.tiles == 0:
         return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
     if on_device(p.q.device):
-        p = _on_device(p)
+        p = _staged_problem(p)
     finite = all_finite(p.k, p.v)
     if not finite and G > 1:
         gq, gk, gv, gb = _backward_ng(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
