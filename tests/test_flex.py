@@ -432,3 +432,16 @@ def test_gpu_benchmark_logic_runs_on_the_cpu_in_smoke_mode(tmp_path):
     assert {x["backend"] for x in judged} >= {"reference", "torch", "tiled", "auto"}  # flex: no CPU backward
     assert data["costs"]["flex_costs"]["elem"] > 0 and len(data["costs"]["choices"]) == 2 * 4 * 2
     assert not data.get("errors")
+
+
+def test_why_not_says_when_the_cpu_has_no_cpp_compiler(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    flex._no_compiler_for.cache_clear()
+    try:
+        q, k, v = qkv(1, 2, None, 4, 4, 8)
+        with torch.no_grad():
+            assert "needs a C++ compiler (g++ / clang++) and none is on PATH" in bhqk.why_not("flex", q, k, v)
+    finally:
+        flex._no_compiler_for.cache_clear()

@@ -35,6 +35,7 @@ estimate of the next (``calibrate.observed_compile``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import time
 import types
@@ -79,11 +80,18 @@ def _grad(p: Problem) -> bool:
 
 
 def _no_compiler(device: torch.device) -> str | None:
+    """Why torch.compile cannot build a kernel for ``device`` here (None: it can); looked up once
+    per device type (``auto`` asks on every call)."""
+    return _no_compiler_for(device.type)
+
+
+@functools.cache
+def _no_compiler_for(device_type: str) -> str | None:
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile is unavailable in this Python / torch build"
-    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+    if device_type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         return "torch.compile for the CPU needs a C++ compiler (g++ / clang++) and none is on PATH"
-    if device.type == "cuda":
+    if device_type == "cuda":
         from torch.utils._triton import has_triton
 
         if not has_triton():
