@@ -145,7 +145,7 @@ FAKE = calibrate.Costs(1e-5, 1e-9, 0.6, 1e-10, 2.0, 3.0, 1e-10, source="measured
 def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(calibrate, "measure", lambda dev, dt: calls.append(dt) or FAKE)
-    backward = {"sdpa_backward": 4.0, "tiled_backward": 1.0, "sdpa_causal_backward": 0.7, "tiled_fixed_backward": 2.0,
+    backward = {"sdpa_backward": 4.0, "sdpa_causal_backward": 0.7, "sdpa_mask_elem_backward": 1e-10, "tiled_fixed_backward": 2.0,
                 "tiled_elem_backward": 3.0}
     monkeypatch.setattr(calibrate, "measure_backward", lambda dev, dt: backward)
     monkeypatch.setattr(calibrate, "_MEMO", {})

@@ -74,6 +74,7 @@ class Costs:
     tiled_partial: float | None = None  # scale of the tile model's partial (mask) part (None: tiled_elem)
     tiled_fixed_backward: float | None = None  # forward+backward scales of the tile model's fixed and per-entry
     tiled_elem_backward: float | None = None  # parts (None: the forward's × tiled_backward)
+    sdpa_mask_elem_backward: float | None = None  # a dense mask's extra per entry, forward+backward (None: × sdpa_backward)
 
 
 # The 2-core Intel Xeon (AVX-512, AMX) the project was first tuned on, torch 2.13, B=1, H=8, d=64 (the constants
@@ -123,7 +124,7 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
         c = _load(key, Costs)
     if c is None:
         c = measure(device, dtype)
-    if grad and None in (c.sdpa_backward, c.sdpa_causal_backward, c.tiled_elem_backward):
+    if grad and None in (c.sdpa_backward, c.sdpa_causal_backward, c.sdpa_mask_elem_backward, c.tiled_elem_backward):
         c = _with_backward(c, measure_backward(device, dtype))
     if _MEMO.get(key) != c:
         _MEMO[key] = c
@@ -293,7 +294,8 @@ def _with_backward(c: Costs, b: dict[str, float]) -> Costs:
     """``c`` with the forward+backward costs ``b`` (``tiled_backward``, a ratio, stays None: the tile
     model's own scales replace it)."""
     return replace(c, sdpa_backward=b["sdpa_backward"], sdpa_causal_backward=b["sdpa_causal_backward"],
-                   tiled_fixed_backward=b["tiled_fixed_backward"], tiled_elem_backward=b["tiled_elem_backward"])
+                   sdpa_mask_elem_backward=b["sdpa_mask_elem_backward"], tiled_fixed_backward=b["tiled_fixed_backward"],
+                   tiled_elem_backward=b["tiled_elem_backward"])
 
 
 def _causal_share(causal: float, plain: float, call: float) -> float:
@@ -327,9 +329,10 @@ def tiled_parts(p, plan) -> tuple[float, float, float]:
 def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Forward+backward costs, interleaved, at N = ``N_BIG`` (where per-entry costs dominate as in
     the calls that matter; at N = 512 fixed costs dominated both backwards, SDPA's 20×): SDPA's
-    forward+backward / forward and is_causal's share of it; the tiled backend's fixed and per-entry
-    scales of its tile model, from a no-mask call and an overhead-bound one (few rows), since its
-    forward+backward / forward ratio grows with N (2.3 at 1024, 3.6 at 4096 on a 2-core Xeon)."""
+    forward+backward / forward, is_causal's share of it and a dense mask's extra per entry; the tiled
+    backend's fixed and per-entry scales of its tile model, from a no-mask call and an
+    overhead-bound one (few rows), since its forward+backward / forward ratio grows with N (2.3
+    at 1024, 3.6 at 4096 on a 2-core Xeon)."""
     bq, bk, bv = _inputs(device, dtype, N_BIG, grad=True)
     sq, sk, sv = _inputs(device, dtype, 128, 1, grad=True)
     calls = [(p, tiled_plan.plan_for(p)) for p in (prepare(bq, bk, bv), prepare(sq, sk, sv, masks.causal()))]
@@ -341,9 +344,11 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
         with torch.no_grad():
             torch_sdpa.run(prepare(bq, bk, bv))
 
+    dense = masks.dense(torch.rand(1, 1, N_BIG, N_BIG, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
     fns: dict[str, Callable[[], object]] = {
         "sdpa_big": sdpa_big,
         "sdpa_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv))[0]),
+        "sdpa_mask_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv, dense))[0]),
         "sdpa_causal_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal()))[0]),
         "tiled_big_both": both(lambda: tiled.run(calls[0][0], False, calls[0][1])[0]),
         "tiled_small_both": both(lambda: tiled.run(calls[1][0], False, calls[1][1])[0]),
@@ -355,6 +360,7 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     fixed, elem = _scales([(f1, e1 + p1), (f2, e2 + p2)], [t["tiled_big_both"], t["tiled_small_both"]])
     return {"sdpa_backward": max(1.5, t["sdpa_big_both"] / t["sdpa_big"]),
             "sdpa_causal_backward": _causal_share(t["sdpa_causal_big_both"], t["sdpa_big_both"], 0.0),
+            "sdpa_mask_elem_backward": max(0.0, t["sdpa_mask_big_both"] - t["sdpa_big_both"]) / (H * N_BIG**2),
             "tiled_fixed_backward": fixed, "tiled_elem_backward": elem}
 
 

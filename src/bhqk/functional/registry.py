@@ -106,19 +106,24 @@ def estimate_torch(p: Problem, grad: bool) -> Estimate:
     e = p.ext
     entries = e.B * e.H * e.Q * e.K
     t, note = entries * c.sdpa_elem * _width(p), ""
+    measured_mask = grad and c.sdpa_mask_elem_backward is not None  # its forward+backward with a mask, measured
     if torch_sdpa.structure_free(p):
         if p.mask is not None:  # is_causal: its share of the time, forward or forward+backward
             t *= c.sdpa_causal_backward if grad and c.sdpa_causal_backward is not None else c.sdpa_causal
+        t *= _grad_factor(c.sdpa_backward, grad)
     else:
         dense = _dense_entries(p)
         if dense > DENSE_LIMIT:
             return Estimate(math.inf, f"it would need a dense mask/bias of {dense} entries (> {DENSE_LIMIT}); "
                             "auto does not build O(Q·K) tensors for it")
-        t += entries * c.sdpa_mask_elem
+        if measured_mask:  # the mask's extra per entry, forward+backward
+            t = t * _grad_factor(c.sdpa_backward, grad) + entries * (c.sdpa_mask_elem_backward or 0.0)
+        else:
+            t = (t + entries * c.sdpa_mask_elem) * _grad_factor(c.sdpa_backward, grad)
         built = isinstance(p.mask, (Dense, type(None))) and (p.bias is None or isinstance(p.bias, DenseBias))
-        t += 0.0 if built else dense * c.sdpa_build_elem
+        t += 0.0 if built else dense * c.sdpa_build_elem  # built once, forward or not
         note = f"dense mask {dense / 1e6:.3g} M entries" + ("" if built else ", built for it")
-    return Estimate(t * _grad_factor(c.sdpa_backward, grad) + c.sdpa_call, note)
+    return Estimate(t + c.sdpa_call, note)
 
 
 def estimate_tiled(p: Problem, grad: bool) -> Estimate:
