@@ -519,6 +519,7 @@ def test_plans_are_kept_per_mask_and_remade_when_its_tensor_is_written_in_place(
     blocks = {"options": {"block_q": 64, "block_k": 64}}
     first = plan_for(prepare(q, q, q, m, **blocks))
     assert plan_for(prepare(q, q, q, m, **blocks)) is first  # every layer of a model shares one mask: planned once
+    assert plan_for(prepare(q, q, q, allowed, **blocks)) is first  # or one tensor, wrapped anew at each call
     assert plan_for(prepare(q[:, :2], q[:, :2], q[:, :2], m, **blocks)) is not first  # other sizes: another plan
     allowed[..., :300, :] = True  # written in place: the kept plan would skip keys the mask now allows
     again = plan_for(prepare(q, q, q, m, **blocks))

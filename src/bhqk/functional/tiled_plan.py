@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import BackendError
-from ..masks import And, Causal, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, Predicate, SlidingWindow, Tile
+from ..masks import And, Causal, Dense, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, Predicate, SlidingWindow, Tile
 from ..masks.dense import GRID_CODES
 from .problem import Problem
 
@@ -411,13 +411,19 @@ def plan_for(p: Problem) -> Plan:
     estimated cost is lowest, so masks that skip work get blocks small enough to skip it.
     No queries or no keys: an empty plan (every row fully masked).
 
-    Plans are kept per mask object (every layer of a model shares one) and call key: sizes,
-    K/V heads, the block options, the device path, the thread count and the version of every
-    tensor the mask holds, so writing into a mask's tensor in place makes a new plan."""
+    Plans are kept per mask object (every layer of a model shares one; for a dense mask, per
+    tensor, which callers hand to every layer) and call key: sizes, K/V heads, the block options,
+    the device path, the thread count and the version of every tensor the mask holds, so writing
+    into a mask's tensor in place makes a new plan."""
     e = p.ext
     key = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), on_device(p.q.device),
            workers(p.q.device), _versions(p.mask))
-    store = _PLANS_UNMASKED if p.mask is None else _PLANS.setdefault(p.mask, {})
+    if p.mask is None:
+        store = _PLANS_UNMASKED
+    elif isinstance(p.mask, Dense):  # a tensor handed to every layer is wrapped anew at each call: kept per tensor
+        store = p.mask._grids.setdefault("plans", {})
+    else:
+        store = _PLANS.setdefault(p.mask, {})
     plan = store.get(key)
     if plan is None:
         plan = _plan(p)
@@ -434,8 +440,8 @@ def _versions(x: object) -> tuple:
         return ()
     out: list = []
     for value in vars(x).values():
-        if isinstance(value, torch.Tensor):
-            out.append((id(value), value._version))
+        if isinstance(value, torch.Tensor):  # alive while its owner is: its address names it
+            out.append((value.data_ptr(), value._version))
         elif isinstance(value, Mask):
             out.extend(_versions(value))
     return tuple(out)
