@@ -239,14 +239,13 @@ def _inputs(device: torch.device, dtype: torch.dtype, n: int = N, h: int = H,
 
 
 def measure(device: torch.device, dtype: torch.dtype) -> Costs:
-    """Time SDPA (no mask, is_causal, a dense mask; a tiny call), building a mask, and the tiled
-    backend (an element-bound and an overhead-bound call), forward only, interleaved,
-    each sample about ``SAMPLE_S`` long (SDPA's per-entry cost and causal share at N = ``N_BIG``;
-    the tiled backend without a mask, with a window and with few rows, for the three parts of its
-    model): about 2 s in all on a quiet 2-core machine."""
+    """Time SDPA (no mask, is_causal, a dense mask at N = ``N_BIG``; a tiny call), building a mask,
+    and the tiled backend (without a mask, with a window, with few rows: the three parts of its
+    model), forward only, interleaved, each sample about ``SAMPLE_S`` long: about 2 s in all on a
+    quiet 2-core machine."""
     q, k, v = _inputs(device, dtype)
     tq, tk, tv = _inputs(device, dtype, 16, 1)
-    dense = masks.dense(torch.rand(1, 1, N, N, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
+    dense = masks.dense(torch.rand(1, 1, N_BIG, N_BIG, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
     tiled_calls = []  # (p, plan): element-bound, partial-bound (a window: its band is partial) and overhead-bound (few rows)
     for args, mask in ((_inputs(device, dtype, N_BIG), None), (_inputs(device, dtype, N_BIG), masks.sliding_window(N_BIG // 8)),
                        (_inputs(device, dtype, 128, 1), masks.causal())):
@@ -257,7 +256,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
         "plain": lambda: torch_sdpa.run(prepare(q, k, v)),
         "plain_big": lambda: torch_sdpa.run(prepare(bq, bk, bv)),
         "causal_big": lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal())),
-        "mask": lambda: torch_sdpa.run(prepare(q, k, v, dense)),
+        "mask_big": lambda: torch_sdpa.run(prepare(bq, bk, bv, dense)),
         "call": lambda: torch_sdpa.run(prepare(tq, tk, tv)),
         "build": lambda: masks.sliding_window(N // 8).materialize(1, 1, N, N, device),
         "tiled": lambda: tiled.forward(*tiled_calls[0]),
@@ -266,13 +265,13 @@ def measure(device: torch.device, dtype: torch.dtype) -> Costs:
     }
     with torch.no_grad():
         t = _fastest(fns, device)
-    entries = H * N * N
     call = min(t["call"], t["plain"])
     elem = max(t["plain_big"] - call, 0.1 * t["plain_big"]) / (H * N_BIG**2)
     a_fixed, a_elem, a_partial = _scales([tiled_parts(*c) for c in tiled_calls],
                                          [t["tiled"], t["tiled_window"], t["tiled_small"]])  # a 3×3 solve
     causal = _causal_share(t["causal_big"], t["plain_big"], call)
-    return Costs(call, elem, causal, max(0.0, t["mask"] - t["plain"]) / entries, a_fixed, a_elem, t["build"] / (N * N),
+    mask_elem = max(0.0, t["mask_big"] - t["plain_big"]) / (H * N_BIG**2)
+    return Costs(call, elem, causal, mask_elem, a_fixed, a_elem, t["build"] / (N * N),
                  tiled_partial=a_partial)
 
 
