@@ -445,3 +445,27 @@ def test_why_not_says_when_the_cpu_has_no_cpp_compiler(monkeypatch):
             assert "needs a C++ compiler (g++ / clang++) and none is on PATH" in bhqk.why_not("flex", q, k, v)
     finally:
         flex._no_compiler_for.cache_clear()
+
+
+def test_a_kernel_that_fails_to_compile_is_refused_and_auto_runs_its_next_choice(flex_costs, monkeypatch):
+    def broken(key):
+        def fail(*args):
+            raise NotImplementedError("NYI: a lowering this structure needs")
+        return fail
+
+    monkeypatch.setattr(flex, "kernel", broken)
+    monkeypatch.setattr(flex, "compiled", lambda key, backward=False: True)  # no compile to pay: auto picks flex
+    monkeypatch.setattr(flex, "_BROKEN", {})
+    q, k, v = qkv(1, 8, None, 2048, 2048, 64, dtype=torch.float32)
+    m = masks.sliding_window(256)
+    with torch.no_grad():
+        assert bhqk.choose_backend(q, k, v, m).name == "flex"
+        with bhqk.trace() as t:
+            out = bhqk.attention(q, k, v, m)  # flex fails to compile: auto decides again
+        assert [c.backend for c in t.calls] == ["tiled"]
+        torch.testing.assert_close(out, bhqk.attention(q, k, v, m, backend="reference"), atol=2e-5, rtol=1e-4)
+        reason = bhqk.why_not("flex", q, k, v, m)
+        assert "failed to compile here (NotImplementedError: NYI: a lowering this structure needs)" in reason
+        assert "not flex: its kernel for this structure failed to compile" in bhqk.choose_backend(q, k, v, m).reason
+        with pytest.raises(BackendError, match="failed to compile"):  # asked by name: the error, not a fallback
+            bhqk.attention(q, k, v, m, backend="flex")

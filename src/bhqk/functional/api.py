@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import observe
+from ..errors import BackendError
 from . import reference
 from .problem import Problem, prepare
 from .registry import resolve
@@ -49,7 +50,13 @@ def attention(
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
     choice = resolve(backend, p, return_lse)
-    out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
+    try:
+        out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
+    except BackendError:  # FlexAttention failed to compile a kernel (it refuses it from now on): auto chooses again
+        if not choice.by_auto or (retry := resolve(backend, p, return_lse)).backend is choice.backend:
+            raise
+        choice = retry
+        out, lse = choice.run(p, return_lse)
     if observe.active():
         observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
     if layout == "bnhd":

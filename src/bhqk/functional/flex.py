@@ -46,6 +46,7 @@ import torch
 from ..bias import ALiBi, Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
+from ..errors import BackendError
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from ..shapes import all_finite
@@ -57,6 +58,7 @@ BLOCK = 128  # FlexAttention's sparse block (tile) size
 _KERNELS: dict[tuple, object] = {}  # key -> compiled function
 _WARM: set[tuple] = set()  # keys whose kernel has run (compiled) at least once
 _WARM_BACKWARD: set[tuple] = set()  # keys that have run with gradients (their backward compiles at the first backward)
+_BROKEN: dict[tuple, str] = {}  # keys whose kernel failed to compile in this process -> why
 _COMPILE = True
 _BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> (key, BlockMask) of its last call
 
@@ -112,6 +114,8 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
             return reason
     if p.dropout_p > 0:
         return "FlexAttention has no dropout"
+    if _COMPILE and _BROKEN and kernel_key(p) in _BROKEN:
+        return _BROKEN[kernel_key(p)]
     if dev.type == "cuda" and min(p.sizes["d"], p.sizes["dv"]) < 16:
         return f"FlexAttention's CUDA kernel needs head dims of at least 16 (d={p.sizes['d']}, dv={p.sizes['dv']})"
     if dev.type == "cpu" and _grad(p):
@@ -308,7 +312,12 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     sinks = _sinks(p)
     if _COMPILE and key not in _WARM:  # its first call compiles: timed, the estimate of the next compile
         t0 = time.perf_counter()
-        out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
+        try:
+            out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
+        except Exception as e:  # noqa: BLE001 — any compile failure: refused from now on, in words
+            _BROKEN[key] = f"its kernel for this structure failed to compile here ({type(e).__name__}: {str(e)[:200]})"
+            forget(key)
+            raise BackendError(f"backend 'flex' cannot take this call: {_BROKEN[key]}.") from e
         if q.device.type == "cuda":
             torch.cuda.synchronize(q.device)
         first = not compiled_any(q.device.type)

@@ -218,6 +218,7 @@ class Choice:
     reason: str
     estimates: dict[str, float]
     plan: Any = None
+    by_auto: bool = False  # auto chose it: if its run raises a BackendError, auto may choose again
 
     @property
     def name(self) -> str:
@@ -315,7 +316,7 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     why += "".join(f"; not {n}: {r}" for n, r in refused.items())
     if record:
         flex_hint(p.q.device.type, p.q.dtype, win, refused.get("flex", ""))
-    return _handed_off(Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan), p)
+    return _handed_off(Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan, True), p)
 
 
 _HINTED: set[tuple[str, torch.dtype]] = set()
@@ -340,7 +341,8 @@ def _handed_off(choice: Choice, p: Problem) -> Choice:
     if to is None:
         return choice
     name, why = to
-    return Choice(get(name), f"{choice.reason}; {choice.name} hands it to {name}: {why}", choice.estimates)
+    return Choice(get(name), f"{choice.reason}; {choice.name} hands it to {name}: {why}", choice.estimates,
+                  by_auto=choice.by_auto)
 
 
 def _weigh_upfront(found: dict[str, Estimate], refused: dict[str, str], record: bool) -> dict[str, str]:
