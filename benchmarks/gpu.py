@@ -30,6 +30,7 @@ Without CUDA it exits with status 2 and says so, measuring nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -239,7 +240,7 @@ def correctness_section(r: Run) -> None:
                     try:
                         for t in (q, k, v):
                             t.grad = None
-                        ctx = flex.uncompiled() if (be == "flex" and r.dev.type == "cpu") else _null()
+                        ctx = flex.uncompiled() if (be == "flex" and r.dev.type == "cpu") else contextlib.nullcontext()
                         t0 = time.perf_counter()
                         with ctx:
                             out = bhqk.attention(q, k, v, backend=be, **kw)
@@ -317,14 +318,6 @@ def tiled_syncs(q, k, v, dout, kw) -> dict[str, int]:
     return counts
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 # ---- costs: what auto weighs on this device, and what it chooses ------------------------------------
 
 def costs_section(r: Run, Ns: list[int]) -> None:
@@ -346,7 +339,7 @@ def costs_section(r: Run, Ns: list[int]) -> None:
         r.skip("measure_flex (it compiles)")
     else:
         t0 = time.perf_counter()
-        with flex.uncompiled() if r.dev.type == "cpu" else _null():
+        with flex.uncompiled() if r.dev.type == "cpu" else contextlib.nullcontext():
             rec["flex_costs"] = asdict(calibrate.measure_flex(r.dev, dt))
         rec["flex_costs_s"] = round(time.perf_counter() - t0, 2)
     print(f"  {json.dumps(rec)}", flush=True)
@@ -385,7 +378,7 @@ def timing_impls(r: Run, raw, q, k, v, mname: str, m, mod) -> dict:
         impls["sdpa_efficient_dense"] = lambda: _sdpa(q, k, v, dense, False, SDPBackend.EFFICIENT_ATTENTION)
     bm = None if mod is None else create_block_mask(mod, None, None, N, N, device=r.dev)
     impls["flex_raw"] = lambda: raw(q, k, v, block_mask=bm)
-    ctx = flex.uncompiled if r.dev.type == "cpu" else _null
+    ctx = flex.uncompiled if r.dev.type == "cpu" else contextlib.nullcontext
     impls["bhqk_flex"] = lambda: _in(ctx(), lambda: bhqk.attention(q, k, v, m, backend="flex"))
     if N <= (1024 if r.smoke else 8192):  # auto may pick tiled: both slow on a GPU at large N
         impls["bhqk_auto"] = lambda: bhqk.attention(q, k, v, m)

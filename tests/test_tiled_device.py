@@ -6,6 +6,7 @@ run) and never use the worker pool; the CPU path still takes its host-checked sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -70,21 +71,13 @@ def both(q, k, v, mask=None, *, bias=None, sinks=None, blocks=(8, 16), dout_seed
         b = bias.detach().clone().requires_grad_(True) if isinstance(bias, torch.Tensor) else bias
         s = sinks.detach().clone().requires_grad_(True) if sinks is not None else None
         extra = dict(block_q=blocks[0], block_k=blocks[1]) if backend == "tiled" and blocks else {}
-        with device_mode() if backend == "tiled" else _nothing():
+        with device_mode() if backend == "tiled" else contextlib.nullcontext():
             out, lse = bhqk.attention(*ts, mask, bias=b, sinks=s, backend=backend, return_lse=True, **kw, **extra)
             dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(dout_seed), dtype=out.dtype)
             loss = (out * dout).sum() + lse_weight * torch.where(torch.isfinite(lse), lse, 0.0).sum()
             wrt = ts + ([b] if isinstance(b, torch.Tensor) else []) + ([s] if s is not None else [])
             results.append((out, lse, torch.autograd.grad(loss, wrt)))
     return results
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def assert_same(got, want, atol=1e-10, rtol=1e-10):
@@ -277,7 +270,7 @@ def test_dropout_drops_what_the_cpu_path_drops():
     for forced in (True, False):
         ts = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
         torch.manual_seed(7)
-        with device_mode() if forced else _nothing():
+        with device_mode() if forced else contextlib.nullcontext():
             out, lse = bhqk.attention(*ts[:3], masks.causal("bottom_right"), sinks=ts[3], dropout_p=p, backend="tiled",
                                       return_lse=True, block_q=8, block_k=16)
             dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
