@@ -10,6 +10,7 @@ from transformers import masking_utils as mu
 
 import bhqk
 from bhqk import masks
+from bhqk.errors import LoadError, MaskError
 from bhqk.integrations.transformers import AllKeys, attention_forward, build_mask, encode, load_folder, names, register
 
 NAMES = register()
@@ -448,6 +449,25 @@ def test_all_keys_means_no_mask_not_causal():
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2)
     torch.testing.assert_close(full, ref)
     assert not torch.allclose(causal_out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.float32])
+def test_a_two_d_attention_mask_is_key_padding_whatever_its_dtype(dtype):
+    """[B, K] of 1 (real token) / 0 (padding): a float one used to be read as a [Q, K] mask plus a bias of ones."""
+    q = torch.randn(2, 2, 5, 8)
+    m = torch.nn.Module()
+    pad = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).to(dtype)  # [B, K]
+    got, _ = attention_forward(m, q, q, q, pad)
+    want = bhqk.attention(q, q, q, masks.from_hf(pad), backend="reference").transpose(1, 2)  # [B, Q, H, d]
+    torch.testing.assert_close(got, want)
+    with pytest.raises(MaskError, match="only 1 .real token. and 0 .padding."):
+        attention_forward(m, q, q, q, torch.tensor([[0.0, -1e9, 0, 0, 0]] * 2))  # additive [B, K]: a bias, not a mask
+
+
+def test_load_folder_names_a_broken_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(LoadError, match="config.json"):
+        load_folder(tmp_path)
 
 
 # ---- the command line on any local folder -------------------------------------------------------

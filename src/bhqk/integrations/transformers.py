@@ -29,7 +29,6 @@ Names: ``"bhqk"`` (backend ``auto``), ``"bhqk:tiled"``, ``"bhqk:reference"``, ``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,8 @@ import torch
 from .. import observe
 from ..errors import LoadError, MaskError
 from ..functional import attention, attention_weights
-from ..masks import KeysBelow, Mask, causal, dense, document, key_padding, predicate, sliding_window
+from ..masks import KeysBelow, Mask, causal, dense, document, from_hf, key_padding, predicate, sliding_window
+from ..models.loading import read_config
 
 BACKENDS = ("auto", "tiled", "reference", "torch")
 ROW_BLOCK_ENTRIES = 1 << 22  # entries of transformers' mask evaluated at once while checking a structure
@@ -234,7 +234,7 @@ def _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, l
 # ---- attention function -------------------------------------------------------------------------
 
 
-def _as_mask(attention_mask, module, is_causal: bool | None, Q: int, K: int, dtype: torch.dtype):
+def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int):
     """What transformers passed as attention_mask → (bhqk mask or None, additive float [.., Q, K] or None)."""
     if isinstance(attention_mask, AllKeys):
         return None, None
@@ -245,16 +245,14 @@ def _as_mask(attention_mask, module, is_causal: bool | None, Q: int, K: int, dty
         return (causal("top_left") if is_causal and Q > 1 else None), None
     if not isinstance(attention_mask, torch.Tensor):
         raise MaskError(f"attention_mask must be a bhqk mask, a tensor or None, got {type(attention_mask).__name__}.")
+    if attention_mask.dim() == 2:  # [B, K]: 1 = real token, 0 = padding, any dtype
+        return from_hf(attention_mask), None
     if attention_mask.dtype == torch.bool:
-        if attention_mask.dim() == 2:
-            return key_padding(attention_mask), None  # [B, K] (1 = real token)
         return dense(attention_mask), None
     if attention_mask.is_floating_point():  # a custom additive 4-D mask: 0 to attend, very negative to mask
         allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2  # [#B, #H, Q, K]
         rest = torch.where(allowed, attention_mask, torch.zeros((), dtype=attention_mask.dtype))
         return dense(allowed), (rest if bool(rest.any()) else None)
-    if attention_mask.dim() == 2:
-        return key_padding(attention_mask.bool()), None
     raise MaskError(f"attention_mask has dtype {attention_mask.dtype}; expected bool (True = attend) or float (additive).")
 
 
@@ -282,8 +280,8 @@ def attention_forward(
     (GPT-OSS) is bhqk's ``sinks=``, per-head logits in each row's denominator; dropout only
     in training. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names
     it by the module's path."""
-    Q, K = query.shape[2], key.shape[2]
-    mask, extra = _as_mask(attention_mask, module, is_causal, Q, K, query.dtype)
+    Q = query.shape[2]
+    mask, extra = _mask_and_bias(attention_mask, module, is_causal, Q)
     bias = position_bias
     if extra is not None:
         bias = extra if bias is None else bias + extra
@@ -349,10 +347,7 @@ def load_folder(folder: str | Path, name: str = "bhqk", dtype: torch.dtype = tor
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise LoadError(f"{folder} has no config.json; pass a local Hugging Face model folder.")
-    decoder = is_decoder_config(json.loads(cfg_path.read_text()))
+    decoder = is_decoder_config(read_config(folder))
     register(name.split(":")[0])
     cls = AutoModelForCausalLM if decoder else AutoModel
     model = cls.from_pretrained(folder, attn_implementation=name, local_files_only=True, dtype=dtype).eval()
