@@ -406,15 +406,17 @@ def test_a_gpu_user_is_told_once_to_measure_flex_when_auto_falls_back_to_tiled(m
     from bhqk.errors import PerformanceHint
 
     monkeypatch.setattr(registry, "_HINTED", set())
-    unmeasured = registry.estimate_flex(_window_call(Q=256), False).note
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # devices as values: no GPU needed to build them
     with pytest.warns(PerformanceHint, match=r"bhqk calibrate --device cuda --flex"):
-        registry.flex_hint("cuda", torch.bfloat16, "tiled", unmeasured)
+        registry.flex_hint(cuda, torch.bfloat16, "tiled", True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        registry.flex_hint("cuda", torch.bfloat16, "tiled", unmeasured)  # once per device type and dtype
-        registry.flex_hint("cpu", torch.float32, "tiled", unmeasured)  # on the CPU tiled is the fast path
-        registry.flex_hint("cuda", torch.float16, "torch", unmeasured)  # SDPA ran: nothing to say
-        registry.flex_hint("cuda", torch.float16, "tiled", "FlexAttention has no dropout")  # flex could not run
+        registry.flex_hint(cuda, torch.bfloat16, "tiled", True)  # once per device type and dtype
+        registry.flex_hint(cpu, torch.float32, "tiled", True)  # on the CPU tiled is the fast path
+        registry.flex_hint(cuda, torch.float16, "torch", True)  # SDPA ran: nothing to say
+        registry.flex_hint(cuda, torch.float16, "tiled", False)  # flex could not take the call (dropout, …)
+        with calibrate.fixed(flex_costs=FLEX):
+            registry.flex_hint(cuda, torch.float16, "tiled", True)  # measured: auto weighed flex, tiled won
 
 
 @pytest.mark.slow
@@ -438,13 +440,13 @@ def test_why_not_says_when_the_cpu_has_no_cpp_compiler(monkeypatch):
     import shutil
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    flex._no_compiler_for.cache_clear()
+    flex._no_compiler.cache_clear()
     try:
         q, k, v = qkv(1, 2, None, 4, 4, 8)
         with torch.no_grad():
             assert "needs a C++ compiler (g++ / clang++) and none is on PATH" in bhqk.why_not("flex", q, k, v)
     finally:
-        flex._no_compiler_for.cache_clear()
+        flex._no_compiler.cache_clear()
 
 
 def test_a_kernel_that_fails_to_compile_is_refused_and_auto_runs_its_next_choice(flex_costs, monkeypatch):

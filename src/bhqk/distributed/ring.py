@@ -152,7 +152,8 @@ def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tenso
                 ring.wait(work, "K/V", step)
                 cur, spare = spare, (cur if step > 0 else None)  # never receive into the caller's k, v
     if sinks is not None:  # the sink is one more key with value 0, counted once
-        merge_(out, lse, torch.zeros((), dtype=acc, device=q.device).expand_as(out), sinks.to(acc)[None, :, None].expand_as(lse))
+        nothing = torch.zeros((), dtype=acc, device=q.device).expand_as(out)  # [] -> [B, H, Q, dv]
+        merge_(out, lse, nothing, sinks.to(acc)[None, :, None].expand_as(lse))  # sinks [H] -> [B, H, Q]
     return out.to(q.dtype), lse
 
 

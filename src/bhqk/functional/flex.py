@@ -51,6 +51,7 @@ from ..masks import Mask
 from ..masks.base import index4, scalar
 from ..shapes import all_finite
 from . import calibrate
+from .merge import with_sinks
 from .problem import Problem
 
 BLOCK = 128  # FlexAttention's sparse block (tile) size
@@ -72,23 +73,10 @@ def _flex():
     return flex_attention
 
 
-def _sinks(p: Problem) -> torch.Tensor | None:
-    """Per-head sink logits [H] (or None)."""
-    return p.sinks
-
-
-def _grad(p: Problem) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
-
-
-def _no_compiler(device: torch.device) -> str | None:
-    """Why torch.compile cannot build a kernel for ``device`` here (None: it can); looked up once
-    per device type (``auto`` asks on every call)."""
-    return _no_compiler_for(device.type)
-
-
 @functools.cache
-def _no_compiler_for(device_type: str) -> str | None:
+def _no_compiler(device_type: str) -> str | None:
+    """Why torch.compile cannot build a kernel for ``device_type`` here (None: it can); looked up
+    once per device type (``auto`` asks on every call)."""
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile is unavailable in this Python / torch build"
     if device_type == "cpu" and not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
@@ -109,7 +97,7 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     if dev.type not in ("cpu", "cuda"):
         return f"bhqk runs FlexAttention on the CPU and CUDA only, not on {dev.type}"
     if _COMPILE:
-        reason = _no_compiler(dev)
+        reason = _no_compiler(dev.type)
         if reason is not None:
             return reason
     if p.dropout_p > 0:
@@ -118,12 +106,12 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return _BROKEN[kernel_key(p)]
     if dev.type == "cuda" and min(p.sizes["d"], p.sizes["dv"]) < 16:
         return f"FlexAttention's CUDA kernel needs head dims of at least 16 (d={p.sizes['d']}, dv={p.sizes['dv']})"
-    if dev.type == "cpu" and _grad(p):
+    if dev.type == "cpu" and p.needs_grad:
         return ("FlexAttention does not support backward on CPU (torch 2.13); run under torch.no_grad() or with "
                 "tensors that do not require grad, or use backend='tiled'")
-    if dev.type == "cpu" and (need_lse or _sinks(p) is not None) and _COMPILE:
+    if dev.type == "cpu" and (need_lse or p.sinks is not None) and _COMPILE:
         return ("FlexAttention's compiled CPU kernel does not return the log-sum-exp (torch 2.13)"
-                + ("; sinks need it" if _sinks(p) is not None else ""))
+                + ("; sinks need it" if p.sinks is not None else ""))
     return None
 
 
@@ -291,12 +279,12 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
         out = p.q.new_zeros(e.B, e.H, e.Q, dv)
         return out, (p.q.new_full((e.B, e.H, e.Q), float("-inf"), dtype=torch.float32) if need_lse else None)
     q, k, v = p.q, p.k, p.v
-    if not _grad(p):  # FlexAttention refuses CPU tensors that require grad even under no_grad
+    if not p.needs_grad:  # FlexAttention refuses CPU tensors that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
     gqa = k.shape[1] != e.H
     bm = block_mask(p.mask, e.B, e.H, e.Q, e.K, q.device)
     mod = score_mod(p)
-    with_lse = need_lse or _sinks(p) is not None
+    with_lse = need_lse or p.sinks is not None
     if _COMPILE:
         key = kernel_key(p)
         with_lse = key[6]
@@ -309,7 +297,7 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
                         torch._dynamo.maybe_mark_dynamic(t, 2)
     else:
         fn = _call
-    sinks = _sinks(p)
+    sinks = p.sinks
     if _COMPILE and key not in _WARM:  # its first call compiles: timed, the estimate of the next compile
         t0 = time.perf_counter()
         try:
@@ -325,10 +313,8 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
         calibrate.observed_compile(q.device, q.dtype, time.perf_counter() - t0, first)
     else:
         out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
-    if _COMPILE and _grad(p):
+    if _COMPILE and p.needs_grad:
         _WARM_BACKWARD.add(key)
     if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
-        s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
-        out = (out * torch.sigmoid(lse - s)[..., None]).to(out.dtype)  # [B, H, Q, dv]
-        lse = torch.logaddexp(lse, s.expand_as(lse))  # the denominator now includes exp(sink)
+        out, lse = with_sinks(out, lse, sinks)
     return out, (lse if need_lse else None)

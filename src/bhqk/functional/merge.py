@@ -76,8 +76,9 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
         got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise ShapeError(f"with_sinks: sinks must be [H={out.shape[-3] if out.dim() >= 3 else '?'}] for out "
                          f"{list(out.shape)} ([B, H, Q, dv]), got {got}.")
-    sink = sinks[:, None].expand(lse.shape[-2:]).expand_as(lse)  # [H] -> [B, H, Q]
-    return merge(out, lse, torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out), sink.to(lse.dtype))
+    sink = sinks[:, None].expand_as(lse)  # [H] -> [B, H, Q]
+    nothing = torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out)  # [] -> [B, H, Q, dv]: the sink's value, 0
+    return merge(out, lse, nothing, sink.to(lse.dtype))
 
 
 @torch.no_grad()

@@ -35,6 +35,11 @@ class Problem:
         return Extent(s["B"], s["H"], s["Q"], s["K"])
 
     @property
+    def needs_grad(self) -> bool:
+        """Grad mode is on and q, k or v requires gradients: the call's backward will run."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+    @property
     def groups(self) -> int:
         """Query heads per key/value head (1 = plain multi-head, H = multi-query)."""
         return self.sizes["H"] // self.sizes["Hkv"]

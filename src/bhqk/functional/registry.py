@@ -85,10 +85,6 @@ def get(name: str) -> Backend:
 DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA
 
 
-def _grad(p: Problem) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
-
-
 def _width(p: Problem) -> float:
     return (p.sizes["d"] + p.sizes["dv"]) / 128  # the costs were measured at d = dv = 64
 
@@ -143,9 +139,6 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     return Estimate(t + planning, note, plan)
 
 
-_UNMEASURED = "its costs were never measured on this machine"
-
-
 def estimate_flex(p: Problem, grad: bool) -> Estimate:
     """Compiled FlexAttention: per call plus per entry of the blocks its BlockMask visits, from
     costs measured on this machine (none: auto does not weigh it), and the compile as ``upfront``
@@ -154,7 +147,7 @@ def estimate_flex(p: Problem, grad: bool) -> Estimate:
     c = calibrate.flex_costs(dev, dt)
     if c is None:
         where = f"{dev.type}, {str(dt).removeprefix('torch.')}"
-        return Estimate(math.inf, f"{_UNMEASURED} ({where}); "
+        return Estimate(math.inf, f"its costs were never measured on this machine ({where}); "
                                   "`bhqk calibrate --flex` measures them once (it compiles kernels)")
     if grad and c.backward is None:
         return Estimate(math.inf, "its forward+backward was never measured on this machine")
@@ -271,7 +264,7 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     it is weighed when the savings of earlier calls and this one reach the upfront cost. A first
     call never pays it, nor does a call it would not make faster (a tiny one); in all, auto spends
     at most about twice what knowing the future would have let it spend."""
-    grad = _grad(p)
+    grad = p.needs_grad
     refused: dict[str, str] = {}
     floors: dict[str, float] = {}
     estimates: dict[str, Callable[[Problem, bool], Estimate]] = {}
@@ -315,17 +308,19 @@ def decide(p: Problem, need_lse: bool, record: bool = True) -> Choice:
     why += f"; {paying[win]}" if win in paying else ""
     why += "".join(f"; not {n}: {r}" for n, r in refused.items())
     if record:
-        flex_hint(p.q.device.type, p.q.dtype, win, refused.get("flex", ""))
+        flex_hint(p.q.device, p.q.dtype, win, "flex" in estimates)
     return _handed_off(Choice(_REGISTRY[win], why, {n: e.seconds for n, e in found.items()}, found[win].plan, True), p)
 
 
 _HINTED: set[tuple[str, torch.dtype]] = set()
 
 
-def flex_hint(device_type: str, dtype: torch.dtype, winner: str, flex_refusal: str) -> None:
+def flex_hint(device: torch.device, dtype: torch.dtype, winner: str, flex_could_run: bool) -> None:
     """Once per (device type, dtype): a PerformanceHint when auto runs the tiled backend off the
-    CPU because FlexAttention's costs were never measured there (tiled is the fallback on a GPU)."""
-    if device_type == "cpu" or winner != "tiled" or not flex_refusal.startswith(_UNMEASURED):
+    CPU on a call FlexAttention could take (its ``why_not`` is None) but its costs were never
+    measured there, so auto could not weigh it (tiled is the fallback on a GPU)."""
+    device_type = device.type
+    if device_type == "cpu" or winner != "tiled" or not flex_could_run or calibrate.flex_costs(device, dtype) is not None:
         return
     if (device_type, dtype) not in _HINTED:
         _HINTED.add((device_type, dtype))
