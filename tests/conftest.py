@@ -14,7 +14,9 @@ import pytest
 import torch
 
 # auto's costs: the built-in reference table, not this machine's measurement, so the choices tests
-# see do not depend on the machine or its load (tests/test_auto.py measures on its own)
+# see do not depend on its speed or load (tests/test_auto.py measures on its own); tests that check
+# a choice also take the fixture ``two_threads``: the tiled estimate depends on how many workers
+# share a call, and the reference table is the 2-core machine's
 os.environ.setdefault("BHQK_COSTS", "reference")
 
 from bhqk import masks
@@ -40,6 +42,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 NOT_RUN = pytest.StashKey[int]()
+
+
+@pytest.fixture
+def two_threads():
+    """The reference machine's two threads (workers) for the test, restored after it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def pytest_report_header(config):

@@ -30,7 +30,7 @@ from conftest import qkv
 
 
 @pytest.fixture
-def reference_costs():
+def reference_costs(two_threads):
     with calibrate.fixed():
         yield
 

@@ -244,7 +244,7 @@ FLEX = calibrate.FlexCosts(compile=0.5, call=1e-4, elem=0.2e-9)  # a FlexAttenti
 
 
 @pytest.fixture
-def flex_costs():
+def flex_costs(two_threads):
     with calibrate.fixed(flex_costs=FLEX):
         registry._SAVED.clear()
         yield

@@ -16,7 +16,7 @@ from bhqk import masks
 from bhqk.errors import BackendError
 from bhqk.functional import prepare, tiled
 from bhqk.functional.merge import merge
-from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, classify_leaves, make_plan, plan_for, split, workers
+from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, _pow2_floor, classify_leaves, make_plan, plan_for, split, workers
 from bhqk.masks import Tile
 from conftest import mask_kinds, qkv
 
@@ -422,7 +422,7 @@ def test_empty_tiles_skipped_full_tiles_never_evaluate_the_mask():
     ("padding", masks.padding(2048), 0.5),
     ("prefix_lm", masks.prefix_lm(1024), 0.5 + 0.5 * (1024 / 4096) ** 2),
 ])
-def test_structured_masks_skip_work_in_proportion(name, mask, fraction):
+def test_structured_masks_skip_work_in_proportion(name, mask, fraction, two_threads):
     q = torch.empty(1, 8, 4096, 64)
     plan = plan_for(prepare(q, q, q, mask))
     useful = fraction  # share of the [Q, K] grid the mask allows
@@ -438,13 +438,13 @@ def test_block_sizes_are_validated_and_do_not_change_results():
         torch.testing.assert_close(o, outs[0])
 
 
-def test_heuristic_tile_sizes():
+def test_heuristic_tile_sizes(two_threads):
     q = torch.empty(1, 8, 4096, 64)
     plan = plan_for(prepare(q, q, q))
     parts = len(split(1, 8, workers()))
     assert plan.block_k == BLOCK_K  # the default key block
-    worker_tile = 8 // parts * plan.block_q * plan.block_k  # [B·H/workers, block_q, block_k] scores
-    assert TILE_ELEMS // 2 < worker_tile <= TILE_ELEMS  # about TILE_ELEMS, whatever its value
+    # a worker's score tile [B·H/workers, block_q, block_k] holds about TILE_ELEMS: block_q a power of two in 16 … 2048
+    assert plan.block_q == max(16, min(2048, _pow2_floor(TILE_ELEMS * parts / (8 * BLOCK_K))))
     small = torch.empty(2, 4, 100, 16)
     plan = plan_for(prepare(small, small, small))
     assert plan.block_q <= 100 and plan.block_k <= 100

@@ -94,7 +94,7 @@ def assert_same(got, want, atol=1e-10, rtol=1e-10):
 # ---- the switch ------------------------------------------------------------------------------------
 
 
-def test_device_mode_switches_workers_model_and_plan():
+def test_device_mode_switches_workers_model_and_plan(two_threads):
     cpu = torch.device("cpu")
     assert not on_device(cpu) and on_device(torch.device("meta"))
     assert workers() == workers(cpu) == max(1, torch.get_num_threads())
