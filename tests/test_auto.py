@@ -178,6 +178,33 @@ def test_measuring_gives_positive_finite_costs(monkeypatch):
     assert b["tiled_fixed_backward"] > 0 and b["tiled_elem_backward"] > 0
 
 
+def test_measure_turns_its_timings_into_costs(monkeypatch):
+    """The arithmetic of ``measure`` / ``measure_backward`` on timings given by the test (the real
+    timings differ on every machine; these make each formula and clamp checkable)."""
+    times = {"plain": 2e-3, "plain_big": 30e-3, "causal_big": 18e-3, "mask_big": 36e-3, "call": 50e-6, "build": 4e-3,
+             "tiled": 40e-3, "tiled_window": 20e-3, "tiled_small": 1e-3,
+             "sdpa_big": 30e-3, "sdpa_big_both": 105e-3, "sdpa_causal_big_both": 70e-3, "sdpa_mask_big_both": 110e-3,
+             "tiled_big_both": 150e-3, "tiled_small_both": 4e-3}
+    monkeypatch.setattr(calibrate, "_fastest", lambda fns, device, rounds=5: {k: times[k] for k in fns})
+    fitted = []
+    monkeypatch.setattr(calibrate, "_scales", lambda parts, t: fitted.append(t) or tuple(range(2, 2 + len(parts[0]))))
+    cpu, entries = torch.device("cpu"), calibrate.H * calibrate.N_BIG**2
+    c = calibrate.measure(cpu, torch.float32)
+    assert c.sdpa_call == 50e-6 and c.sdpa_build_elem == pytest.approx(4e-3 / calibrate.N**2)
+    assert c.sdpa_elem == pytest.approx((30e-3 - 50e-6) / entries)
+    assert c.sdpa_causal == pytest.approx((18e-3 - 50e-6) / (30e-3 - 50e-6))
+    assert c.sdpa_mask_elem == pytest.approx(6e-3 / entries)
+    assert (c.tiled_fixed, c.tiled_elem, c.tiled_partial) == (2, 3, 4) and fitted[0] == [40e-3, 20e-3, 1e-3]
+    b = calibrate.measure_backward(cpu, torch.float32)
+    assert b["sdpa_backward"] == pytest.approx(3.5) and b["sdpa_causal_backward"] == pytest.approx(70 / 105)
+    assert b["sdpa_mask_elem_backward"] == pytest.approx(5e-3 / entries)
+    assert (b["tiled_fixed_backward"], b["tiled_elem_backward"]) == (2, 3) and fitted[1] == [150e-3, 4e-3]
+    times.update(causal_big=40e-3, mask_big=20e-3, sdpa_big_both=40e-3)  # noise: clamped, never nonsense
+    c, b = calibrate.measure(cpu, torch.float32), calibrate.measure_backward(cpu, torch.float32)
+    assert c.sdpa_causal == 1.0 and c.sdpa_mask_elem == 0.0 and b["sdpa_backward"] == 1.5
+    assert calibrate._causal_share(1e-3, 10e-3, 0.0) == 0.3  # a causal kernel never counts as < 30 % of the work
+
+
 def test_the_tile_models_three_parts_are_fitted_exactly_when_consistent():
     parts = [(1.0, 2.0, 0.5), (0.2, 8.0, 0.1), (3.0, 0.5, 0.0)]
     scales = (0.5, 2.0, 7.0)
