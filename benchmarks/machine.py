@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 # SIMD flags that change how fast PyTorch's CPU kernels are (fp32 width, bf16/int8 matrix units)
+ENV_OF_INTEREST = ("BHQK_COSTS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "OMP_NUM_THREADS")  # settings that change a figure
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni",
                      "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
 
@@ -55,6 +57,8 @@ def describe() -> dict:
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "loadavg_start": os.getloadavg(),
+        "command": " ".join(["python", *sys.argv]),
+        "env": {k: os.environ[k] for k in ENV_OF_INTEREST if k in os.environ},  # prefixes the command
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
