@@ -5,7 +5,7 @@ F.scaled_dot_product_attention (math and flash backends, forced with sdpa_kernel
 forward+backward. B=1, H=8, d=64 unless told otherwise.
 
 One command prints Markdown tables (time: median over repeats, with the spread; peak extra memory,
-each measured once in a fresh subprocess) and the targets of the tiled-attention issue, and writes
+each measured once in a fresh subprocess) and the ratios the project tracks (tiled and auto against SDPA, flex against tiled), and writes
 JSON and PNG plots (time and peak memory vs N) to benchmarks/results/ (--quick: to the untracked
 benchmarks/results/local/; --out DIR to choose).
 
@@ -262,7 +262,7 @@ def tables(records: list[dict], impls: list[str]) -> str:
 
 
 def targets(records: list[dict]) -> str:
-    """The issue's targets, from whatever of them this run measured."""
+    """The tracked ratios (each with the bound it is held to), from whatever of them this run measured."""
     get = {(r["impl"], r["mask"], r["N"], r["dtype"], r["mode"]): r for r in records}
 
     def t(impl, mask, N, mode, dtype="fp32"):

@@ -330,8 +330,7 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     the calls that matter; at N = 512 fixed costs dominated both backwards, SDPA's 20×): SDPA's
     forward+backward / forward, is_causal's share of it and a dense mask's extra per entry; the tiled
     backend's fixed and per-entry scales of its tile model, from a no-mask call and an
-    overhead-bound one (few rows), since its forward+backward / forward ratio grows with N (2.3
-    at 1024, 3.6 at 4096 on a 2-core Xeon)."""
+    overhead-bound one (few rows), since its forward+backward / forward ratio grows with N."""
     bq, bk, bv = _inputs(device, dtype, N_BIG, grad=True)
     sq, sk, sv = _inputs(device, dtype, 128, 1, grad=True)
     calls = [(p, tiled_plan.plan_for(p)) for p in (prepare(bq, bk, bv), prepare(sq, sk, sv, masks.causal()))]
