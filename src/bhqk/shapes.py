@@ -127,6 +127,12 @@ def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
+def per_query_head(t: torch.Tensor, H: int) -> torch.Tensor:
+    """[B, Hkv, K, x] -> [B, H, K, x]: query head h uses key/value head h // (H / Hkv) (GQA spelled
+    out, for the paths that need one K/V head per query head)."""
+    return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
+
+
 def all_finite(*ts: torch.Tensor) -> bool:
     """No NaN/inf in any of ``ts``: a finite sum proves it without a bool copy; only a non-finite sum
     (NaN/inf, or finite values that overflow) needs the full check. Under ``torch.compile`` the

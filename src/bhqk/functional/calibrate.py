@@ -206,7 +206,7 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
     A sample repeats a short call until it lasts ``SAMPLE_S``: a 0.5 ms call that loses the core
     for a scheduler slice measured 20-40× too slow in every round, a 10 ms one tiled call 5×.
     Rounds go on (up to 3 × ``rounds``) until each function's two fastest samples agree."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     best2 = {name: [float("inf"), float("inf")] for name in fns}  # the two fastest samples of each
     reps = dict.fromkeys(fns, 1)
     r = 0
@@ -223,6 +223,16 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
                 reps[name] = max(1, min(50, round(SAMPLE_S / max(took, 1e-6))))
         r += 1
     return {name: b[0] for name, b in best2.items()}
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    """Waits for ``device``'s queued work (CUDA); nothing to wait for on the CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _both(run: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A forward+backward call: ``run()``'s output summed and differentiated."""
+    return lambda: run().sum().backward()
 
 
 def _settled(best2: dict[str, list[float]], spread: float = 0.1) -> bool:
@@ -335,9 +345,6 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     sq, sk, sv = _inputs(device, dtype, 128, 1, grad=True)
     calls = [(p, tiled_plan.plan_for(p)) for p in (prepare(bq, bk, bv), prepare(sq, sk, sv, masks.causal()))]
 
-    def both(run: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        return lambda: run().sum().backward()
-
     def sdpa_big() -> None:
         with torch.no_grad():
             torch_sdpa.run(prepare(bq, bk, bv))
@@ -345,11 +352,11 @@ def measure_backward(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     dense = masks.dense(torch.rand(1, 1, N_BIG, N_BIG, generator=torch.Generator().manual_seed(1)).to(device) > 0.1)
     fns: dict[str, Callable[[], object]] = {
         "sdpa_big": sdpa_big,
-        "sdpa_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv))[0]),
-        "sdpa_mask_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv, dense))[0]),
-        "sdpa_causal_big_both": both(lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal()))[0]),
-        "tiled_big_both": both(lambda: tiled.run(calls[0][0], False, calls[0][1])[0]),
-        "tiled_small_both": both(lambda: tiled.run(calls[1][0], False, calls[1][1])[0]),
+        "sdpa_big_both": _both(lambda: torch_sdpa.run(prepare(bq, bk, bv))[0]),
+        "sdpa_mask_big_both": _both(lambda: torch_sdpa.run(prepare(bq, bk, bv, dense))[0]),
+        "sdpa_causal_big_both": _both(lambda: torch_sdpa.run(prepare(bq, bk, bv, masks.causal()))[0]),
+        "tiled_big_both": _both(lambda: tiled.run(calls[0][0], False, calls[0][1])[0]),
+        "tiled_small_both": _both(lambda: tiled.run(calls[1][0], False, calls[1][1])[0]),
     }
     t = _fastest(fns, device)
     for x in (bq, bk, bv, sq, sk, sv):
@@ -384,7 +391,7 @@ def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
     reason = flex.why_not(calls[0], False)
     if reason is not None:
         raise BackendError(f"cannot measure FlexAttention on {device.type} in {dtype}: {reason}.")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     other = dataclasses.replace(calls[0], mask=masks.causal() & window)  # another structure: a second kernel
     fresh = not flex.compiled_any(device.type)  # the first compile of the process pays its one-time costs
     seconds = []
@@ -406,10 +413,7 @@ def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
     if device.type != "cpu":  # FlexAttention has a backward here
         q, k, v = _inputs(device, dtype, FLEX_N[1], grad=True)
 
-        def both() -> None:
-            out, _ = flex.run(prepare(q, k, v, window))
-            out.sum().backward()
-
+        both = _both(lambda: flex.run(prepare(q, k, v, window))[0])
         with torch._inductor.config.patch(force_disable_caches=True):
             t0 = time.perf_counter()
             both()  # the first backward compiles the backward kernel

@@ -12,14 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..shapes import compute_dtype
+from ..shapes import compute_dtype, per_query_head
 from .nonfinite import finite_part, poison
 from .problem import Problem
-
-
-def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
-    """[B, Hkv, K, x] -> [B, H, K, x]: query head h uses key/value head h // (H / Hkv)."""
-    return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
 
 
 def scores(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -31,7 +26,7 @@ def scores(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
     allowed = p.mask.materialize(B, H, Q, K, device=p.q.device) if p.mask is not None else None  # [#B, #H, #Q, #K]
     if bias is not None:
         allowed = bias > float("-inf") if allowed is None else allowed & (bias > float("-inf"))
-    k = _heads(p.k, H).to(dt)  # [B, H, K, d]
+    k = per_query_head(p.k, H).to(dt)  # [B, H, K, d]
     if allowed is not None:  # keys no query may attend: zero them so NaN/inf there cannot reach any gradient
         k = k.masked_fill(~allowed.any(dim=-2)[..., None], 0.0)
     S = torch.einsum("bhqd,bhkd->bhqk", p.q.to(dt), k) * p.scale  # [B, H, Q, K]
@@ -76,7 +71,7 @@ def run(p: Problem, need_lse: bool = False, keep: torch.Tensor | None = None) ->
     P, lse = softmax_rows(S, p.sinks)
     if p.dropout_p > 0:
         P = F.dropout(P, p.dropout_p) if keep is None else P * keep / (1.0 - p.dropout_p)
-    v, flags = finite_part(_heads(p.v, p.ext.H).to(S.dtype))  # [B, H, K, dv]: NaN/inf as 0; flags [B, H, K, 3·dv]
+    v, flags = finite_part(per_query_head(p.v, p.ext.H).to(S.dtype))  # [B, H, K, dv]: NaN/inf as 0; flags [B, H, K, 3·dv]
     O = torch.einsum("bhqk,bhkv->bhqv", P, v)  # [B, H, Q, dv]
     if flags is not None:  # NaN/inf in v reach exactly the rows that may attend their key
         O = O + poison(torch.einsum("bhqk,bhkc->bhqc", (S > float("-inf")).to(S.dtype), flags))  # [B, H, Q, dv]

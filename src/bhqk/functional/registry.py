@@ -131,10 +131,7 @@ def estimate_tiled(p: Problem, grad: bool) -> Estimate:
     planning = time.perf_counter() - t0 if c.source != "fixed" else 0.0  # fixed costs: deterministic estimates
     fixed, entries, partial = calibrate.tiled_parts(p, plan)
     entries += partial * (1.0 if c.tiled_partial is None else c.tiled_partial / c.tiled_elem)  # the mask's extra, in entries
-    if grad and c.tiled_elem_backward is not None and c.tiled_fixed_backward is not None:  # measured forward+backward
-        t = fixed * c.tiled_fixed_backward + entries * c.tiled_elem_backward * _width(p)
-    else:
-        t = (fixed * c.tiled_fixed + entries * c.tiled_elem * _width(p)) * _grad_factor(c.tiled_backward, grad)
+    t = _tiled_seconds(c, grad, fixed, entries * _width(p))
     note = f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles, planned in {1e3 * planning:.2g} ms"
     return Estimate(t + planning, note, plan)
 
@@ -170,10 +167,15 @@ def tiled_floor(p: Problem, grad: bool) -> float:
     ext = p.ext
     n = len(tiled_plan.split(ext.B, p.sizes["Hkv"], tiled_plan.workers(p.q.device)))
     m = tiled_plan.model(p.q.device)
-    rows = m.row * ext.Q * ext.B * ext.H / n * _width(p)
+    return _tiled_seconds(c, grad, m.call, m.row * ext.Q * ext.B * ext.H / n * _width(p))
+
+
+def _tiled_seconds(c: calibrate.Costs, grad: bool, fixed: float, entries: float) -> float:
+    """The tile model's fixed and per-entry parts (model seconds) in this machine's seconds: by the
+    measured forward+backward scales when ``grad`` (a table without them: the forward's × ratio)."""
     if grad and c.tiled_elem_backward is not None and c.tiled_fixed_backward is not None:
-        return m.call * c.tiled_fixed_backward + rows * c.tiled_elem_backward
-    return (m.call * c.tiled_fixed + rows * c.tiled_elem) * _grad_factor(c.tiled_backward, grad)
+        return fixed * c.tiled_fixed_backward + entries * c.tiled_elem_backward
+    return (fixed * c.tiled_fixed + entries * c.tiled_elem) * _grad_factor(c.tiled_backward, grad)
 
 
 def _grad_factor(ratio: float | None, grad: bool) -> float:

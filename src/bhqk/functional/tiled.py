@@ -102,7 +102,7 @@ from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
 from ..masks import Mask
-from ..shapes import Sizes, all_finite, as_4d, compute_dtype, tile_of
+from ..shapes import Sizes, all_finite, as_4d, compute_dtype, per_query_head, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
 from .tiled_plan import Plan, Rect, RowGroup, device_mode, on_device, plan_for, split, workers
@@ -292,8 +292,7 @@ def _staged_problem(p: Problem) -> Problem:
 def _per_query_head(p: Problem) -> Problem:
     """The same call with K and V repeated per query head (Hkv = H): the slow path taken only when
     K or V hold NaN/inf, so that each query head can zero the rows it may not attend."""
-    k = p.k.repeat_interleave(p.groups, dim=1)  # [B, Hkv, K, d] -> [B, H, K, d]
-    v = p.v.repeat_interleave(p.groups, dim=1)  # [B, Hkv, K, dv] -> [B, H, K, dv]
+    k, v = per_query_head(p.k, p.ext.H), per_query_head(p.v, p.ext.H)  # [B, Hkv, K, ·] -> [B, H, K, ·]
     sizes = Sizes(**{**p.sizes.size, "Hkv": p.q.shape[1]})
     return dataclasses.replace(p, k=k, v=v, sizes=sizes)
 

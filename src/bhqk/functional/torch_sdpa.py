@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..bias import Bias
 from ..masks import Causal, to_sdpa
-from ..shapes import all_finite
+from ..shapes import all_finite, per_query_head
 from .problem import Problem
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -78,7 +78,7 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     k, v = p.k, p.v
     gqa = k.shape[1] != H
     if gqa and not HAS_GQA:
-        k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))  # [B, Hkv, K, x] -> [B, H, K, x]
+        k, v = per_query_head(k, H), per_query_head(v, H)  # [B, Hkv, K, x] -> [B, H, K, x]
     extra = {"enable_gqa": True} if gqa and HAS_GQA else {}
     out = F.scaled_dot_product_attention(
         p.q, k, v, attn_mask=attn_mask, dropout_p=p.dropout_p, is_causal=is_causal, scale=p.scale, **extra
