@@ -28,7 +28,7 @@ def scores(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         allowed = bias > float("-inf") if allowed is None else allowed & (bias > float("-inf"))
     k = per_query_head(p.k, H).to(dt)  # [B, H, K, d]
     if allowed is not None:  # keys no query may attend: zero them so NaN/inf there cannot reach any gradient
-        k = k.masked_fill(~allowed.any(dim=-2)[..., None], 0.0)
+        k = k.masked_fill(~allowed.any(dim=-2)[..., None], 0.0)  # allowed [#B, #H, Q, K] -> any row [#B, #H, K, 1]
     S = torch.einsum("bhqd,bhkd->bhqk", p.q.to(dt), k) * p.scale  # [B, H, Q, K]
     if p.softcap is not None:
         S = p.softcap * torch.tanh(S / p.softcap)

@@ -181,6 +181,11 @@ def _query_heads(hs: slice, G: int) -> slice:
     return hs if hs.start is None and hs.stop is None else slice(hs.start * G, hs.stop * G)
 
 
+def _grouped(t: torch.Tensor, kn: _Kernel) -> torch.Tensor:
+    """A worker's slice of a per-query-head tensor, its heads grouped by the K/V head they share."""
+    return t[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [B, H, Q, ·] -> [Bw, Hkvw, G, Q, ·]
+
+
 def _dense_parts(bias: Bias | None) -> list[DenseBias]:
     if isinstance(bias, DenseBias):
         return [bias]
@@ -370,6 +375,7 @@ def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=Non
     rows = _row_keys(seed, ar(B)[:, None, None], ar(H)[None, :, None], ar(Q)[None, None, :], H, Q)  # [B, H, Q]
     cols = _col_keys(seed, K, device)  # [K]
     x = torch.empty(B, H, Q, K, dtype=torch.int32, device=device)
+    # rows [B, H, Q] -> [B, H, Q, 1] x cols [K] -> keep [B, H, Q, K]
     return _keep_bits(rows[..., None], cols, _threshold(p), x, torch.empty_like(x)) != 0
 
 
@@ -380,7 +386,7 @@ def _slice_row_keys(kn: _Kernel, seed: int) -> torch.Tensor:
         return torch.arange(n, device=kn.device, dtype=torch.int64)
 
     b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)  # [Bw] -> [Bw, 1, 1, 1]
-    h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # query head hkv·G + g
+    h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]: query head hkv·G + g
     q = ar(Q).view(1, 1, Q, 1)  # [Q] -> [1, 1, Q, 1]
     return _row_keys(seed, b, h, q, H, Q).reshape(kn.n, Q * kn.G)  # [Bw, Hkvw, Q, G] -> [n, (Q G)]
 
@@ -407,6 +413,7 @@ class _Dropout:
         """-1 / 0 (keep / drop) for the slice's rows (q g) r0:r1 and keys k0:k1, [n, rows, kw]."""
         n = self.rows.shape[0]
         x, tmp = self.keep.take(n, r1 - r0, k1 - k0), self.tmp.take(n, r1 - r0, k1 - k0)
+        # rows [n, (q G)] -> [n, rows, 1] x cols [kw] -> [n, rows, kw]
         return _keep_bits(self.rows[:, r0:r1, None], self.cols[k0:k1], self.threshold, x, tmp)
 
 
@@ -555,11 +562,10 @@ def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: tor
     if not any(group.rects for group in rows):
         return  # every query of these groups is fully masked: out stays 0, lse -inf
     p = kn.p
-    q5 = p.q[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q, d]
+    q5 = _grouped(p.q, kn)  # [Bw, Hkvw, G, Q, d]
     k, v = p.k[kn.b, kn.hkv], v[kn.b, kn.hkv]  # [Bw, Hkvw, K, d], [Bw, Hkvw, K, dv]
     flags = flags[kn.b, kn.hkv] if flags is not None else None  # [Bw, Hkvw, K, 3·dv]
-    out5 = out[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q, dv]
-    lse5 = lse[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [Bw, Hkvw, G, Q]
+    out5, lse5 = _grouped(out, kn), _grouped(lse, kn)  # [Bw, Hkvw, G, Q, dv], [Bw, Hkvw, G, Q]
     work = _ForwardWork(kn, rows, k.shape[-1], v.shape[-1], flags is not None)
     for group in rows:
         if group.rects:  # otherwise every key is masked: out stays 0, lse -inf
@@ -588,7 +594,7 @@ def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Ten
     """(S - m) in base 2 for one rectangle, biased and masked, into ``s`` [n, rows, kw]."""
     torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw]  (S - m; S/c with softcap)
     if not kn.fold:
-        s.tanh_().mul_(kn.cap * LOG2E).sub_(offset[..., None])
+        s.tanh_().mul_(kn.cap * LOG2E).sub_(offset[..., None])  # offset m [n, rows] -> [n, rows, 1]
     _bias_and_mask_(s, kn, rect)
 
 
@@ -647,9 +653,9 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor,
         st.settled = bool(st.has_max.all())
     if bool(rescale.any()):
         raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
-        s.sub_(raise_by[..., None])
+        s.sub_(raise_by[..., None])  # [n, rows] -> [n, rows, 1]
         alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # rows with nothing accumulated may get any value
-        st.acc[:, a:b].mul_(alpha[..., None])
+        st.acc[:, a:b].mul_(alpha[..., None])  # alpha [n, rows] -> [n, rows, 1]; acc [n, rows, dv]
         st.row_sum[:, a:b].mul_(alpha)
         st.offset[:, a:b].add_(raise_by)
         if kn.fold:
@@ -668,9 +674,9 @@ def _max_pass_on_device(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: tor
     rescale |= seen & ~has_max
     has_max |= seen
     raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
-    s.sub_(raise_by[..., None])
+    s.sub_(raise_by[..., None])  # [n, rows] -> [n, rows, 1]
     alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # 1 where not raised; rows with nothing accumulated may get any value
-    st.acc[:, a:b].mul_(alpha[..., None])
+    st.acc[:, a:b].mul_(alpha[..., None])  # alpha [n, rows] -> [n, rows, 1]; acc [n, rows, dv]
     st.row_sum[:, a:b].mul_(alpha)
     st.offset[:, a:b].add_(raise_by)
     if kn.fold:
@@ -685,7 +691,8 @@ def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Ten
     lse2 = st.offset + torch.log2(st.row_sum)  # [n, R], base 2, over the keys
     if kn.p.sinks is not None:
         sink2 = (kn.p.sinks[kn.hq].to(kn.dt) * LOG2E).view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]
-        lse2 = torch.logaddexp2(lse2.view(kn.Bw, kn.Hkvw, bq, kn.G), sink2).view(kn.n, -1)  # rows (q g)
+        # [n, (q G)] -> [Bw, Hkvw, q, G] (+ sink2) -> [n, (q G)]
+        lse2 = torch.logaddexp2(lse2.view(kn.Bw, kn.Hkvw, bq, kn.G), sink2).view(kn.n, -1)
         l_safe = torch.where(st.row_sum > 0, torch.exp2(lse2 - st.offset), 1.0)  # the whole denominator relative to m
     else:
         l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
@@ -697,7 +704,8 @@ def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Ten
     # rows (q g) -> [Bw, Hkvw, q, G, ·]
     torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
-        dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))  # NaN/inf where the row attends them
+        # [n, (q G), 3·dv] -> [Bw, Hkvw, q, G, 3·dv]: NaN/inf where the row attends them
+        dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))
 
 
 # ---- backward --------------------------------------------------------------------------------------
@@ -759,15 +767,16 @@ class _RowTerms:
 def _row_terms(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse) -> _RowTerms:
     Bw, Hkvw, G, dt = kn.Bw, kn.Hkvw, kn.G, kn.dt
     Q = kn.p.q.shape[2]
-    o5 = out[kn.b, kn.hq].unflatten(1, (Hkvw, G))  # [Bw, Hkvw, G, Q, dv]
-    do5 = grad_out[kn.b, kn.hq].unflatten(1, (Hkvw, G))  # [Bw, Hkvw, G, Q, dv]
+    o5, do5 = _grouped(out, kn), _grouped(grad_out, kn)  # [Bw, Hkvw, G, Q, dv] each
     delta = torch.empty(Bw, Hkvw, Q, G, dtype=dt, device=kn.device)
     for group in plan.rows:
         sl = slice(group.q0, group.q1)
+        # [Bw, Hkvw, G, q, dv] x2 -> [Bw, Hkvw, q, G]
         delta[:, :, sl] = torch.einsum("bhgqv,bhgqv->bhqg", o5[:, :, :, sl].to(dt), do5[:, :, :, sl].to(dt))
     if grad_lse is not None:
-        delta -= grad_lse[kn.b, kn.hq].unflatten(1, (Hkvw, G)).transpose(2, 3).to(dt)  # lse's own gradient: dS += P·dlse
-    lse2 = lse[kn.b, kn.hq].unflatten(1, (Hkvw, G)).transpose(2, 3).to(dt)  # [Bw, Hkvw, Q, G]
+        # lse's own gradient: dS += P·dlse; [Bw, Hkvw, G, Q] -> [Bw, Hkvw, Q, G]
+        delta -= _grouped(grad_lse, kn).transpose(2, 3).to(dt)
+    lse2 = _grouped(lse, kn).transpose(2, 3).to(dt)  # [Bw, Hkvw, G, Q] -> [Bw, Hkvw, Q, G]
     lse2 = torch.where(lse2 > _NEG_INF, lse2 * LOG2E, _BIG)
     return _RowTerms(delta.view(kn.n, Q * G), lse2.reshape(kn.n, Q * G))  # [n, (Q G)]
 
@@ -799,11 +808,12 @@ def _backward_part(kn: _Kernel, plan: Plan, out, lse, grad_out, grad_lse, grads,
     q, k, v = p.q[kn.b, kn.hq], p.k[kn.b, kn.hkv], p.v[kn.b, kn.hkv]  # [Bw, Hw, Q, d], [Bw, Hkvw, K, ·]
     Q, d, dv = q.shape[2], q.shape[3], v.shape[-1]
     terms = _row_terms(kn, plan, out, lse, grad_out, grad_lse)
-    q5, do5 = q.unflatten(1, (kn.Hkvw, G)), grad_out[kn.b, kn.hq].unflatten(1, (kn.Hkvw, G))  # [Bw, Hkvw, G, Q, ·]
+    q5, do5 = _grouped(p.q, kn), _grouped(grad_out, kn)  # [Bw, Hkvw, G, Q, ·]
     grad_q = grads[0][kn.b, kn.hq]  # [Bw, Hw, Q, d]
     batch_contiguous = kn.Bw == 1 or grad_q.shape[1] == 1 or grad_q.stride(0) == grad_q.shape[1] * grad_q.stride(1)
     direct = G == 1 and grad_q.dtype == dt and batch_contiguous
-    grad_q3 = grad_q.flatten(0, 1) if direct else torch.zeros(n, Q * G, d, dtype=dt, device=kn.device)  # rows (q g)
+    # [Bw, Hw, Q, d] -> [n, Q, d] (G = 1: rows (q g) are q)
+    grad_q3 = grad_q.flatten(0, 1) if direct else torch.zeros(n, Q * G, d, dtype=dt, device=kn.device)
     work = _BackwardWork(kn, plan, d, dv)
     grad_bias = [torch.zeros(_sliced_shape(b.tensor.shape, kn.Bw, grad_q.shape[1]), dtype=dt, device=kn.device) for b in biases]
     grad_k_w, grad_v_w = grads[1][kn.b, kn.hkv], grads[2][kn.b, kn.hkv]  # [Bw, Hkvw, K, ·]
@@ -838,7 +848,8 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         torch.neg(terms.lse2[:, a:b], out=queries[..., d])
     else:
         queries[..., d] = 0.0
-    gout.view(kn.Bw, kn.Hkvw, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))  # dO, rows (q g)
+    # dO [Bw, Hkvw, G, q, dv] -> gout [n, (q G), dv+1] viewed [Bw, Hkvw, q, G, dv]
+    gout.view(kn.Bw, kn.Hkvw, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))
     drop = work.dropout
     if drop is None:
         torch.neg(terms.delta[:, a:b], out=gout[..., dv])
@@ -851,7 +862,7 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     if work.tanh is not None:  # softcap: S = c·tanh(S/c)
         th = work.tanh.take(n, b - a, kw)
         th.copy_(s.tanh_())
-        s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])
+        s.mul_(kn.cap * LOG2E).sub_(terms.lse2[:, a:b, None])  # lse2 [n, rows] -> [n, rows, 1]
     _bias_and_mask_(s, kn, rect)
     kt, vt = (keys, values) if kn.finite else _reachable_rows(s, keys, values, device_path=kn.on_device)
     s.exp2_()  # P
@@ -864,7 +875,8 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         kept = _drop_(s, drop.bits(a, b, k0, k1), out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
         grad_v.baddbmm_(kept.transpose(1, 2), gout[..., :dv])  # dV += (Z ∘ P)ᵀ·dO   [n, kw, dv]
         torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP/(1 - p)  [n, rows, kw]
-        ds.mul_(kept).addcmul_(s, terms.delta[:, a:b, None], value=-1.0)  # (P ∘ keep) ∘ dP/(1 - p) - P ∘ delta
+        # (P ∘ keep) ∘ dP/(1 - p) - P ∘ delta; delta [n, rows] -> [n, rows, 1]
+        ds.mul_(kept).addcmul_(s, terms.delta[:, a:b, None], value=-1.0)
     if not finite_v:
         ds.masked_fill_(s == 0, 0.0)  # a row that may not attend a NaN/inf value gets no gradient from it
     for g in grad_bias:

@@ -340,4 +340,4 @@ def _ordered(blocks: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     each row's chosen tiles first, in key order."""
     num = blocks.sum(dim=-1, dtype=torch.int32)  # [nq]
     idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)  # [nq, nk]
-    return num[None, None].to(device), idx[None, None].contiguous().to(device)
+    return num[None, None].to(device), idx[None, None].contiguous().to(device)  # [nq] -> [1, 1, nq]; [nq, nk] -> [1, 1, nq, nk]

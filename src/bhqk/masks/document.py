@@ -75,7 +75,7 @@ class Document(Mask):
             """Smallest and largest id of each block of positions, over the batch: [n_blocks] each."""
             ids = ids.cpu().long()
             nb = -(-n // block)
-            last = ids[:, -1:].expand(-1, nb * block - n)  # pad with a repeated id: no new min or max
+            last = ids[:, -1:].expand(-1, nb * block - n)  # [#B, 1] -> [#B, pad]: a repeated id, no new min or max
             ids = torch.cat([ids, last], dim=1).reshape(-1, nb, block)  # [#B, nb, block]
             return ids.amin(dim=(0, 2)), ids.amax(dim=(0, 2))
 
