@@ -52,9 +52,12 @@ def table(records: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", type=Path, help="a JSON file written by benchmarks/attention.py")
+    ap.add_argument("json", type=Path, help="a JSON file written by benchmarks/attention.py (its timing runs)")
     a = ap.parse_args()
     d = json.loads(a.json.read_text())
+    if "records" not in d:
+        raise SystemExit(f"{a.json}: not a timing result of benchmarks/attention.py (no 'records'; keys: "
+                         f"{', '.join(sorted(d))}); read it as JSON")
     print(f"`{d['meta'].get('command', '?')}`\n\n{describe(d['meta'])}\n")
     print(table(d["records"]))
 
