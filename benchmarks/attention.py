@@ -5,9 +5,9 @@ F.scaled_dot_product_attention (math and flash backends, forced with sdpa_kernel
 forward+backward. B=1, H=8, d=64 unless told otherwise.
 
 One command prints Markdown tables (time: median over repeats, with the spread; peak extra memory,
-each measured once in a fresh subprocess) and the ratios the project tracks (tiled and auto against SDPA, flex against tiled), and writes
-JSON and PNG plots (time and peak memory vs N) to benchmarks/results/ (--quick: to the untracked
-benchmarks/results/local/; --out DIR to choose).
+each measured once in a fresh subprocess) and the ratios the project tracks (tiled and auto
+against SDPA, flex against tiled), and writes JSON and PNG plots (time and peak memory vs N) to
+benchmarks/results/ (--quick: to the untracked benchmarks/results/local/; --out DIR to choose).
 
     python benchmarks/attention.py                 # the full grid (long: an hour or more)
     python benchmarks/attention.py --quick         # a smoke run: under a minute on 2 quiet cores
