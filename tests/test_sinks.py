@@ -163,8 +163,8 @@ def test_torch_backend_refuses_sinks_and_auto_never_sends_them_there():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (torch.zeros(3), r"sinks has shape \[3\] but must be \[H=4\]"),
-    (torch.zeros(1, 4), r"sinks has shape \[1, 4\] but must be \[H=4\]"),
+    (torch.zeros(3), r"sinks has number of query heads H=3 but q has H=4"),
+    (torch.zeros(1, 4), r"sinks must be 1-D \[H\] .* got 2-D shape \[1, 4\]"),
     (torch.zeros(4, dtype=torch.long), "floating-point"),
     (torch.tensor([0.0, float("nan"), 0.0, 0.0]), "finite"),
     (torch.tensor([0.0, float("inf"), 0.0, 0.0]), "finite"),

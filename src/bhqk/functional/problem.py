@@ -85,8 +85,7 @@ def check_sinks(sizes: Sizes, sinks, device: torch.device) -> torch.Tensor | Non
     what = "one logit per query head that joins each row's softmax denominator"
     if not isinstance(sinks, torch.Tensor):
         raise ShapeError(f"sinks must be a tensor [H={sizes['H']}] ({what}), got {type(sinks).__name__}.")
-    if sinks.dim() != 1 or sinks.shape[0] != sizes["H"]:
-        raise sizes.fail(f"sinks has shape {list(sinks.shape)} but must be [H={sizes['H']}] ({what}).")
+    sizes.bind("sinks", sinks.shape, ("H",), what=f" ({what})")
     if not sinks.is_floating_point():
         raise ShapeError(f"sinks must be a floating-point tensor [H={sizes['H']}], got {sinks.dtype}.")
     if sinks.device != device:
