@@ -187,10 +187,10 @@ def configs(smoke: bool) -> dict[str, dict]:
 
 def naive(q, k, v, p) -> torch.Tensor:
     """The formula in the inputs' dtype on their device: the low-precision yardstick."""
-    from bhqk.functional.reference import _heads
+    from bhqk.shapes import per_query_head
 
     H = q.shape[1]
-    S = (q @ _heads(k, H).transpose(-1, -2)) * p.scale  # [B, H, Q, K]
+    S = (q @ per_query_head(k, H).transpose(-1, -2)) * p.scale  # [B, H, Q, K]
     if p.softcap is not None:
         S = p.softcap * torch.tanh(S / p.softcap)
     B, _, Q, K = S.shape
@@ -199,7 +199,7 @@ def naive(q, k, v, p) -> torch.Tensor:
     if p.mask is not None:
         S = S.masked_fill(~p.mask.materialize(B, H, Q, K, device=S.device), float("-inf"))
     P = torch.softmax(S, dim=-1).nan_to_num(0.0)
-    return P @ _heads(v, H)  # [B, H, Q, dv]
+    return P @ per_query_head(v, H)  # [B, H, Q, dv]
 
 
 def correctness_section(r: Run) -> None:
