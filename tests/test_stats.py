@@ -1,0 +1,186 @@
+"""Attention statistics in capture (bhqk.inspect.rowstats): every statistic equals the one computed
+from the full weights P (the reference's, and Hugging Face eager's output_attentions), on every mask
+kind, bias, softcap, sinks, GQA, selected heads and rows, tiles of any size, with and without a saved
+lse; padding rows are left out; and no [Q, K] tensor is allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bhqk
+from bhqk import masks
+from bhqk.functional.api import problem
+from bhqk.inspect import capture
+from bhqk.inspect.rowstats import Want, row_lse, row_stats
+from conftest import mask_kinds, qkv
+from tolerance import assert_close
+
+WHAT = ("entropy", "distance", "sink", "received")
+
+
+def from_weights(P: torch.Tensor, K: int, Q: int, rows=None, offsets=(1,), window=None, real=None) -> dict:
+    """The statistics by their formulas from full weights P [B, h, r, K] (float64)."""
+    P = P.double()
+    rows_t = torch.arange(Q) if rows is None else torch.tensor(rows)
+    pos = (rows_t + K - Q).double()  # [r]
+    j = torch.arange(K).double()  # [K]
+    D = (pos[:, None] - j[None, :]).abs()  # [r, K]
+    out = {
+        "entropy": -torch.special.xlogy(P, P).sum(-1),
+        "distance": (P * D).sum(-1),
+        "sink": P[..., 0],
+        "mass": P.sum(-1),
+    }
+    for o in offsets:
+        key = (rows_t + K - Q - o)  # [r]
+        ok = (key >= 0) & (key < K)
+        idx = key.clamp(0, K - 1)[:, None].expand(*P.shape[:-1], 1)  # [B, h, r, 1]
+        out[f"offset{o}"] = torch.where(ok, P.gather(-1, idx)[..., 0], 0.0)
+    if window is not None:
+        out["local"] = (P * (D < window)).sum(-1)
+    w = torch.ones(P.shape[:-1], dtype=P.dtype) if real is None else real.double()
+    out["received"] = (P * w[..., None]).sum(-2)
+    return out
+
+
+def check(rec, exp: dict, n: int, offsets=(1,), window=None, msg=""):
+    for name in ("entropy", "distance", "sink", "received", "mass"):
+        got = getattr(rec, name)
+        mag = max(1.0, float(exp[name].abs().max())) if exp[name].numel() else 1.0
+        # entropy: lse·ΣP − q·ΣPk cancels terms of size |S| (≤ the magnitude of the scores) per key
+        assert_close(got, exp[name], n=n, magnitude=mag * 64, msg=f"{msg} {name}")
+    for o in offsets:
+        assert_close(rec.offset(o), exp[f"offset{o}"], n=n, msg=f"{msg} offset {o}")
+    if window is not None:
+        assert_close(rec.local, exp["local"], n=n, msg=f"{msg} local")
+
+
+@pytest.mark.parametrize("kind", ["none", "causal_br", "padding", "key_padding", "window", "document", "dense",
+                                  "~causal", "predicate", "causal&padding"])
+@pytest.mark.parametrize("saved_lse", [True, False])
+def test_statistics_equal_the_full_weights_on_every_mask(kind, saved_lse):
+    B, H, Hkv, Q, K = 2, 4, 2, 9, 11
+    q, k, v = qkv(B, H, Hkv, Q, K, 8, 6)
+    m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
+    backend = "reference" if saved_lse else "torch"
+    if bhqk.why_not(backend, q, k, v, m) is not None:
+        backend = "tiled"
+    with capture(what=WHAT, offsets=(1, 0, 3), window=3, topk=2, block_q=4, block_k=3) as cap:
+        bhqk.attention(q, k, v, m, backend=backend)
+    rec = cap[0]
+    P = bhqk.attention_weights(q, k, m)  # [B, H, Q, K]
+    exp = from_weights(P, K, Q, offsets=(1, 0, 3), window=3, real=rec.real)
+    check(rec, exp, K, offsets=(1, 0, 3), window=3, msg=kind)
+    # top-2 keys of each row
+    top = P.topk(2, dim=-1)
+    assert_close(rec.topk_weights, top.values, n=K)
+    picked = P.gather(-1, rec.topk_keys)  # the weights at the keys reported
+    assert_close(picked, top.values, n=K)
+    # real rows: those that may attend somewhere (and are no padding row)
+    assert bool((rec.real <= (P.sum(-1) > 0)).all())
+
+
+@pytest.mark.parametrize("case", ["bias", "softcap", "sinks", "bias+sinks+softcap"])
+def test_statistics_with_bias_softcap_and_sinks(case):
+    B, H, Q, K = 1, 3, 7, 7
+    q, k, v = qkv(B, H, None, Q, K, 4)
+    g = torch.Generator().manual_seed(1)
+    kw = {}
+    if "bias" in case:
+        bias = torch.randn(B, H, Q, K, generator=g, dtype=torch.float64)
+        bias[0, 1, 2, 3] = float("-inf")
+        kw["bias"] = bias
+    if "softcap" in case:
+        kw["softcap"] = 2.0
+    if "sinks" in case:
+        kw["sinks"] = torch.randn(H, generator=g, dtype=torch.float64)
+    m = masks.causal()
+    for backend in ("reference", "tiled"):
+        with capture(what=WHAT, offsets=(1,), window=2) as cap:
+            bhqk.attention(q, k, v, m, backend=backend, **kw)
+        P = bhqk.attention_weights(q, k, m, **kw)
+        check(cap[0], from_weights(P, K, Q, window=2), K, window=2, msg=f"{case} {backend}")
+        if "sinks" in case:
+            assert float(cap[0].mass.max()) < 1.0  # the sink takes a share
+    # without a saved lse: recomputed, sinks included
+    p = problem(q, k, v, m, **kw)
+    _, lse = bhqk.functional.reference.weights(p)
+    assert_close(row_lse(p, [0, 1, 2], None, block_q=3, block_k=2), lse, n=K)
+
+
+def test_selected_heads_and_rows_are_slices_of_the_full_statistics():
+    B, H, Hkv, Q, K = 2, 6, 3, 10, 10
+    q, k, v = qkv(B, H, Hkv, Q, K, 4)
+    m = masks.causal() & masks.padding(torch.tensor([10, 7]))
+    heads, rows = [1, 4, 5], [0, 2, 3, 4, 9]
+    with capture(what=WHAT, heads=heads, rows=rows, offsets=(1, 2)) as cap:
+        bhqk.attention(q, k, v, m, backend="torch")
+    rec = cap[0]
+    P = bhqk.attention_weights(q, k, m)[:, heads][:, :, rows]  # [B, h, r, K]
+    exp = from_weights(P, K, Q, rows=rows, offsets=(1, 2), real=rec.real)
+    check(rec, exp, K, offsets=(1, 2))
+    assert rec.entropy.shape == (B, len(heads), len(rows)) and rec.received.shape == (B, len(heads), K)
+
+
+def test_padding_rows_are_not_real_and_leave_received():
+    # bidirectional attention with right padding: padded query rows attend the real keys (as BERT's do)
+    B, H, N = 2, 2, 6
+    q, k, v = qkv(B, H, None, N, N, 4)
+    valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    with capture(what=WHAT) as cap:
+        bhqk.attention(q, k, v, masks.key_padding(valid), backend="reference")
+    rec = cap[0]
+    real = valid[:, None, :].expand(B, H, N)  # rows of real tokens
+    assert torch.equal(rec.real, real)
+    P = bhqk.attention_weights(q, k, masks.key_padding(valid))
+    assert_close(rec.received, (P * real[..., None].double()).sum(-2), n=N)
+    # causal with left padding: the padding rows may attend nothing
+    left = torch.tensor([[False, False, True, True, True, True], [True] * 6])
+    with capture(what=WHAT) as cap:
+        bhqk.attention(q, k, v, masks.causal() & masks.key_padding(left), backend="torch")
+    assert torch.equal(cap[0].real, left[:, None, :].expand(B, H, N))
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (64, 64)])
+def test_any_tile_size_gives_the_same_statistics(blocks):
+    q, k, v = qkv(1, 2, None, 13, 13, 4)
+    p = problem(q, k, v, masks.sliding_window(3, 2))
+    want = Want(offsets=(1, 5), window=2, topk=3)
+    a = row_stats(p, [0, 1], None, None, want, block_q=blocks[0], block_k=blocks[1])
+    b = row_stats(p, [0, 1], None, None, want, block_q=13, block_k=13)
+    for name in ("entropy", "distance", "sink", "received", "local", "mass", "topk_weights"):
+        assert_close(a[name], b[name], n=13, msg=name)
+    assert_close(a["offset"][5], b["offset"][5], n=13)
+
+
+def test_statistics_never_allocate_a_query_by_key_tensor(monkeypatch):
+    # fp32, Q = K = 512: a tile of 64 x 64 keys; any tensor with Q·K entries per head would be a leak
+    Q = K = 512
+    q, k, v = qkv(1, 2, None, Q, K, 8, dtype=torch.float32)
+    sizes = []
+    real_empty, real_matmul = torch.Tensor.__matmul__, None
+    del real_matmul
+
+    def spy(a, b):
+        out = real_empty(a, b)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    with capture(what=WHAT, offsets=(1,), window=4, block_q=64, block_k=64) as cap:
+        bhqk.attention(q, k, v, masks.causal(), backend="torch")
+    assert sizes and max(sizes) <= 2 * 64 * 64, max(sizes)
+    assert cap[0].received.shape == (1, 2, K)
+
+
+def test_capture_errors_name_the_argument():
+    with pytest.raises(ValueError, match="offsets"):
+        capture(what=("offset",)).__enter__()
+    with pytest.raises(ValueError, match="window"):
+        capture(what=("entropy",), window=0).__enter__()
+    with pytest.raises(KeyError, match="offset 2 was not captured"):
+        q, k, v = qkv(1, 1, None, 3, 3, 4)
+        with capture(what=("sink",), offsets=(1,)) as cap:
+            bhqk.attention(q, k, v)
+        cap[0].offset(2)
