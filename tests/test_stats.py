@@ -184,3 +184,31 @@ def test_capture_errors_name_the_argument():
         with capture(what=("sink",), offsets=(1,)) as cap:
             bhqk.attention(q, k, v)
         cap[0].offset(2)
+
+
+# ---- head tables ------------------------------------------------------------------------------------
+
+def test_head_table_means_over_real_rows_of_every_call_of_a_layer():
+    # head 0 looks at the previous key only, head 1 at key 0 only (a sink), under a causal mask
+    N, d = 6, 8
+    q = torch.zeros(1, 2, N, d, dtype=torch.float64)
+    k = torch.zeros(1, 2, N, d, dtype=torch.float64)
+    for i in range(N):
+        k[0, 0, i, i] = 1.0
+        q[0, 0, i, max(i - 1, 0)] = 1e3  # row i: key i - 1 (row 0: key 0)
+    k[0, 1, 0, 0] = 1.0
+    q[0, 1, :, 0] = 1e3
+    v = torch.randn(1, 2, N, 3, dtype=torch.float64)
+    lengths = torch.tensor([N])
+    with capture(what=WHAT, offsets=(1,), window=2) as cap:
+        bhqk.attention(q, k, v, masks.causal(), backend="reference")
+        bhqk.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], masks.causal() & masks.padding(lengths - 2), backend="torch")
+    t = cap.head_table(positions=(0,))
+    assert t.layers == ["attention.0", "attention.1"]
+    torch.testing.assert_close(t["prev"][0], torch.tensor([(N - 1) / N, 1 / N], dtype=torch.float64))
+    torch.testing.assert_close(t["sink"][:, 1], torch.tensor([1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(t["received@0"][0], t["sink"][0])  # mean P on key 0 either way
+    assert t.top("prev", 1)[0][:2] == (0, 0)
+    assert (0, 1, "sink", 1.0) in [(a, b, c, round(x, 6)) for a, b, c, x in t.roles()]
+    assert "prev" in str(t) and "top sink" in repr(t) and "<table" in t._repr_html_()
+    assert set(t.to_dict()["values"]) == set(t.columns)

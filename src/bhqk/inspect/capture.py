@@ -31,6 +31,7 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, compute_dtype
+from .heads import HeadTable, head_table
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -321,6 +322,12 @@ class Capture:
         if not ts or any(t is None for t in ts):
             raise KeyError(f"{what!r} was not captured for every call.")
         return torch.stack(ts)
+
+    def head_table(self, positions: Sequence[int] = ()) -> HeadTable:
+        """A table per layer (records grouped by name) × head of the captured statistics, each the mean
+        over the real rows of every batch element and call; ``received@p`` for each key p in ``positions``.
+        For role scores with their controls (previous-token, induction) see :func:`bhqk.inspect.detect`."""
+        return head_table(self.records, positions)
 
     def stats(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")):
         """Per call and head: entropy, mean distance, share on the first token and on special tokens."""
