@@ -33,6 +33,7 @@ from ..masks import Tile
 from ..shapes import as_4d, compute_dtype
 
 TILE_ENTRIES = 1 << 22  # entries of one [B, h, bq, bk] score tile (16 MiB in float32)
+NARROW = 32  # a window up to this wide is summed from its diagonals, not from a [bq, bk] band mask
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class _Call:
             self.G, self.k = 1, p.k.index_select(1, hi // G)  # [B, Hkv, K, d] -> [B, h, K, d]
         self.sinks = None if p.sinks is None else p.sinks[heads].to(self.dt)  # [h]
         self.fast = p.softcap is None and p.bias is None  # entropy linear in k: through a matmul
+        self.buffers: dict = {}
+        self.causal = _only_past(p.mask, self.ext)  # no key after pos(i) is allowed: |pos − j| = pos − j
+        self.plain_causal = self.causal and type(p.mask).__name__ == "Causal" and p.bias is None
 
     def sel(self, t: torch.Tensor) -> torch.Tensor:
         """A mask or bias tile [#B, #H, q, k] with the selected heads: [#B, #h, q, k]."""
@@ -99,25 +103,34 @@ class _Call:
         extra[..., 1] = torch.arange(k1 - k0, dtype=self.dt, device=self.dev)
         return torch.cat([kt, extra], dim=-1)  # [B, h/G, bk, d + 2]
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a [B, h, x, n] @ b [B, h/G, n, y] -> [B, h, x, y], the G query heads of a K/V head as one matmul."""
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, slot: str) -> torch.Tensor:
+        """a [B, h, x, n] @ b [B, h/G, n, y] -> [B, h, x, y], the G query heads of a K/V head as one matmul,
+        written into a buffer kept per ``slot`` and shape (fresh memory is what costs here: docs/design.md)."""
         B, h, x, n = a.shape
-        out = a.reshape(B, h // self.G, self.G * x, n) @ b  # [B, h/G, G·x, y]
-        return out.view(B, h, x, b.shape[-1])  # [B, h, x, y]
+        shape = (B, h // self.G, self.G * x, b.shape[-1])
+        buf = self.buffers.get((slot, shape))
+        if buf is None:
+            buf = self.buffers[(slot, shape)] = torch.empty(shape, dtype=self.dt, device=self.dev)
+        torch.matmul(a.reshape(B, h // self.G, self.G * x, n), b, out=buf)  # [B, h/G, G·x, y]
+        return buf.view(B, h, x, b.shape[-1])  # [B, h, x, y]
 
     def scores(self, qa: torch.Tensor, ka: torch.Tensor, i0: int, i1: int, k0: int, k1: int,
-               lse: torch.Tensor | None, folded: bool):
-        """(S − lse [B, h, bq, bk] or plain S when ``lse`` is None, allowed [#B, #h, bq, bk] or None),
-        -inf where not allowed, or None for a tile nobody may attend."""
+               lse: torch.Tensor | None, folded: bool, defer_causal: bool = False):
+        """(S − lse [B, h, bq, bk] or plain S when ``lse`` is None, allowed [#B, #h, bq, bk] or None,
+        the diagonal to keep at and below when the caller must zero what lies above it after the exp
+        (``defer_causal`` with a plain causal mask), else None), -inf where not allowed; None for a
+        tile nobody may attend."""
         p = self.p
-        allowed = None
+        allowed = diagonal = None
         if p.mask is not None:
             t = p.mask.classify(self.ext, i0, i1, k0, k1)
             if t is Tile.EMPTY:
                 return None
-            if t is Tile.PARTIAL:
+            if t is Tile.PARTIAL and defer_causal and self.plain_causal:
+                diagonal = i0 + self.c - k0  # key j allowed for row x when j <= x + diagonal
+            elif t is Tile.PARTIAL:
                 allowed = self.sel(as_4d(p.mask.block(self.ext, i0, i1, k0, k1, self.dev)))  # [#B, #h, bq, bk]
-        S = self.matmul(qa, ka.transpose(-1, -2))  # [B, h, bq, d+2] @ [B, h/G, d+2, bk] -> [B, h, bq, bk]
+        S = self.matmul(qa, ka.transpose(-1, -2), "S")  # [B, h, bq, d+2] @ [B, h/G, d+2, bk] -> [B, h, bq, bk]
         if p.softcap is not None:
             S = torch.tanh(S.div_(p.softcap)).mul_(p.softcap)
         if p.bias is not None:
@@ -129,7 +142,26 @@ class _Call:
             S = S.sub_(lse[..., None])  # [B, h, bq, bk] - [B, h, bq, 1]
         if allowed is not None:
             S = S.masked_fill_(~allowed, float("-inf"))
-        return S, allowed
+        return S, allowed, diagonal
+
+
+def _only_past(mask, ext) -> bool:
+    """True when ``mask`` allows no key j > pos(i) = i + K − Q (a causal mask aligned at the bottom right,
+    a window with no right side, or an AND with one of them)."""
+    from ..masks import Causal
+    from ..masks.base import And
+    from ..masks.window import SlidingWindow
+
+    if mask is None:
+        return False
+    if isinstance(mask, And):
+        return _only_past(mask.a, ext) or _only_past(mask.b, ext)
+    aligned = mask.align == "bottom_right" or ext.Q == ext.K if isinstance(mask, (Causal, SlidingWindow)) else False
+    if isinstance(mask, Causal):
+        return aligned
+    if isinstance(mask, SlidingWindow):
+        return aligned and mask.right == 0
+    return False
 
 
 def runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -154,10 +186,42 @@ def _spans(rows: list[int] | None, Q: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Tensor | None:
+    """The lse [B, h, r] from PyTorch's fused CPU flash kernel (which returns it), where it computes the
+    call as bhqk does (no mask or a causal one it aligns the same way, no bias, softcap or dropout;
+    the sinks are added after), else None."""
+    from ..functional.torch_sdpa import structure_free
+    from ..masks import Causal
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if (op is None or p.q.device.type != "cpu" or p.softcap is not None or not structure_free(p)
+            or p.q.dtype not in (torch.float32, torch.float64) or p.ext.Q == 0 or p.ext.K == 0):
+        return None
+    H, G = p.ext.H, p.groups
+    hi = torch.tensor(heads)
+    q = p.q if len(heads) == H else p.q.index_select(1, hi)  # [B, h, Q, d]
+    if rows is not None:
+        q = q.index_select(2, torch.tensor(rows))  # [B, h, r, d]
+        if p.mask is not None:
+            return None  # the causal offset of a row subset is not SDPA's top-left
+    k = p.k.index_select(1, hi // G)  # [B, Hkv, K, d] -> [B, h, K, d]: head h reads K/V head h // G
+    try:
+        lse = op(q, k, k, 0.0, isinstance(p.mask, Causal), scale=p.scale)[1]  # [B, h, r]; v = k: only the lse is kept
+    except RuntimeError:  # a shape or dtype the kernel refuses: the online pass computes it
+        return None
+    if p.sinks is not None:
+        lse = torch.logaddexp(lse, p.sinks[heads].to(lse.dtype)[None, :, None])  # [B, h, r] with [1, h, 1]
+    return lse
+
+
 def row_lse(p: Problem, heads: list[int], rows: list[int] | None, *, block_q: int | None = None,
             block_k: int | None = None) -> torch.Tensor:
-    """The log-sum-exp [B, h, r] of the selected heads and rows, by one online pass over key tiles
-    (sinks included; -inf for a row that may attend nothing and has no sink)."""
+    """The log-sum-exp [B, h, r] of the selected heads and rows, by PyTorch's fused kernel where it
+    can compute the call, else by one online pass over key tiles (sinks included; -inf for a row that
+    may attend nothing and has no sink)."""
+    fused = _fused_lse(p, heads, rows)
+    if fused is not None:
+        return fused.to(compute_dtype(p.q))
     call = _Call(p, heads)
     B, K = call.ext.B, call.ext.K
     r = call.ext.Q if rows is None else len(rows)
@@ -207,13 +271,17 @@ def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
     rows_t = torch.arange(Q) if rows is None else torch.tensor(rows)
     pos = rows_t + (K - Q)  # [r] key position of each row
     inside = (pos >= 0) & (pos < K)
-    real = out["row_any"].clone()  # [B, h, r]
+    # a row counts when it gives weight to some key, and its own key (if any) receives weight from some row
+    row_any = out["mass"] > 0  # [B, h, r]
+    real = row_any.clone()
     if bool(inside.any()):
-        own = out["col_any"][:, :, pos.clamp(0, max(K - 1, 0)).to(real.device)]  # [B, h, r]: the row's own key may be attended
+        own = out["colsum"][:, :, pos.clamp(0, max(K - 1, 0)).to(real.device)] > 0  # [B, h, r]
         real &= own | ~inside.to(real.device)
     out["real"] = real
+    colsum = out.pop("colsum")
     if want.received:
-        pad = out["row_any"] & ~real  # rows that attend but are padding: their share leaves received
+        out["received"] = colsum
+        pad = row_any & ~real  # rows that attend but are padding: their share leaves received
         if bool(pad.any()):
             idx = pad.any(0).any(0).nonzero().flatten()  # output rows padded in some (b, h)
             sub_rows = rows_t[idx.cpu()].tolist()
@@ -221,7 +289,6 @@ def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
                         block_q, block_k)
             out["received"] -= fix["received"]
     out["lse"] = lse_sel
-    del out["row_any"], out["col_any"]
     return out
 
 
@@ -236,8 +303,7 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
     finite = torch.isfinite(lse)
     lse_use = torch.where(finite, lse, 0.0)  # a row that may attend nothing: its P is 0 whatever lse is used
     z = torch.zeros(B, h, r, dtype=dt, device=dev)
-    res: dict = {"mass": z.clone(), "row_any": torch.zeros(B, h, r, dtype=torch.bool, device=dev),
-                 "col_any": torch.zeros(B, h, K, dtype=torch.bool, device=dev)}
+    res: dict = {"mass": z.clone(), "colsum": torch.zeros(B, h, K, dtype=dt, device=dev)}
     if want.entropy:
         res["entropy"] = z.clone()
     if want.distance:
@@ -246,7 +312,7 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
         res["sink"] = z.clone()
     if want.window is not None:
         res["local"] = z.clone()
-    if want.received:
+    if want.received and row_weight is not None:
         res["received"] = torch.zeros(B, h, K, dtype=dt, device=dev)
     offs = {o: z.clone() for o in want.offsets}
     t = min(want.topk, K)
@@ -268,23 +334,21 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
                 if k0 not in kts:
                     kts[k0] = call.k_tile(k0, k1)
                 ka = kts[k0]  # [B, h/G, bk, d+2]
-                got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast)
+                got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
                 if got is None:
                     continue
-                P, allowed = got
+                P, _, diagonal = got
                 P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
-                if allowed is None:
-                    res["row_any"][:, :, a:b_] = True
-                    res["col_any"][:, :, k0:k1] = True
+                if diagonal is not None:
+                    P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
+                if w is None:
+                    res["colsum"][:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
                 else:
-                    res["row_any"][:, :, a:b_] |= allowed.any(-1)  # [#B, #h, bq]
-                    res["col_any"][:, :, k0:k1] |= allowed.any(-2)  # [#B, #h, bk]
-                if want.received:
-                    res["received"][:, :, k0:k1] += (P if w is None else P * w).sum(-2)  # [B, h, bk]
+                    res["received"][:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
                 if row_weight is not None and not (want.entropy or want.distance or want.sink or offs or t
                                                    or want.window is not None):
                     continue
-                PK = call.matmul(P, ka)  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
+                PK = call.matmul(P, ka, "PK")  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
                 sP, sPj = PK[..., d], PK[..., d + 1]  # Σ_j P and Σ_j P·(j − k0): [B, h, bq]
                 res["mass"][:, :, a:b_] += sP
                 if pk is not None:
@@ -293,7 +357,7 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
                     res["entropy"][:, :, a:b_] -= torch.special.xlogy(P, P).sum(-1)
                 if want.distance:
                     lo, hi = i0 + call.c, i1 - 1 + call.c  # positions of the block's first and last rows
-                    if k1 - 1 <= lo:  # every key at or before every row's position: |pos − j| = pos − j
+                    if k1 - 1 <= lo or call.causal:  # every (allowed) key at or before the row's position: pos − j
                         res["distance"][:, :, a:b_] += (pos - k0) * sP - sPj
                     elif k0 >= hi:  # every key at or after: j − pos
                         res["distance"][:, :, a:b_] += sPj - (pos - k0) * sP
@@ -312,6 +376,13 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
                     W, lo, hi = want.window, i0 + call.c, i1 - 1 + call.c
                     if k0 > hi - W and k1 - 1 < lo + W:  # the whole tile is inside every row's window
                         res["local"][:, :, a:b_] += sP
+                    elif W <= NARROW and k0 < hi + W and k1 - 1 > lo - W:  # a narrow band: its diagonals
+                        for off in range(0 if call.causal else -(W - 1), W):  # key pos − off
+                            delta = i0 + call.c - off - k0
+                            if -(i1 - i0) < delta < k1 - k0:
+                                diag = P.diagonal(delta, -2, -1)  # [B, h, n]
+                                x0 = max(0, -delta)
+                                res["local"][:, :, a + x0:a + x0 + diag.shape[-1]] += diag
                     elif k0 < hi + W and k1 - 1 > lo - W:  # the band crosses the tile
                         D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
                         res["local"][:, :, a:b_] += (P * (D < W)).sum(-1)
