@@ -211,3 +211,18 @@ def test_head_table_means_over_real_rows_of_every_call_of_a_layer():
     assert (0, 1, "sink", 1.0) in [(a, b, c, round(x, 6)) for a, b, c, x in t.roles()]
     assert "prev" in str(t) and "top sink" in repr(t) and "<table" in t._repr_html_()
     assert set(t.to_dict()["values"]) == set(t.columns)
+
+
+def test_reprs_are_bounded_at_any_length():
+    N = 3000
+    q, k, v = qkv(1, 2, None, N, N, 4, dtype=torch.float32)
+    with capture(what=WHAT, offsets=(1,)) as cap:
+        for _ in range(12):
+            bhqk.attention(q, k, v, masks.causal(), backend="torch")
+    rec = cap[0]
+    page = rec._repr_html_()
+    assert "<svg" in page and "prev" in page and len(page) < 20_000
+    assert len(cap._repr_html_()) < 40_000 and "… 4 more" in cap._repr_html_()
+    assert "12 of 12 attention calls" in repr(cap) and len(repr(cap)) < 400
+    assert "entropy [B=1, H=2, Q=3000]" in repr(rec) and "received [B=1, H=2, K=3000]" in repr(rec)
+    torch.testing.assert_close(rec.head_means()["sink"], rec.sink.double().mean((0, 2)))

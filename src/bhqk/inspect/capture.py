@@ -142,6 +142,49 @@ class Record:
             got += ", offsets " + str(sorted(self.offsets))
         return f"Record(#{self.index} {self.name!r}, backend={self.backend!r}, {got})"
 
+    def head_means(self) -> dict[str, torch.Tensor]:
+        """Each captured per-row statistic averaged over the real rows of every batch element: [h]."""
+        if self.real is None:
+            return {}
+        real = self.real.double()  # [B, h, r]
+        n = real.sum((0, 2)).clamp(min=1)  # [h]
+        out = {}
+        for name in ("entropy", "distance", "sink", "local"):
+            t = getattr(self, name)
+            if t is not None:
+                out[name] = (t.double() * real).sum((0, 2)) / n
+        for o, t in sorted((self.offsets or {}).items()):
+            out["prev" if o == 1 else f"offset {o}"] = (t.double() * real).sum((0, 2)) / n
+        return out
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the call, its named shapes, per-head means and the received curve (bounded size:
+        at most 64 heads listed and a 240-point curve, at any Q and K)."""
+        import html
+
+        from ..viz.stats_page import sparkline
+
+        s = self.sizes
+        sizes = ", ".join(f"{k}={v}" for k, v in s.items())
+        shapes = "".join(f"<li><code>{html.escape(n)}</code> {html.escape(self.shape(n))}</li>"
+                         for n in AXES if getattr(self, n) is not None)
+        parts = [f"<div><b>Record #{self.index}</b> <code>{html.escape(self.name)}</code> ({html.escape(self.backend)}; "
+                 f"{html.escape(sizes)})<ul>{shapes}</ul>"]
+        means = self.head_means()
+        if means:
+            cols = list(means)
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in ["head", *cols])
+            body = "".join("<tr>" + f"<td>{h}</td>" + "".join(f"<td>{float(means[c][i]):.3f}</td>" for c in cols) + "</tr>"
+                           for i, h in enumerate(self.heads[:64]))
+            more = f"<div>… {len(self.heads) - 64} more heads</div>" if len(self.heads) > 64 else ""
+            parts.append(f"<table style='font-size:12px'><tr>{head}</tr>{body}</table>{more}")
+        if self.received is not None and self.real is not None:
+            curve = self.received.double().sum((0, 1)) / max(1.0, float(self.real.sum()))  # [K]
+            parts.append(f"<div style='font-size:12px'>attention received per key (log scale, K={curve.numel()})</div>"
+                         + sparkline(curve))
+        parts.append("</div>")
+        return "".join(parts)
+
 
 def _tile(get, rows: list[int] | None, Q: int, K: int, heads: list[int], H: int) -> torch.Tensor:
     """A mask or bias evaluated on the selected rows only, heads selected: [#B, #h, r, K]."""
@@ -336,6 +379,25 @@ class Capture:
     def summary(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")) -> str:
         """The head statistics as a table, one row per (call, head)."""
         return summary_table(self.stats(tokens, b=b, special=special), special=tuple(special) if tokens else ())
+
+    def __repr__(self) -> str:
+        names = list(dict.fromkeys(r.name for r in self.records))
+        shown = ", ".join(names[:4]) + (f", … ({len(names) - 4} more)" if len(names) > 4 else "")
+        return (f"Capture({len(self.records)} of {self.calls} attention calls, {len(names)} layers [{shown}], "
+                f"what={list(self.what)}" + (f", offsets={list(self.offsets)}" if self.offsets else "") + ")")
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the summary, the head table as layers × heads grids (if statistics were captured)
+        and the first records; bounded by L·H cells per statistic, not by Q or K."""
+        import html
+
+        parts = [f"<div><b>{html.escape(repr(self))}</b>"]
+        if any(r.real is not None for r in self.records):
+            parts.append(self.head_table()._repr_html_())
+        items = "".join(f"<li>{html.escape(repr(r))}</li>" for r in self.records[:8])
+        more = f"<li>… {len(self.records) - 8} more</li>" if len(self.records) > 8 else ""
+        parts.append(f"<ul style='font-size:12px'>{items}{more}</ul></div>")
+        return "".join(parts)
 
     def __str__(self) -> str:
         if not self.records:
