@@ -226,3 +226,24 @@ def test_reprs_are_bounded_at_any_length():
     assert "12 of 12 attention calls" in repr(cap) and len(repr(cap)) < 400
     assert "entropy [B=1, H=2, Q=3000]" in repr(rec) and "received [B=1, H=2, K=3000]" in repr(rec)
     torch.testing.assert_close(rec.head_means()["sink"], rec.sink.double().mean((0, 2)))
+
+
+@pytest.mark.parametrize("Q,K", [(0, 5), (4, 0), (0, 0)])
+def test_empty_sizes_give_empty_statistics(Q, K):
+    q, k, v = qkv(1, 2, None, Q, K, 4)
+    with capture(what=WHAT, offsets=(1,), window=2, topk=2) as cap:
+        bhqk.attention(q, k, v)
+    rec = cap[0]
+    assert rec.entropy.shape == (1, 2, Q) and rec.received.shape == (1, 2, K)
+    assert rec.topk_weights.shape == (1, 2, Q, min(2, K)) and not bool(rec.real.any())
+    assert float(rec.entropy.abs().sum()) == 0.0
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    q, k, v = qkv(1, 2, 1, 6, 6, 4, dtype=torch.bfloat16)
+    with capture(what=WHAT, offsets=(1,)) as cap:
+        bhqk.attention(q, k, v, masks.causal())
+    rec = cap[0]
+    assert rec.entropy.dtype == torch.float32
+    P = bhqk.attention_weights(q.float(), k.float(), masks.causal())  # the same bf16 values, in fp32
+    check(rec, from_weights(P, 6, 6), 6)

@@ -401,6 +401,9 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
         res["offset"] = offs
     if t:
         res["topk_weights"], res["topk_keys"] = top_p.clamp_(min=0.0), top_k
+    elif want.topk:  # K = 0: no key to rank
+        res["topk_weights"] = torch.zeros(B, h, r, 0, dtype=dt, device=dev)
+        res["topk_keys"] = torch.zeros(B, h, r, 0, dtype=torch.long, device=dev)
     if "entropy" in res:
         res["entropy"].clamp_(min=0.0)  # rounding of the linear form can go a hair below 0
     return res
