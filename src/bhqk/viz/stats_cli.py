@@ -66,7 +66,8 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the pictures and the page (default {DEFAULT_OUT})")
     s.add_argument("--max-tokens", type=int, default=None, help="cut the text to this many tokens (default: the model's limit)")
     s.add_argument("--window", type=int, default=8, help="'local' is the attention within this many keys (default 8)")
-    s.add_argument("--backend", default="auto", choices=("auto", "tiled", "torch", "reference"))
+    s.add_argument("--backend", default="auto", choices=("auto", "tiled", "torch", "reference"),
+                   help="the attention backend the forward runs on (default auto); the statistics are the same")
     s.set_defaults(func=cmd_stats)
     return s
 
