@@ -247,3 +247,20 @@ def test_low_precision_inputs_are_computed_in_float32():
     assert rec.entropy.dtype == torch.float32
     P = bhqk.attention_weights(q.float(), k.float(), masks.causal())  # the same bf16 values, in fp32
     check(rec, from_weights(P, 6, 6), 6)
+
+
+def test_multi_head_attention_module_with_gqa_sinks_and_left_padding():
+    torch.manual_seed(0)
+    m = bhqk.MultiHeadAttention(32, 4, num_kv_heads=2, sinks=True).double()
+    with torch.no_grad():
+        m.sinks.copy_(torch.tensor([0.5, 1.0, 2.0, -1.0]))
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    mask = masks.causal() & masks.key_padding(valid)
+    with torch.no_grad(), capture(model=m, what=WHAT, offsets=(1,)) as cap:
+        _, P = m(x, mask=mask, return_weights=True)  # P [B, H, Q, K]
+    rec = cap.records[0]
+    real = valid[:, None, :].expand(2, 4, 7)
+    assert torch.equal(rec.real, real)
+    check(rec, from_weights(P, 7, 7, real=real), 7)
