@@ -264,3 +264,19 @@ def test_multi_head_attention_module_with_gqa_sinks_and_left_padding():
     real = valid[:, None, :].expand(2, 4, 7)
     assert torch.equal(rec.real, real)
     check(rec, from_weights(P, 7, 7, real=real), 7)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "rows", "sinks"])
+def test_lse_from_the_fused_kernel_equals_the_online_pass(case, monkeypatch):
+    from bhqk.inspect import rowstats
+
+    q, k, v = qkv(2, 4, 2, 9, 9, 8, dtype=torch.float32)
+    kw = {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])} if case == "sinks" else {}
+    p = problem(q, k, v, masks.causal() if case == "causal" else None, **kw)
+    rows = [0, 3, 4, 8] if case == "rows" else None
+    heads = [0, 2, 3]
+    assert rowstats._fused_lse(p, heads, rows) is not None  # the kernel takes these calls
+    fused = row_lse(p, heads, rows)
+    monkeypatch.setattr(rowstats, "_fused_lse", lambda *a: None)
+    online = row_lse(p, heads, rows, block_q=2, block_k=4)
+    assert_close(fused, online, n=9, magnitude=float(online.abs().max()))

@@ -1,9 +1,9 @@
 """Attention statistics of every row and every key, tile by tile: no [Q, K] matrix beyond one tile.
 
 For one attention call (a checked :class:`Problem`), the selected query heads ``heads`` and rows
-``rows``, this computes from q, k and the row log-sum-exp (the backend's, or recomputed here with one
-extra online-softmax pass when the backend saved none, e.g. SDPA), per row i and key j of
-P = exp(S − lse):
+``rows``, this computes from q, k and the row log-sum-exp (the backend's; when it saved none, e.g.
+SDPA, PyTorch's fused CPU kernel's where it computes the call, else one online-softmax pass here),
+per row i and key j of P = exp(S − lse):
 
 - ``entropy``  [B, h, r]  −Σ_j P log P (nats; over the keys, a sink's share not counted)
 - ``distance`` [B, h, r]  Σ_j P·|pos(i) − j|, pos(i) = i + K − Q (the decoding convention)
