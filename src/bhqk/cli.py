@@ -225,6 +225,9 @@ def parser() -> Parser:
     s = add_show_parser(sub)
     s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
     add_trace_parser(sub)
+    from .viz.stats_cli import add_stats_parser
+
+    add_stats_parser(sub)
     for each in sub.choices.values():
         each.set_defaults(flags_=flags_of(each), parser_=each)
     return p

@@ -1,5 +1,11 @@
-"""``with bhqk.capture(...) as cap: model(x)`` records attention scores, weights, log-sum-exp and
-per-head outputs of the selected calls, heads and query rows. Nothing is stored on modules.
+"""``with bhqk.capture(...) as cap: model(x)`` records attention scores, weights, log-sum-exp,
+per-head outputs and attention statistics of the selected calls, heads and query rows. Nothing is
+stored on modules.
+
+Statistics (``what=("entropy", "distance", "sink", "received")``, ``offsets=(1,)``, ``window=``,
+``topk=``) are computed tile by tile from q, k and the lse (:mod:`bhqk.inspect.rowstats`): per row
+[B, h, r] and per key [B, h, K], never a [Q, K] matrix, so every layer and head of a long sequence
+can be captured at once.
 
 The forward is not changed: it runs on whatever backend it chose (tiled, torch, reference). For each
 selected call the capture recomputes S and P from q and k for the selected heads and rows only
@@ -25,14 +31,28 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, compute_dtype
+from .heads import HeadTable, head_table
+from .rowstats import Want, row_stats, runs
+from .stats import head_stats, summary_table
 
-WHAT = ("scores", "weights", "lse", "head_outputs")
+MATRICES = ("scores", "weights", "lse", "head_outputs")
+STATS = ("entropy", "distance", "sink", "received", "offset", "local", "topk")
+WHAT = MATRICES + STATS
 # The named axes of each intermediate (H and Q hold only the captured heads and rows).
 AXES = {
     "scores": ("B", "H", "Q", "K"),
     "weights": ("B", "H", "Q", "K"),
     "lse": ("B", "H", "Q"),
     "head_outputs": ("B", "H", "Q", "dv"),
+    "entropy": ("B", "H", "Q"),
+    "distance": ("B", "H", "Q"),
+    "sink": ("B", "H", "Q"),
+    "local": ("B", "H", "Q"),
+    "mass": ("B", "H", "Q"),
+    "real": ("B", "H", "Q"),
+    "received": ("B", "H", "K"),
+    "topk_weights": ("B", "H", "Q", "t"),
+    "topk_keys": ("B", "H", "Q", "t"),
 }
 
 
@@ -44,6 +64,13 @@ class Record:
     kept (axis Q; ``None`` = all). ``scores`` S and ``weights`` P are [B, h, r, K] (float32, float64
     for float64 inputs; S is -inf where masked; P is before dropout), ``lse`` [B, h, r],
     ``head_outputs`` O [B, h, r, dv] (what the backend returned, before heads are merged).
+
+    Statistics (row i of the call sits at key position pos(i) = i + K − Q): ``entropy`` [B, h, r]
+    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on key 0,
+    :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
+    (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
+    Σ over the captured real rows of P, ``mass`` [B, h, r] Σ_k P (1 − a sink logit's share), ``real``
+    [B, h, r] the rows that count (they may attend a key and are not padding).
     """
 
     index: int  # order of the attention call inside the capture block
@@ -57,6 +84,30 @@ class Record:
     weights: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     head_outputs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    distance: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    received: torch.Tensor | None = None
+    mass: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    topk_keys: torch.Tensor | None = None
+    offsets: dict[int, torch.Tensor] | None = None
+    window: int | None = None
+
+    def offset(self, o: int) -> torch.Tensor:
+        """[B, h, r]: P on key pos(i) − ``o`` (0 where that key does not exist)."""
+        if not self.offsets or o not in self.offsets:
+            have = sorted(self.offsets or {})
+            raise KeyError(f"offset {o} was not captured for {self.name!r} (captured: {have}); pass offsets=(..., {o}) "
+                           "to capture().")
+        return self.offsets[o]
+
+    def captured(self) -> list[str]:
+        """The names of the tensors this record holds."""
+        names = [w for w in AXES if getattr(self, w) is not None]
+        return names + [f"offset({o})" for o in sorted(self.offsets or {})]
 
     @property
     def query_positions(self) -> list[int]:
@@ -86,24 +137,58 @@ class Record:
         return t[b, self.heads.index(h)]
 
     def __repr__(self) -> str:
-        got = ", ".join(f"{w} {self.shape(w)}" for w in WHAT if getattr(self, w) is not None)
+        got = ", ".join(f"{w} {self.shape(w)}" for w in AXES if getattr(self, w) is not None)
+        if self.offsets:
+            got += ", offsets " + str(sorted(self.offsets))
         return f"Record(#{self.index} {self.name!r}, backend={self.backend!r}, {got})"
 
+    def head_means(self) -> dict[str, torch.Tensor]:
+        """Each captured per-row statistic averaged over the real rows of every batch element: [h]."""
+        if self.real is None:
+            return {}
+        real = self.real.double()  # [B, h, r]
+        n = real.sum((0, 2)).clamp(min=1)  # [h]
+        out = {}
+        for name in ("entropy", "distance", "sink", "local"):
+            t = getattr(self, name)
+            if t is not None:
+                out[name] = (t.double() * real).sum((0, 2)) / n
+        for o, t in sorted((self.offsets or {}).items()):
+            out["prev" if o == 1 else f"offset {o}"] = (t.double() * real).sum((0, 2)) / n
+        return out
 
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous runs [start, stop) of sorted unique query indices."""
-    out: list[tuple[int, int]] = []
-    for r in rows:
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
+    def _repr_html_(self) -> str:
+        """Jupyter: the call, its named shapes, per-head means and the received curve (bounded size:
+        at most 64 heads listed and a 240-point curve, at any Q and K)."""
+        import html
+
+        from ..viz.stats_page import sparkline
+
+        s = self.sizes
+        sizes = ", ".join(f"{k}={v}" for k, v in s.items())
+        shapes = "".join(f"<li><code>{html.escape(n)}</code> {html.escape(self.shape(n))}</li>"
+                         for n in AXES if getattr(self, n) is not None)
+        parts = [f"<div><b>Record #{self.index}</b> <code>{html.escape(self.name)}</code> ({html.escape(self.backend)}; "
+                 f"{html.escape(sizes)})<ul>{shapes}</ul>"]
+        means = self.head_means()
+        if means:
+            cols = list(means)
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in ["head", *cols])
+            body = "".join("<tr>" + f"<td>{h}</td>" + "".join(f"<td>{float(means[c][i]):.3f}</td>" for c in cols) + "</tr>"
+                           for i, h in enumerate(self.heads[:64]))
+            more = f"<div>… {len(self.heads) - 64} more heads</div>" if len(self.heads) > 64 else ""
+            parts.append(f"<table style='font-size:12px'><tr>{head}</tr>{body}</table>{more}")
+        if self.received is not None and self.real is not None:
+            curve = self.received.double().sum((0, 1)) / max(1.0, float(self.real.sum()))  # [K]
+            parts.append(f"<div style='font-size:12px'>attention received per key (log scale, K={curve.numel()})</div>"
+                         + sparkline(curve))
+        parts.append("</div>")
+        return "".join(parts)
 
 
 def _tile(get, rows: list[int] | None, Q: int, K: int, heads: list[int], H: int) -> torch.Tensor:
     """A mask or bias evaluated on the selected rows only, heads selected: [#B, #h, r, K]."""
-    spans = [(0, Q)] if rows is None else _runs(rows)
+    spans = [(0, Q)] if rows is None else runs(rows)
     parts = []
     for q0, q1 in spans:
         t = as_4d(get(q0, q1))  # [#B, #H, #q, #K]
@@ -163,11 +248,38 @@ class Capture:
         rows: Iterable[int] | None = None,
         what: str | Iterable[str] = ("weights",),
         model: nn.Module | None = None,
+        offsets: Iterable[int] = (),
+        window: int | None = None,
+        topk: int = 0,
+        block_q: int | None = None,
+        block_k: int | None = None,
     ) -> None:
         self.what = (what,) if isinstance(what, str) else tuple(what)
         bad = [w for w in self.what if w not in WHAT]
         if bad:
             raise ValueError(f"capture: unknown what={bad}; choose from {list(WHAT)}.")
+        self.offsets = tuple(sorted({int(o) for o in offsets}))
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"capture: window must be a whole number of keys >= 1, got {window!r}.")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+            raise ValueError(f"capture: topk must be a whole number >= 0, got {topk!r}.")
+        wants = set(self.what)
+        if self.offsets:
+            wants.add("offset")
+        if window is not None:
+            wants.add("local")
+        if topk:
+            wants.add("topk")
+        if "offset" in wants and not self.offsets:
+            raise ValueError("capture: what='offset' needs offsets=(o, ...): P on key pos(i) − o.")
+        if "local" in wants and window is None:
+            raise ValueError("capture: what='local' needs window=W: the mass on keys with |pos(i) − k| < W.")
+        if "topk" in wants and not topk:
+            raise ValueError("capture: what='topk' needs topk=t: the t largest weights of each row.")
+        self.want = None if not wants & set(STATS) else Want(
+            "entropy" in wants, "distance" in wants, "sink" in wants, "received" in wants,
+            self.offsets, window, topk)
+        self.blocks = (block_q, block_k)
         if layers is not None and isinstance(layers, (int, str)):
             layers = [layers]
         self.layers = None if layers is None else list(layers)
@@ -213,7 +325,24 @@ class Capture:
             if "head_outputs" in self.what:
                 o = data["out"].detach()[:, heads]  # [B, H, Q, dv] -> [B, h, Q, dv]
                 rec.head_outputs = o if rows is None else o[:, :, rows]  # [B, h, r, dv]
+            if self.want is not None:
+                self._statistics(rec, p, heads, rows, data.get("lse"))
         self.records.append(rec)
+
+    def _statistics(self, rec: Record, p: Problem, heads: list[int], rows: list[int] | None, lse) -> None:
+        w = self.want
+        assert w is not None  # called only when statistics were asked for
+        st = row_stats(p, heads, rows, lse, w, block_q=self.blocks[0], block_k=self.blocks[1])
+        rec.entropy = st.get("entropy") if w.entropy else None
+        rec.distance = st.get("distance") if w.distance else None
+        rec.sink = st.get("sink") if w.sink else None
+        rec.received = st.get("received") if w.received else None
+        rec.local, rec.window = st.get("local"), w.window
+        rec.topk_weights, rec.topk_keys = st.get("topk_weights"), st.get("topk_keys")
+        rec.offsets = st.get("offset")
+        rec.mass, rec.real = st["mass"], st["real"]
+        if "lse" in self.what and rec.lse is None:
+            rec.lse = st["lse"]
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -237,17 +366,38 @@ class Capture:
             raise KeyError(f"{what!r} was not captured for every call.")
         return torch.stack(ts)
 
+    def head_table(self, positions: Sequence[int] = ()) -> HeadTable:
+        """A table per layer (records grouped by name) × head of the captured statistics, each the mean
+        over the real rows of every batch element and call; ``received@p`` for each key p in ``positions``.
+        For role scores with their controls (previous-token, induction) see :func:`bhqk.inspect.detect`."""
+        return head_table(self.records, positions)
+
     def stats(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")):
         """Per call and head: entropy, mean distance, share on the first token and on special tokens."""
-        from .stats import head_stats
-
         return head_stats(self, tokens, b=b, special=special)
 
     def summary(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")) -> str:
         """The head statistics as a table, one row per (call, head)."""
-        from .stats import summary_table
-
         return summary_table(self.stats(tokens, b=b, special=special), special=tuple(special) if tokens else ())
+
+    def __repr__(self) -> str:
+        names = list(dict.fromkeys(r.name for r in self.records))
+        shown = ", ".join(names[:4]) + (f", … ({len(names) - 4} more)" if len(names) > 4 else "")
+        return (f"Capture({len(self.records)} of {self.calls} attention calls, {len(names)} layers [{shown}], "
+                f"what={list(self.what)}" + (f", offsets={list(self.offsets)}" if self.offsets else "") + ")")
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the summary, the head table as layers × heads grids (if statistics were captured)
+        and the first records; bounded by L·H cells per statistic, not by Q or K."""
+        import html
+
+        parts = [f"<div><b>{html.escape(repr(self))}</b>"]
+        if any(r.real is not None for r in self.records):
+            parts.append(self.head_table()._repr_html_())
+        items = "".join(f"<li>{html.escape(repr(r))}</li>" for r in self.records[:8])
+        more = f"<li>… {len(self.records) - 8} more</li>" if len(self.records) > 8 else ""
+        parts.append(f"<ul style='font-size:12px'>{items}{more}</ul></div>")
+        return "".join(parts)
 
     def __str__(self) -> str:
         if not self.records:
@@ -255,7 +405,7 @@ class Capture:
         lines = [f"capture: {len(self.records)} of {self.calls} attention calls"]
         for r in self.records:
             lines.append(f"  #{r.index} {r.name} ({r.backend}): " + ", ".join(
-                f"{w} {r.shape(w)}" for w in WHAT if getattr(r, w) is not None))
+                f"{w} {r.shape(w)}" for w in AXES if getattr(r, w) is not None))
         return "\n".join(lines)
 
 
@@ -267,15 +417,24 @@ def capture(
     *,
     rows: Iterable[int] | None = None,
     model: nn.Module | None = None,
+    offsets: Iterable[int] = (),
+    window: int | None = None,
+    topk: int = 0,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> Iterator[Capture]:
     """Record attention intermediates of the calls inside the block.
 
     ``layers``: call indices (order of the attention calls in the block, from 0) and/or module-path
     names (globs allowed, e.g. ``"encoder.layer.*"``; names need ``model=``). ``heads``: query-head
     indices. ``rows``: query indices. ``what``: any of ``"scores"``, ``"weights"``, ``"lse"``,
-    ``"head_outputs"``. ``None`` selects all. The forward itself is untouched.
+    ``"head_outputs"`` ([.., r, K] or [.., r, dv] per call) and the statistics ``"entropy"``,
+    ``"distance"``, ``"sink"``, ``"received"`` (O(r + K) per head, computed tile by tile; see
+    :class:`Record`); ``offsets=(1, ...)`` adds P on key pos(i) − o, ``window=W`` the mass within W
+    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all. The forward
+    itself is untouched.
     """
-    cap = Capture(layers, heads, rows, what, model)
+    cap = Capture(layers, heads, rows, what, model, offsets, window, topk, block_q, block_k)
     with observe.observing(cap):
         yield cap
 

@@ -9,14 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..text import table
 
-if TYPE_CHECKING:
-    from .capture import Capture
+
+class _Record(Protocol):  # what head_stats reads of a capture record (capture.py imports this module, not back)
+    index: int
+    name: str
+    heads: list[int]
+    weights: torch.Tensor | None
+
+    @property
+    def query_positions(self) -> list[int]: ...
+
+
+class _Capture(Protocol):
+    records: list  # of _Record
 
 
 @dataclass
@@ -50,7 +61,7 @@ def weight_stats(P: torch.Tensor, positions: Sequence[int]) -> tuple[torch.Tenso
     return mean(ent), mean(dist), mean(first), valid
 
 
-def head_stats(cap: Capture, tokens: Sequence[str] | None = None, *, b: int = 0,
+def head_stats(cap: _Capture, tokens: Sequence[str] | None = None, *, b: int = 0,
                special: Iterable[str] = ("[CLS]", "[SEP]")) -> list[HeadStats]:
     """One :class:`HeadStats` per captured (call, head) of batch element ``b``. ``tokens``: the key
     tokens as strings (one per key); with them, the share on each ``special`` token is reported."""

@@ -1,0 +1,166 @@
+"""Pictures of attention statistics at any length, bounded in size: a layers × heads overview
+(entropy, sink, previous-token) and the per-key "received" curve, as PNG files and as one
+self-contained HTML page (images inlined as data URIs, no script, no network).
+
+The curve of a layer is the attention each key receives per row and head (``received`` summed over
+heads and batch, divided by the number of real rows × heads), averaged into at most ``points`` bins,
+so the picture has the same size at 1k and at 128k tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..inspect.heads import HeadTable
+
+OVERVIEW = ("entropy", "sink", "prev")
+POINTS = 1000  # bins of a received curve
+
+
+def received_curves(records: Sequence, points: int = POINTS) -> tuple[list[str], list[torch.Tensor], int]:
+    """(layer names, one curve per layer [≤ points], K): each key's received attention per real row and
+    head, the first record of each layer name (a prefill), binned to at most ``points`` values."""
+    seen: dict[str, torch.Tensor] = {}
+    K = 0
+    for r in records:
+        if r.name in seen or r.received is None or r.real is None:
+            continue
+        n = max(1.0, float(r.real.sum()))  # real rows × heads × batch
+        curve = r.received.double().sum((0, 1)) / n  # [K]
+        K = max(K, curve.numel())
+        seen[r.name] = bin_mean(curve, points)
+    return list(seen), list(seen.values()), K
+
+
+def bin_mean(x: torch.Tensor, points: int) -> torch.Tensor:
+    """``x`` [K] averaged into ceil(K / ceil(K / points)) ≤ points bins."""
+    K = x.numel()
+    if K <= points:
+        return x
+    w = math.ceil(K / points)
+    pad = (-K) % w
+    xp = torch.cat([x, x.new_full((pad,), float("nan"))])  # [K + pad]
+    return xp.view(-1, w).nanmean(-1)  # [bins]
+
+
+def overview_png(table: HeadTable, path: str | Path, columns: Sequence[str] = OVERVIEW) -> Path:
+    """One heatmap per column (layers down, heads across) in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = [c for c in columns if c in table.values]
+    L, H = len(table.layers), table.num_heads
+    fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(1.2 + 3.2 * max(1, len(cols)), 1.2 + min(8.0, 0.25 * L + 1)),
+                             squeeze=False)
+    for ax, c in zip(axes[0], cols):
+        im = ax.imshow(table.values[c].numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_title(c)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(0, H, max(1, H // 8)))
+        ax.set_yticks(range(0, L, max(1, L // 12)))
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def received_png(records: Sequence, path: str | Path, points: int = POINTS) -> Path:
+    """The received curve of every layer in one PNG (log scale: sinks tower over the rest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, curves, K = received_curves(records, points)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    cmap = plt.get_cmap("viridis")
+    for i, (n, c) in enumerate(zip(names, curves)):
+        x = torch.linspace(0, max(K - 1, 0), c.numel())
+        ax.plot(x.numpy(), c.clamp(min=1e-12).numpy(), lw=0.9, color=cmap(i / max(1, len(names) - 1)), label=n)
+    ax.set_yscale("log")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("attention received per row and head")
+    ax.set_title(f"attention received by each key ({K} keys, {len(names)} layers)")
+    if 0 < len(names) <= 8:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def page(table: HeadTable, overview: Path, received: Path, title: str = "attention statistics",
+         meta: dict[str, str] | None = None) -> str:
+    """The HTML page: the two pictures inlined, the roles found, the head table (L·H rows)."""
+    roles = table.roles()
+    role_rows = "".join(f"<tr><td>{li}</td><td>{html.escape(table.layers[li])}</td><td>{h}</td><td>{html.escape(r)}</td>"
+                        f"<td>{v:.3f}</td></tr>" for li, h, r, v in roles)
+    role_rows = role_rows or "<tr><td colspan=5>none above the thresholds</td></tr>"
+    roles_head = "<tr><th>layer</th><th>name</th><th>head</th><th>role</th><th>score</th></tr>"
+    alt = "overview: entropy, sink, previous-token per layer and head"
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ["layer", "name", "head", *table.columns])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>" for row in table.rows())
+    info = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in (meta or {}).items())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:16px;color:#222}} table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}} img{{max-width:100%}}</style></head>
+<body><h1>{html.escape(title)}</h1><ul>{info}</ul>
+<h2>Layers × heads</h2><img alt="{alt}" data-testid="overview" src="{_data_uri(overview)}">
+<h2>Attention received by each key</h2><img alt="received curve" data-testid="received" src="{_data_uri(received)}">
+<h2>Roles</h2><table data-testid="roles">{roles_head}{role_rows}</table>
+<h2>Head table</h2><table data-testid="heads"><tr>{head}</tr>{body}</table>
+</body></html>
+"""
+
+
+def sparkline(curve: torch.Tensor, width: int = 240, height: int = 40) -> str:
+    """An inline SVG polyline of ``curve`` (any length: binned to ``width`` points), log-scaled."""
+    c = bin_mean(curve.double(), width)
+    if c.numel() == 0:
+        return ""
+    y = torch.log10(c.clamp(min=1e-9))
+    lo, hi = float(y.min()), float(y.max())
+    span = (hi - lo) or 1.0
+    pts = " ".join(f"{i * width / max(1, c.numel() - 1):.1f},{height - (float(v) - lo) / span * height:.1f}"
+                   for i, v in enumerate(y))
+    return (f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}'>"
+            f"<polyline fill='none' stroke='#2a5ac8' stroke-width='1' points='{pts}'/></svg>")
+
+
+def write(table: HeadTable, records: Sequence, out: str | Path, title: str = "attention statistics",
+          meta: dict[str, str] | None = None) -> dict[str, Path]:
+    """overview.png, received.png and stats.html in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ov = overview_png(table, out / "overview.png")
+    rc = received_png(records, out / "received.png")
+    pg = out / "stats.html"
+    pg.write_text(page(table, ov, rc, title, meta), encoding="utf-8")
+    return {"overview": ov, "received": rc, "page": pg}
+
+
+def to_png_bytes(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+__all__ = ["write", "page", "overview_png", "received_png", "received_curves", "bin_mean", "sparkline"]
