@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -512,6 +514,8 @@ def test_the_mask_is_a_tensor_built_on_first_use():
     assert type(cut) is torch.Tensor and torch.equal(cut, mu.eager_mask(2, 6, 6, attention_mask=ids.bool(),
                                                                          dtype=torch.float64)[..., :4])
     assert (hf != 0).dtype == torch.bool and not hf.modified
+    twin = copy.deepcopy(hf)  # e.g. a hook keeping the inputs
+    assert isinstance(twin, HFMask) and repr(twin) == repr(hf) and torch.equal(twin[:], hf[:])
 
 
 def test_a_mask_changed_in_place_is_honoured():

@@ -124,7 +124,15 @@ class HFMask(torch.Tensor):
         return f"HFMask({self.structure!r}, [B={B}, 1, Q={Q}, K={K}], {self.dtype})"
 
     def __reduce_ex__(self, proto):
-        return self.tensor().__reduce_ex__(proto)  # a copy or a pickle holds the plain tensor
+        return self.tensor().__reduce_ex__(proto)  # a pickle holds the plain tensor
+
+    def __deepcopy__(self, memo):
+        if self.modified:  # the tensor is the mask now
+            return self.tensor().clone()
+        return HFMask(self.structure, tuple(self.shape), self.dtype, self.device, self._build)
+
+    def numpy(self, *, force: bool = False):
+        return self.tensor().numpy(force=force)
 
 
 # ---- mask builder -------------------------------------------------------------------------------
@@ -319,7 +327,7 @@ IGNORED = frozenset({"num_items_in_batch", "output_hidden_states", "output_route
                      "encoder_attention_mask", "token_type_ids"})  # token types: read by a mask builder (Gemma 3), if any
 
 
-def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int, K: int):
+def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int):
     """What transformers passed as attention_mask → (bhqk mask or None, additive float [.., Q, K] or
     None, whether a builder made it)."""
     if isinstance(attention_mask, HFMask):
@@ -338,7 +346,6 @@ def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int, K: in
         raise MaskError(f"attention_mask must be a bhqk mask, a tensor or None, got {type(attention_mask).__name__}.")
     if attention_mask.dim() == 2:  # [B, K]: 1 = real token, 0 = padding, any dtype
         return from_hf(attention_mask), None, True
-    attention_mask = attention_mask[..., :K]  # transformers' own functions cut a longer (static-cache) mask too
     if attention_mask.dtype == torch.bool:
         return dense(attention_mask), None, True
     if attention_mask.is_floating_point():  # an additive 4-D mask: 0 to attend, very negative to mask
@@ -446,7 +453,7 @@ def attention_forward(
                         f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
                         f"position_ids, cu_seq_lens_q/k, output_attentions.")
     B, H, Q, K = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q, K)
+    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
     if not built:
         causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
         mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
