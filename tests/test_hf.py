@@ -514,6 +514,7 @@ def test_the_mask_is_a_tensor_built_on_first_use():
     assert type(cut) is torch.Tensor and torch.equal(cut, mu.eager_mask(2, 6, 6, attention_mask=ids.bool(),
                                                                          dtype=torch.float64)[..., :4])
     assert (hf != 0).dtype == torch.bool and not hf.modified
+    assert isinstance(hf.detach(), HFMask)  # e.g. reentrant checkpointing detaches its inputs
     twin = copy.deepcopy(hf)  # e.g. a hook keeping the inputs
     assert isinstance(twin, HFMask) and repr(twin) == repr(hf) and torch.equal(twin[:], hf[:])
 
@@ -525,9 +526,10 @@ def test_a_mask_changed_in_place_is_honoured():
     m = torch.nn.Module()
     hf = build_mask(batch_size=1, q_length=5, kv_length=5)
     plain, _ = attention_forward(m, q, q, q, hf)
-    hf.tensor()[..., 0] = torch.finfo(torch.float32).min  # nobody may attend key 0 now (row 0 is fully masked)
-    assert hf.modified
-    got, _ = attention_forward(m, q, q, q, hf)
+    with torch.inference_mode():  # as generate() may run: the change must still be seen
+        hf[:, :, :, :1].fill_(torch.finfo(torch.float32).min)  # nobody may attend key 0 now (row 0 is fully masked)
+        assert hf.modified
+        got, _ = attention_forward(m, q, q, q, hf)
     allowed = masks.causal().materialize(1, 1, 5, 5).clone()
     allowed[..., 0] = False
     want = bhqk.attention(q, q, q, masks.dense(allowed), backend="reference").transpose(1, 2)  # [B, Q, H, d]

@@ -77,9 +77,10 @@ class HFMask(torch.Tensor):
 
     A wrapper subclass without storage: ``shape``, ``dtype``, ``device`` and ``ndim`` answer without
     building; any torch op on it (indexing, ``!=``, ``masked_fill``, ``torch.cat`` …) builds the
-    tensor and runs on it, and its result is a plain tensor. So a mask the model changed reaches the
-    attention function as a plain tensor. An in-place op on the mask, or on a view of its tensor,
-    bumps the tensor's version: the attention function then uses the tensor, not the structure."""
+    tensor and runs on it (``__torch_function__``, above autograd), and its result is a plain tensor
+    (``detach`` gives an HFMask again). So a mask the model changed reaches the attention function as
+    a plain tensor. An in-place op on the mask, or on a view of its tensor, bumps the tensor's
+    version: the attention function then uses the tensor, not the stale structure."""
 
     structure: Mask
     _build: Callable[[], torch.Tensor]
@@ -93,12 +94,23 @@ class HFMask(torch.Tensor):
         self.structure, self._build, self._tensor, self._built_version = structure, build, None, 0
         return self
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # ops reach __torch_dispatch__ and return plain tensors
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:  # shape, dtype, device …: the wrapper answers, nothing is built
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.detach and not args[0].modified:
+            return args[0].__deepcopy__({})  # detach() (checkpointing, hooks) keeps the mask a mask
+        # every other op runs on the built tensor, above autograd: a view of it shares its version
+        # counter, an in-place op bumps it, and the result is a plain tensor
+        return func(*_unwrap(args), **_unwrap(kwargs))
 
     def tensor(self) -> torch.Tensor:
         """The tensor transformers would have passed (built once): float [B, 1, Q, K]."""
         if self._tensor is None:
-            t = self._build()  # [B, 1, Q, K]
+            with torch.inference_mode(False):  # a normal tensor: its version counter tells in-place changes
+                t = self._build()  # [B, 1, Q, K]
             if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
                 raise MaskError(f"HFMask: built a {t.dtype} tensor of shape {list(t.shape)} for a mask declared "
                                 f"{self.dtype} {list(self.shape)}.")
@@ -111,13 +123,8 @@ class HFMask(torch.Tensor):
         return self._tensor is not None and self._tensor._version != self._built_version
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_map
-
-        def unwrap(x):
-            return x.tensor() if isinstance(x, HFMask) else x
-
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # ops that did not pass __torch_function__
+        return func(*_unwrap(args), **_unwrap(kwargs or {}))
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # noqa: ARG002
         B, _, Q, K = self.shape
@@ -133,6 +140,22 @@ class HFMask(torch.Tensor):
 
     def numpy(self, *, force: bool = False):
         return self.tensor().numpy(force=force)
+
+
+def _unwrap(tree):
+    """``tree`` with every HFMask replaced by its built tensor."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.tensor() if isinstance(x, HFMask) else x, tree)
+
+
+_T = torch.Tensor
+_METADATA = frozenset({  # answered by the wrapper itself, without building the tensor
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__get__, _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_meta.__get__,  # type: ignore[attr-defined]
+    _T.is_quantized.__get__, _T.size, _T.dim, _T.numel, _T.nelement,  # type: ignore[attr-defined]
+    _T.element_size, _T.is_floating_point, _T.is_complex, _T.get_device, _T.__len__, _T.__hash__, _T.requires_grad_,
+})
 
 
 # ---- mask builder -------------------------------------------------------------------------------
