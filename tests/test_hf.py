@@ -573,6 +573,8 @@ def test_unknown_keyword_arguments_raise():
     with pytest.raises(MaskError, match="sinks must hold one logit per head"):
         attention_forward(m, q, q, q, None, sinks=torch.zeros(1, 2, 4, 1))  # per-query sinks
     attention_forward(m, q, q, q, None, use_cache=True, encoder_hidden_states=None)  # nothing asked: fine
+    s = torch.tensor([0.5, 2.0])  # per-head sinks [H]: "sinks" is "s_aux" under another model's name
+    torch.testing.assert_close(attention_forward(m, q, q, q, None, sinks=s)[0], attention_forward(m, q, q, q, None, s_aux=s)[0])
 
 
 def test_all_keys_means_no_mask_not_causal():
