@@ -154,8 +154,12 @@ def test_backend_names_come_from_the_registry(monkeypatch):
             mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(n, None)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+# every registered name; flex (uncompiled on the CPU, seconds per model) on BERT by default, Llama in the slow run
+PADDING_CASES = [pytest.param(n, k, marks=[pytest.mark.slow] if (n, k) == ("bhqk:flex", "llama") else [])
+                 for n in NAMES for k in ("llama", "bert")]
+
+
+@pytest.mark.parametrize("name, kind", PADDING_CASES)
 def test_padding_is_never_dropped(name, kind):
     """A padded batch gives each sequence the outputs it has alone (independent of eager)."""
     model = _model(_llama if kind == "llama" else _bert)
