@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -11,7 +13,8 @@ from transformers import masking_utils as mu
 import bhqk
 from bhqk import masks
 from bhqk.errors import LoadError, MaskError
-from bhqk.integrations.transformers import AllKeys, attention_forward, build_mask, encode, load_folder, names, register
+from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, encode, load_folder, names, register
+from tolerance import assert_close
 
 NAMES = register()
 TOL = 1e-5  # max abs logit difference over real tokens, fp32
@@ -67,6 +70,31 @@ def _t5(dropout_rate=0.1):
         relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, dropout_rate=dropout_rate))
 
 
+def _doge():  # computes a dynamic mask from the one it receives (dtype, masked_fill); keeps the top 4 keys
+    return transformers.DogeForCausalLM(transformers.DogeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, keep_window_size=4, max_position_embeddings=128))
+
+
+def _deepseek_v32():  # its indexer reads the mask (mask[:, 0], dtype) and picks 4 keys per query: indices=
+    return transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        vocab_size=V, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+        index_n_heads=2, index_head_dim=16, index_topk=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+        max_position_embeddings=128))
+
+
+def _deepseek_v4():  # concatenates the mask with a bias over its compressed keys (torch.cat); sinks
+    return transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(
+        vocab_size=V, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=4,
+        o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=2, num_nextn_predict_layers=0,
+        qk_rope_head_dim=8, max_position_embeddings=128))
+
+
 DECODERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "gpt2": _gpt2}
 
 
@@ -102,15 +130,36 @@ def _model(make, seed=0):
 
 
 def test_register_adds_the_attention_function_and_the_mask_builder_under_every_name():
-    assert NAMES == names() == ["bhqk", "bhqk:tiled", "bhqk:reference", "bhqk:torch"]
+    backends = bhqk.functional.names()
+    assert NAMES == names() == ["bhqk"] + [f"bhqk:{b}" for b in backends if b != "auto"]
+    assert "bhqk:flex" in NAMES
     for n in NAMES:
         assert n in transformers.AttentionInterface._global_mapping
         # without the mask builder transformers would hand the attention function attention_mask=None
         assert mu.ALL_MASK_ATTENTION_FUNCTIONS[n] is build_mask
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_backend_names_come_from_the_registry(monkeypatch):
+    """A backend registered later (e.g. another helper's) gets its name without touching the adapter."""
+    from bhqk.functional import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "fake", registry.get("reference"))
+    assert "bhqk:fake" in names()
+    try:
+        assert "x:fake" in register("x")
+        assert "x:fake" in transformers.AttentionInterface._global_mapping
+    finally:
+        for n in names("x"):
+            transformers.AttentionInterface._global_mapping.pop(n, None)
+            mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(n, None)
+
+
+# every registered name; flex (uncompiled on the CPU, seconds per model) on BERT by default, Llama in the slow run
+PADDING_CASES = [pytest.param(n, k, marks=[pytest.mark.slow] if (n, k) == ("bhqk:flex", "llama") else [])
+                 for n in NAMES for k in ("llama", "bert")]
+
+
+@pytest.mark.parametrize("name, kind", PADDING_CASES)
 def test_padding_is_never_dropped(name, kind):
     """A padded batch gives each sequence the outputs it has alone (independent of eager)."""
     model = _model(_llama if kind == "llama" else _bert)
@@ -148,6 +197,19 @@ def test_decoder_logits_equal_eager_left_padded(kind):
     for name in ("bhqk", "bhqk:tiled"):
         diff = _real_diff(_out(model, name, input_ids=ids, attention_mask=am), ref, am)
         assert diff <= TOL, f"{kind} {name}: max abs logit diff {diff}"
+
+
+@pytest.mark.parametrize("kind", ["doge", "deepseek_v32", "deepseek_v4"])
+def test_models_that_use_the_mask_as_a_tensor_equal_eager(kind):
+    """Model code that reads, indexes, modifies or concatenates the mask it receives sees transformers'
+    own (eager) mask tensor; the attention function honours what the model made of it."""
+    model = _model({"doge": _doge, "deepseek_v32": _deepseek_v32, "deepseek_v4": _deepseek_v4}[kind])
+    ids, am = _batch()
+    ref = _out(model, "eager", input_ids=ids, attention_mask=am)
+    ours = _out(model, "bhqk", input_ids=ids, attention_mask=am)
+    real = am.bool()
+    assert_close(ours[real], ref[real].double(), dtype=torch.float32, n=max(ids.shape[1], model.config.hidden_size),
+                 msg=f"{kind}: logits on bhqk differ from eager's")
 
 
 def test_gemma2_softcap_matters():
@@ -228,7 +290,7 @@ def test_packed_sequences_equal_eager(kind):
     ref = _out(model, "eager", input_ids=ids, position_ids=pos)
     ones = torch.ones_like(ids)
     assert _real_diff(_out(model, "bhqk", input_ids=ids, position_ids=pos), ref, ones) <= TOL
-    built = _built_masks(model, ids, None, pos)
+    built = [m.structure for m in _built_masks(model, ids, None, pos)]
     assert all("document" in repr(m) and not isinstance(m, masks.Dense) for m in built), built
 
 
@@ -246,7 +308,7 @@ def _built_masks(model, ids, am, pos):
 def test_models_get_structured_masks():
     model = _model(_mistral)
     ids, am = _batch()
-    full, window = _built_masks(model, ids, am, None)
+    full, window = (m.structure for m in _built_masks(model, ids, am, None))
     assert isinstance(full, masks.And) and "causal" in repr(full) and "key_padding" in repr(full)
     assert "sliding_window(3" in repr(window) and "key_padding" in repr(window)
 
@@ -429,14 +491,94 @@ def test_mask_builder_equals_transformers_sdpa_mask(name, sizes, padded):
     args = dict(batch_size=2, q_length=Q, kv_length=K, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
                 attention_mask=am)
     want = mu.sdpa_mask(**args, allow_is_causal_skip=False)  # [B, 1, Q, K]
-    got = build_mask(**args, local_size={"window": 3, "window_bidirectional": 2, "chunked": 3}.get(name))
+    hf = build_mask(**args, local_size={"window": 3, "window_bidirectional": 2, "chunked": 3}.get(name))
+    got = hf.structure
     assert torch.equal(got.materialize(2, 1, Q, K).expand(2, 1, Q, K), want)
+    # as a tensor it is exactly transformers' eager mask (float: 0 = attend, finfo.min = masked)
+    assert isinstance(hf, torch.Tensor) and hf.shape == (2, 1, Q, K) and hf.dtype == torch.float32
+    eager = mu.eager_mask(**{**args, "attention_mask": None if am is None else am.bool()})  # as transformers passes it
+    assert torch.equal(hf[:], eager) and type(hf[:]) is torch.Tensor
     expect = STRUCTURED[name]
     assert isinstance(got, masks.Dense) == (expect == "dense"), repr(got)
     if Q == K and q_off == kv_off == 0:  # with one row, e.g. a chunk can equal a window: any structure is right
         assert (expect if not (padded and expect == "all_keys") else "key_padding") in repr(got), repr(got)
     if padded and expect != "dense":
         assert "key_padding" in repr(got)
+
+
+def test_the_mask_is_a_tensor_built_on_first_use():
+    ids = torch.ones(2, 6, dtype=torch.long)
+    ids[1, :2] = 0
+    hf = build_mask(batch_size=2, q_length=6, kv_length=6, attention_mask=ids, dtype=torch.float64)
+    assert isinstance(hf, HFMask) and isinstance(hf, torch.Tensor)
+    assert (hf.shape, hf.ndim, hf.dtype, hf.device.type) == ((2, 1, 6, 6), 4, torch.float64, "cpu")
+    assert hf._tensor is None  # metadata answers without building
+    assert "causal" in repr(hf) and "key_padding" in repr(hf)
+    cut = hf[:, :, :, :4]  # model code indexing the mask: a plain tensor of transformers' eager mask
+    assert type(cut) is torch.Tensor and torch.equal(cut, mu.eager_mask(2, 6, 6, attention_mask=ids.bool(),
+                                                                         dtype=torch.float64)[..., :4])
+    assert (hf != 0).dtype == torch.bool and not hf.modified
+    assert isinstance(hf.detach(), HFMask)  # e.g. reentrant checkpointing detaches its inputs
+    twin = copy.deepcopy(hf)  # e.g. a hook keeping the inputs
+    assert isinstance(twin, HFMask) and repr(twin) == repr(hf) and torch.equal(twin[:], hf[:])
+
+
+def test_a_mask_changed_in_place_is_honoured():
+    """An in-place change (on the mask or on a view of its tensor) makes the structure stale: the
+    attention function then uses the tensor."""
+    q = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    m = torch.nn.Module()
+    hf = build_mask(batch_size=1, q_length=5, kv_length=5)
+    plain, _ = attention_forward(m, q, q, q, hf)
+    with torch.inference_mode():  # as generate() may run: the change must still be seen
+        hf[:, :, :, :1].fill_(torch.finfo(torch.float32).min)  # nobody may attend key 0 now (row 0 is fully masked)
+        assert hf.modified
+        got, _ = attention_forward(m, q, q, q, hf)
+    allowed = masks.causal().materialize(1, 1, 5, 5).clone()
+    allowed[..., 0] = False
+    want = bhqk.attention(q, q, q, masks.dense(allowed), backend="reference").transpose(1, 2)  # [B, Q, H, d]
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got[:, 1:], plain[:, 1:])
+
+
+def test_a_window_model_without_a_mask_builder_keeps_its_window():
+    """Registered without a mask builder, transformers hands the attention function attention_mask=None
+    and sliding_window=4: the window must not fall back to plain causal attention."""
+    transformers.AttentionInterface.register("bhqk-nobuilder", transformers.AttentionInterface._global_mapping["bhqk"])
+    try:
+        model = _model(_mistral)  # sliding_window=4 < N
+        ids, _ = _batch(B=1)
+        ref = _out(model, "eager", input_ids=ids)
+        ours = _out(model, "bhqk-nobuilder", input_ids=ids)
+    finally:
+        transformers.AttentionInterface._global_mapping.pop("bhqk-nobuilder")
+    assert_close(ours, ref.double(), dtype=torch.float32, n=model.config.hidden_size)
+
+
+def test_window_and_packing_keywords_without_a_mask():
+    q = torch.randn(1, 2, 7, 8, generator=torch.Generator().manual_seed(1))
+    m = torch.nn.Module()
+    got, _ = attention_forward(m, q, q, q, None, sliding_window=3)
+    want = bhqk.attention(q, q, q, masks.causal() & masks.sliding_window(2), backend="reference").transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two packed documents
+    docs = masks.causal() & masks.document(torch.tensor([[0, 0, 0, 1, 1, 1, 1]]))
+    want = bhqk.attention(q, q, q, docs, backend="reference").transpose(1, 2)
+    torch.testing.assert_close(attention_forward(m, q, q, q, None, position_ids=pos)[0], want)
+    cu = torch.tensor([0, 3, 7])
+    torch.testing.assert_close(attention_forward(m, q, q, q, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0], want)
+
+
+def test_unknown_keyword_arguments_raise():
+    q = torch.randn(1, 2, 4, 8)
+    m = torch.nn.Module()
+    with pytest.raises(TypeError, match="'block_indices'"):
+        attention_forward(m, q, q, q, None, block_indices=torch.zeros(1, 4, 2, dtype=torch.long))
+    with pytest.raises(MaskError, match="sinks must hold one logit per head"):
+        attention_forward(m, q, q, q, None, sinks=torch.zeros(1, 2, 4, 1))  # per-query sinks
+    attention_forward(m, q, q, q, None, use_cache=True, encoder_hidden_states=None)  # nothing asked: fine
+    s = torch.tensor([0.5, 2.0])  # per-head sinks [H]: "sinks" is "s_aux" under another model's name
+    torch.testing.assert_close(attention_forward(m, q, q, q, None, sinks=s)[0], attention_forward(m, q, q, q, None, s_aux=s)[0])
 
 
 def test_all_keys_means_no_mask_not_causal():

@@ -14,17 +14,25 @@ attention through transformers' ``AttentionInterface``.
 - a **mask builder** (``masking_utils.AttentionMaskInterface``). Without one, transformers hands a
   custom attention function ``attention_mask=None`` and padding is silently dropped.
 
-The mask builder returns a bhqk mask value, never transformers' dense [B, 1, Q, K] tensor where the
-structure is known: ``causal`` (aligned from the cache offsets), ``sliding_window``, chunks and
-packed sequences as ``document``, ``key_padding`` from the 2-D ``attention_mask``, and their ``&``.
-Transformers describes the pattern by a ``mask_function`` closure; bhqk does not read closures. It
-evaluates the function (its public contract: indices in, bool out) and keeps a structured mask only
-if it equals the evaluation on every entry; otherwise it returns the dense mask transformers' own
+The mask builder returns an :class:`HFMask`: to bhqk's attention function it is a bhqk mask
+(``.structure``); to any other code (model code, hooks, user code) it is the tensor transformers'
+own ``eager_mask`` builds for the same call, float [B, 1, Q, K] with 0 = attend and
+``finfo(dtype).min`` = masked, made on first use. The structure is known where transformers' pattern
+is: ``causal`` (aligned from the cache offsets), ``sliding_window``, chunks and packed sequences as
+``document``, ``key_padding`` from the 2-D ``attention_mask``, and their ``&``. Transformers
+describes the pattern by a ``mask_function`` closure; bhqk does not read closures. It evaluates the
+function (its public contract: indices in, bool out) and keeps a structured mask only if it equals
+the evaluation on every entry; otherwise the structure is the dense mask transformers' own
 ``sdpa_mask`` builds. The one exception is transformers' plain ``causal_mask_function`` /
-``bidirectional_mask_function``, recognised by identity. The attention function receives whatever
-the builder returned as ``attention_mask``.
+``bidirectional_mask_function``, recognised by identity.
 
-Names: ``"bhqk"`` (backend ``auto``), ``"bhqk:tiled"``, ``"bhqk:reference"``, ``"bhqk:torch"``.
+The attention function uses the structure of an :class:`HFMask` it receives unchanged; a mask the
+model changed (Doge adds its dynamic mask, DeepSeek V3.2's indexer masks keys) arrives as a plain
+tensor and is used as one (bool: True = attend; float: additive). Every keyword argument
+transformers passes is either honoured or refused with a ``TypeError`` naming it.
+
+Names: ``"bhqk"`` (backend ``auto``) and ``"bhqk:<backend>"`` for every backend in bhqk's registry
+(:func:`bhqk.functional.names`).
 """
 
 from __future__ import annotations
@@ -39,16 +47,115 @@ import torch
 from .. import observe
 from ..errors import LoadError, MaskError
 from ..functional import attention, attention_weights
+from ..functional import names as backend_names
 from ..masks import KeysBelow, Mask, causal, dense, document, from_hf, key_padding, predicate, sliding_window
+from ..masks import sliding_window as sliding_window_mask
 from ..models.loading import read_config
 
-BACKENDS = ("auto", "tiled", "reference", "torch")
 ROW_BLOCK_ENTRIES = 1 << 22  # entries of transformers' mask evaluated at once while checking a structure
 
 
+def _backends() -> list[str]:
+    """bhqk's registered backends, ``auto`` first (read from the registry at each call)."""
+    return ["auto", *(b for b in backend_names() if b != "auto")]
+
+
 def names(name: str = "bhqk") -> list[str]:
-    """The implementation names ``register(name)`` adds: ``name`` (auto) and ``name:<backend>``."""
-    return [name if b == "auto" else f"{name}:{b}" for b in BACKENDS]
+    """The implementation names ``register(name)`` adds: ``name`` (auto) and ``name:<backend>`` for
+    every backend registered now."""
+    return [name if b == "auto" else f"{name}:{b}" for b in _backends()]
+
+
+# ---- the mask as a tensor -----------------------------------------------------------------------
+
+
+class HFMask(torch.Tensor):
+    """A bhqk mask inside a Hugging Face model. bhqk's attention function reads ``structure``; to
+    everything else it is a tensor: the one transformers' ``eager_mask`` returns for the same call,
+    float [B, 1, Q, K] (0 = attend, ``finfo(dtype).min`` = masked; eager is the implementation every
+    model's code supports), built on first use and kept.
+
+    A wrapper subclass without storage: ``shape``, ``dtype``, ``device`` and ``ndim`` answer without
+    building; any torch op on it (indexing, ``!=``, ``masked_fill``, ``torch.cat`` …) builds the
+    tensor and runs on it (``__torch_function__``, above autograd), and its result is a plain tensor
+    (``detach`` gives an HFMask again). So a mask the model changed reaches the attention function as
+    a plain tensor. An in-place op on the mask, or on a view of its tensor, bumps the tensor's
+    version: the attention function then uses the tensor, not the stale structure."""
+
+    structure: Mask
+    _build: Callable[[], torch.Tensor]
+    _tensor: torch.Tensor | None
+    _built_version: int
+
+    @staticmethod
+    def __new__(cls, structure: Mask, shape: tuple[int, ...], dtype: torch.dtype, device, build: Callable[[], torch.Tensor]):
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device(device),
+                                                   requires_grad=False)
+        self.structure, self._build, self._tensor, self._built_version = structure, build, None, 0
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:  # shape, dtype, device …: the wrapper answers, nothing is built
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.detach and not args[0].modified:
+            return args[0].__deepcopy__({})  # detach() (checkpointing, hooks) keeps the mask a mask
+        # every other op runs on the built tensor, above autograd: a view of it shares its version
+        # counter, an in-place op bumps it, and the result is a plain tensor
+        return func(*_unwrap(args), **_unwrap(kwargs))
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor transformers would have passed (built once): float [B, 1, Q, K]."""
+        if self._tensor is None:
+            with torch.inference_mode(False):  # a normal tensor: its version counter tells in-place changes
+                t = self._build()  # [B, 1, Q, K]
+            if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
+                raise MaskError(f"HFMask: built a {t.dtype} tensor of shape {list(t.shape)} for a mask declared "
+                                f"{self.dtype} {list(self.shape)}.")
+            self._tensor, self._built_version = t, t._version
+        return self._tensor
+
+    @property
+    def modified(self) -> bool:
+        """Whether the tensor was changed in place since it was built (the structure is stale then)."""
+        return self._tensor is not None and self._tensor._version != self._built_version
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # ops that did not pass __torch_function__
+        return func(*_unwrap(args), **_unwrap(kwargs or {}))
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # noqa: ARG002
+        B, _, Q, K = self.shape
+        return f"HFMask({self.structure!r}, [B={B}, 1, Q={Q}, K={K}], {self.dtype})"
+
+    def __reduce_ex__(self, proto):
+        return self.tensor().__reduce_ex__(proto)  # a pickle holds the plain tensor
+
+    def __deepcopy__(self, memo):
+        if self.modified:  # the tensor is the mask now
+            return self.tensor().clone()
+        return HFMask(self.structure, tuple(self.shape), self.dtype, self.device, self._build)
+
+    def numpy(self, *, force: bool = False):
+        return self.tensor().numpy(force=force)
+
+
+def _unwrap(tree):
+    """``tree`` with every HFMask replaced by its built tensor."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.tensor() if isinstance(x, HFMask) else x, tree)
+
+
+_T = torch.Tensor
+_METADATA = frozenset({  # answered by the wrapper itself, without building the tensor
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__get__, _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_meta.__get__,  # type: ignore[attr-defined]
+    _T.is_quantized.__get__, _T.size, _T.dim, _T.numel, _T.nelement,  # type: ignore[attr-defined]
+    _T.element_size, _T.is_floating_point, _T.is_complex, _T.get_device, _T.__len__, _T.__hash__, _T.requires_grad_,
+})
 
 
 # ---- mask builder -------------------------------------------------------------------------------
@@ -149,23 +256,27 @@ def build_mask(
     use_vmap: bool = False,
     device: torch.device | str = "cpu",
     config=None,
+    dtype: torch.dtype = torch.float32,
     **kwargs,
-) -> Mask:
-    """transformers' mask-interface call → one bhqk mask for [B, H, Q=q_length, K=kv_length].
+) -> HFMask:
+    """transformers' mask-interface call → an :class:`HFMask` for [B, H, Q=q_length, K=kv_length].
 
     Query i sits at position ``q_offset + i``, key j at ``kv_offset + j`` (a KV cache gives offsets).
-    ``attention_mask`` [B, ≥ kv_offset + K] marks real tokens (1) and padding (0)."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    ``attention_mask`` [B, ≥ kv_offset + K] marks real tokens (1) and padding (0). ``dtype`` (the
+    model's, which transformers passes) is the dtype of the mask's tensor."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, eager_mask
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     B, Q, K = int(batch_size), int(q_length), int(kv_length)
-    if isinstance(attention_mask, Mask):  # built before (generate() with a static cache) and handed back
-        if getattr(attention_mask, "shape", None) != (B, 1, Q, K):
-            raise MaskError(f"bhqk mask builder: got a prepared mask for {getattr(attention_mask, 'shape', '?')} "
+    if isinstance(attention_mask, HFMask):  # built before and handed back (transformers itself returns 4-D masks as is)
+        if tuple(attention_mask.shape) != (B, 1, Q, K):
+            raise MaskError(f"bhqk mask builder: got a prepared mask for {list(attention_mask.shape)} "
                             f"but this call is [B={B}, 1, Q={Q}, K={K}].")
         return attention_mask
-    q_offset, kv_offset = int(q_offset), int(kv_offset)  # a StaticCache gives q_offset as a tensor
     attention_mask = None if attention_mask is None else attention_mask.bool()  # [B, ≥ kv_offset + K]
+    hf_args: dict[str, Any] = dict(batch_size=B, q_length=Q, kv_length=K, q_offset=q_offset, kv_offset=kv_offset,
+                   mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, device=device)
+    q_offset, kv_offset = int(q_offset), int(kv_offset)  # a StaticCache gives q_offset as a tensor
     c = q_offset - kv_offset  # query i sits at key index i + c
     pad = _padding(attention_mask, K, kv_offset)
 
@@ -183,14 +294,11 @@ def build_mask(
         out = AllKeys(K) if pad is None else pad
     else:
         out = structure if pad is None else structure & pad
-    return _stamp(out, B, Q, K)
 
+    def build() -> torch.Tensor:  # transformers' own eager mask for this call: float [B, 1, Q, K]
+        return eager_mask(**hf_args, dtype=dtype)
 
-def _stamp(mask: Mask, B: int, Q: int, K: int) -> Mask:
-    """Give a fresh mask value the ``ndim``/``shape`` transformers reads from an attention_mask it is
-    handed back (``generate`` with a static cache builds masks once and passes them to ``forward``)."""
-    vars(mask).update(ndim=4, shape=(B, 1, Q, K))  # plain attributes for transformers, not part of the Mask type
-    return mask
+    return HFMask(out, (B, 1, Q, K), dtype, device, build)
 
 
 def _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, local_size, config, use_vmap, device):
@@ -234,26 +342,95 @@ def _structure(mask_function, B, Q, K, q_offset, kv_offset, c, attention_mask, l
 # ---- attention function -------------------------------------------------------------------------
 
 
+# keyword arguments transformers passes that cannot change the attention's result: flags for other
+# outputs, and inputs the module already turned into q, k, v (a cache, positions, encoder states)
+IGNORED = frozenset({"num_items_in_batch", "output_hidden_states", "output_router_logits", "use_cache", "return_dict",
+                     "deterministic", "seq_idx", "max_length_q", "max_length_k", "cache", "past_key_values",
+                     "past_key_value", "cache_position", "layer_idx", "position_embeddings", "encoder_hidden_states",
+                     "encoder_attention_mask", "token_type_ids"})  # token types: read by a mask builder (Gemma 3), if any
+
+
 def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int):
-    """What transformers passed as attention_mask → (bhqk mask or None, additive float [.., Q, K] or None)."""
+    """What transformers passed as attention_mask → (bhqk mask or None, additive float [.., Q, K] or
+    None, whether a builder made it)."""
+    if isinstance(attention_mask, HFMask):
+        if not attention_mask.modified:
+            s = attention_mask.structure
+            return (None if isinstance(s, AllKeys) else s), None, True
+        attention_mask = attention_mask.tensor()  # changed in place: the structure is stale
     if isinstance(attention_mask, AllKeys):
-        return None, None
+        return None, None, True
     if isinstance(attention_mask, Mask):
-        return attention_mask, None
+        return attention_mask, None, True
     if attention_mask is None:  # no builder ran: as SDPA, is_causal (default module.is_causal, else True)
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        return (causal("top_left") if is_causal and Q > 1 else None), None
+        return (causal("top_left") if is_causal and Q > 1 else None), None, False
     if not isinstance(attention_mask, torch.Tensor):
         raise MaskError(f"attention_mask must be a bhqk mask, a tensor or None, got {type(attention_mask).__name__}.")
     if attention_mask.dim() == 2:  # [B, K]: 1 = real token, 0 = padding, any dtype
-        return from_hf(attention_mask), None
+        return from_hf(attention_mask), None, True
     if attention_mask.dtype == torch.bool:
-        return dense(attention_mask), None
-    if attention_mask.is_floating_point():  # a custom additive 4-D mask: 0 to attend, very negative to mask
+        return dense(attention_mask), None, True
+    if attention_mask.is_floating_point():  # an additive 4-D mask: 0 to attend, very negative to mask
         allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2  # [#B, #H, Q, K]
         rest = torch.where(allowed, attention_mask, torch.zeros((), dtype=attention_mask.dtype))
-        return dense(allowed), (rest if bool(rest.any()) else None)
+        return dense(allowed), (rest if bool(rest.any()) else None), True
     raise MaskError(f"attention_mask has dtype {attention_mask.dtype}; expected bool (True = attend) or float (additive).")
+
+
+def _selected(indices: torch.Tensor, B: int, Q: int, K: int) -> Mask:
+    """A sparse-attention indexer's choice (DeepSeek V3.2's ``indices``: [B, Q, topk] or [B, H, Q, topk]
+    key indices per query, −1 = none) as a mask: bool [B, 1 or H, Q, K]."""
+    if indices.dim() == 3:
+        indices = indices[:, None]  # [B, Q, topk] -> [B, 1, Q, topk]
+    if indices.dim() != 4 or indices.shape[0] != B or indices.shape[2] != Q:
+        raise MaskError(f"indices must be [B={B}, Q={Q}, topk] or [B, H, Q, topk] key indices, got {list(indices.shape)}.")
+    idx = indices.long()
+    if bool(((idx < -1) | (idx >= K)).any()):
+        raise MaskError(f"indices must lie in [0, K={K}) (or be -1 for none), got {int(idx.min())} .. {int(idx.max())}.")
+    idx = torch.where(idx < 0, K, idx)  # -1 → the spare column K, dropped below
+    sel = torch.zeros(*idx.shape[:3], K + 1, dtype=torch.bool, device=idx.device)  # [B, h, Q, K + 1]
+    sel.scatter_(-1, idx, True)
+    return dense(sel[..., :K])  # [B, h, Q, K]
+
+
+def _unbuilt(mask: Mask | None, Q: int, K: int, is_causal: bool, sliding_window, position_ids, cu_q, cu_k) -> Mask | None:
+    """No mask builder ran: the window and packed sequences transformers passes as keyword arguments.
+    The window is aligned as the causal mask is (top-left for Q > 1, as SDPA's is_causal), bottom-right
+    for one query (decoding); ``left = W − 1`` keys back and, without causality, ``W − 1`` ahead
+    (transformers' flash-attention convention)."""
+    if sliding_window is not None:
+        W = int(sliding_window)
+        if W < 1:
+            raise MaskError(f"sliding_window must be a positive number of keys, got {sliding_window}.")
+        win = sliding_window_mask(W - 1, 0 if is_causal else W - 1, "top_left" if Q > 1 else "bottom_right")
+        mask = win if mask is None else mask & win
+    ids = None
+    if cu_q is not None or cu_k is not None:  # varlen packing (DataCollatorWithFlattening): one row of documents
+        if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k) or Q != K:
+            raise MaskError("cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over packed documents) "
+                            "when no mask builder ran.")
+        ids = torch.searchsorted(cu_k[1:].long(), torch.arange(K, device=cu_k.device), right=True)[None]  # [1, K]
+    elif position_ids is not None and Q == K:
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        ids = find_packed_sequence_indices(position_ids.reshape(-1, Q))  # [#B, Q] document index, None if one document
+    if ids is not None:
+        mask = document(ids) if mask is None else mask & document(ids)
+    return mask
+
+
+def _sinks(s_aux, sinks, H: int):
+    """GPT-OSS's ``s_aux`` or another model's ``sinks``: one logit per head, [H] (or broadcastable)."""
+    if s_aux is not None and sinks is not None:
+        raise TypeError("bhqk attention: got both s_aux and sinks; pass one.")
+    s, name = (s_aux, "s_aux") if s_aux is not None else (sinks, "sinks")
+    if s is None:
+        return None
+    if s.numel() != H:  # [H], or [1, H, 1, 1] (one query of one sequence: the same thing)
+        raise MaskError(f"{name} must hold one logit per head, [H={H}]; got shape {list(s.shape)} "
+                        f"(per-query sinks are not supported by bhqk).")
+    return s.reshape(H)
 
 
 def attention_forward(
@@ -268,7 +445,13 @@ def attention_forward(
     softcap: float | None = None,
     position_bias: torch.Tensor | None = None,
     s_aux: torch.Tensor | None = None,
-    sliding_window: int | None = None,  # already part of the mask value the builder returned
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    indices: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    output_attentions: bool = False,
     *,
     backend: str = "auto",
     **kwargs,
@@ -277,21 +460,40 @@ def attention_forward(
     value [B, Hkv, K, dv] → (out [B, Q, H, dv], weights [B, H, Q, K] with output_attentions, else None).
 
     ``position_bias`` (T5) is bhqk's ``bias=``; ``softcap`` (Gemma 2) caps the scores; ``s_aux``
-    (GPT-OSS) is bhqk's ``sinks=``, per-head logits in each row's denominator; dropout only
-    in training. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names
-    it by the module's path."""
-    Q = query.shape[2]
-    mask, extra = _mask_and_bias(attention_mask, module, is_causal, Q)
+    (GPT-OSS) or ``sinks`` [H] is bhqk's ``sinks=``, per-head logits in each row's denominator;
+    ``indices`` (a sparse-attention indexer's keys per query) is ANDed into the mask; dropout only in
+    training. Where no mask builder ran (``attention_mask=None``), ``is_causal``, ``sliding_window``
+    and packed sequences (``position_ids`` restarting, or ``cu_seq_lens_q/k``) make the mask; a
+    builder's mask already holds them (transformers' eager and sdpa read them from the mask too).
+    Keyword arguments that cannot change the result (``use_cache``, a cache, encoder states the module
+    already projected, any argument set to None) are ignored; any other raises a ``TypeError`` naming
+    it. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names it by the
+    module's path."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None)  # None asks for nothing
+    if unknown:
+        raise TypeError(f"bhqk attention ({type(module).__name__}): keyword argument(s) {', '.join(map(repr, unknown))} "
+                        f"not handled; bhqk would compute something else than the model asks for. Handled: dropout, "
+                        f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
+                        f"position_ids, cu_seq_lens_q/k, output_attentions.")
+    B, H, Q, K = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
+    if not built:
+        causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    if indices is not None:
+        sel = _selected(indices, B, Q, K)
+        mask = sel if mask is None else mask & sel
     bias = position_bias
     if extra is not None:
         bias = extra if bias is None else bias + extra
+    sink = _sinks(s_aux, sinks, H)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     with observe.scope(module):  # capture and trace name the call by this module's path
-        out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=s_aux,
-                        dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]; s_aux: GPT-OSS's per-head sinks [H]
+        out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink,
+                        dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
     weights = None
-    if kwargs.get("output_attentions"):
-        weights = attention_weights(query, key, mask, bias=bias, scale=scaling, softcap=softcap, sinks=s_aux)  # [B, H, Q, K]
+    if output_attentions:
+        weights = attention_weights(query, key, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink)  # [B, H, Q, K]
     return out.transpose(1, 2).contiguous(), weights  # [B, H, Q, dv] -> [B, Q, H, dv]
 
 
@@ -305,15 +507,15 @@ def _attention_for(backend: str) -> Callable:
 
 
 def register(name: str = "bhqk") -> list[str]:
-    """Add bhqk to transformers under ``name`` (backend ``auto``) and ``name:tiled``,
-    ``name:reference``, ``name:torch``: an attention function and a mask builder under each.
+    """Add bhqk to transformers under ``name`` (backend ``auto``) and ``name:<backend>`` for each backend
+    in bhqk's registry: an attention function and a mask builder under each.
     Returns the names. Afterwards ``from_pretrained(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` work."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     out = names(name)
-    for n, backend in zip(out, BACKENDS):
+    for n, backend in zip(out, _backends()):
         AttentionInterface.register(n, _attention_for(backend))
         AttentionMaskInterface.register(n, build_mask)
     return out
@@ -366,5 +568,5 @@ def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
     return inputs, loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
 
 
-__all__ = ["register", "names", "build_mask", "attention_forward", "AllKeys", "load_folder", "Loaded", "encode",
+__all__ = ["register", "names", "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
            "is_decoder_config"]
