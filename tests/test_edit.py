@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import bhqk
-from bhqk import masks
+from bhqk import masks, observe
 from bhqk.errors import MaskError, ShapeError
 from bhqk.integrations.transformers import register
 from bhqk.models.bert import BertConfig, BertEncoder
@@ -300,6 +300,7 @@ def test_nested_edits_compose_and_the_model_is_unchanged_after():
         _close(got, ref(ids).logits)
         assert torch.equal(m(ids).logits, plain)  # after the blocks: unedited
     assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+    assert observe._EDITING == 0 and observe.editors() == ()  # nothing left listening: the next call pays one int test
     assert {n: set(vars(mod)) for n, mod in m.named_modules()} == {n: set(a) for n, a in attrs.items()}
 
 
@@ -417,3 +418,29 @@ def test_span_masks_by_hand_and_their_tiles(Q, K):
         mod = m.mask_mod(1, 1, Q, K)
         qi, ki = torch.arange(Q)[:, None], torch.arange(K)[None, :]
         assert torch.equal(mod(0, 0, qi, ki), dense)
+
+
+# ---- the guide's claim on the bundled MiniLM (docs/edit.md) -----------------------------------------------
+
+def test_minilm_sink_knockout_moves_the_mass_and_zeroing_keeps_it_out():
+    from bhqk.models import bert
+
+    enc = bert.SentenceEncoder.from_pretrained()
+    ids, am = enc.tokenize(["The cat sat on the mat because it was warm."])
+    layer = "layers.2.attn"
+    with torch.no_grad():
+        with bhqk.capture(model=enc.model, layers=layer) as cap:
+            base = enc.model(ids, am)
+        with bhqk.edit(model=enc.model, layers=layer, mask=masks.key_span(0, 1)), \
+                bhqk.capture(model=enc.model, layers=layer) as ko:
+            knocked = enc.model(ids, am)
+        P = cap[layer].weights.clone()  # [1, 12, N, N]
+        P[..., 0] = 0.0
+        with bhqk.edit(model=enc.model, layers=layer, weights=P), bhqk.capture(model=enc.model, layers=layer) as zw:
+            enc.model(ids, am)
+    before, after = cap[layer].weights, ko[layer].weights
+    assert float(before[..., 0].mean()) > 0.3  # the sink: layer 2's heads put most of their weight on [CLS]
+    assert float(after[..., 0].abs().max()) == 0.0
+    torch.testing.assert_close(after.sum(-1), torch.ones_like(after.sum(-1)))  # knocked out: renormalized
+    assert_close(zw[layer].weights, P.double(), n=ids.shape[1])  # zeroed: as given, rows sum to 1 − P[:, 0]
+    assert float((base - knocked).abs().max()) > 1e-2

@@ -115,7 +115,7 @@ class Edit:
         self.output = self._tensor("output", output, "[Q, dv], broadcastable to [B, h, Q, dv]")
         self.calls = 0  # attention calls seen inside the block
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
-        self._seen: list[str] = []
+        self._seen: set[str] = set()  # the names of the calls seen (for the error of a selector that selected none)
 
     @staticmethod
     def _scale(scale):
@@ -182,7 +182,7 @@ class Edit:
             index = ed.calls
             ed.calls += 1
             name = ed._names.get(id(module), f"attention.{index}")
-            ed._seen.append(name)
+            ed._seen.add(name)
             if not _selected(ed.layers, index, name):
                 continue
             heads = ed._heads(H, name)
@@ -197,7 +197,7 @@ class Edit:
             groups.setdefault(tuple(id(ed) for ed, _ in touch[h]), []).append(h)
         observed = bool(observe.active())
         full_lse = lse
-        if observed and lse is None and any(ed.weights is not None for ed in eds):
+        if observed and lse is None and any(ed.weights is not None for t in touch.values() for ed, _ in t):
             full_lse = _lse(p, backend)  # capture reads a given pattern as exp(S − lse): it needs every head's lse
         outs, lses, all_heads = [], [], []
         mask_parts: list[Part] = []
