@@ -2,7 +2,7 @@
 of the selected attention calls do, and nothing else. Nothing is stored on modules: after the block
 the model is what it was.
 
-Kinds (one ``edit`` may combine ``zero``/``scale`` with one of the others):
+Kinds (one ``edit`` may combine ``zero``/``scale`` with ``mask`` and/or ``bias``, or ``weights``, or ``output``):
 
 - ``zero=True``: the heads' outputs O_h are 0 (ablation).
 - ``scale=s``: O_h · s; ``s`` a number or a tensor (0-d, or [h] one per named head) that may require
