@@ -45,7 +45,8 @@ def by_hand(q, k, v, allowed, scaling, spec):
     on[0, heads] = True  # [1, H, 1, 1]
     spec = {key: _spread(val, heads, H) for key, val in spec.items()}
     if "mask" in spec:
-        allow = allow & (spec["mask"] | ~on)
+        mask = spec["mask"](Q, K) if callable(spec["mask"]) else spec["mask"]  # [Q, K], True = may attend
+        allow = allow & (mask | ~on)
     if "bias" in spec:
         S = S + torch.where(on, spec["bias"], 0.0)
     S = S.masked_fill(~allow, float("-inf"))
@@ -143,24 +144,48 @@ def _close(a, b):
 def test_every_edit_equals_the_intervention_by_hand_on_hf_models(kind):
     m, ref = _hf(kind)
     ids = torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, N, dtype=torch.long)
+    am[1, :3] = 0  # left padding in the second row
+    real = am.bool()
     target = ref.get_submodule(LAYER[kind])
     H = 4
     heads = [0, 3]  # with GQA (Llama, Mistral: Hkv = 2) these read K/V heads 0 and 1
     with torch.no_grad():
-        plain = m(ids).logits
+        plain = m(ids, attention_mask=am).logits
         SPEC.clear()
-        _close(plain, ref(ids).logits)  # the harness itself: no edit, same logits
+        _close(plain[real], ref(ids, attention_mask=am).logits[real])  # the harness itself: no edit, same logits
         dv = m.config.hidden_size // H
         for name, (ours, theirs) in _kinds(N, N, dv, torch.Generator().manual_seed(2)).items():
             with bhqk.edit(model=m, layers=[LAYER[kind]], heads=heads, **ours) as ed:
-                got = m(ids).logits
+                got = m(ids, attention_mask=am).logits
             SPEC.clear()
             SPEC.update(module=target, heads=heads, **theirs)
-            want = ref(ids).logits
+            want = ref(ids, attention_mask=am).logits
             SPEC.clear()
             assert ed.hits == [(1, LAYER[kind])], name
-            _close(got, want)
-            assert (got - plain).abs().max() > 1e-4, f"{name} changed nothing"
+            _close(got[real], want[real])
+            assert (got - plain)[real].abs().max() > 1e-4, f"{name} changed nothing"
+
+
+def test_a_knockout_holds_at_every_decode_step_of_generate():
+    """key_span(0, 1) during greedy generation with a KV cache: every step's scores equal eager's with
+    key 0 knocked out by hand for that step's [Q, K]."""
+    m, ref = _hf("llama")
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(3))
+    layer = LAYER["llama"]
+    gen = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        with bhqk.edit(model=m, layers=layer, heads=[1], mask=masks.key_span(0, 1)) as ed:
+            got = m.generate(ids, **gen)
+        SPEC.update(module=ref.get_submodule(layer), heads=[1], mask=lambda Q, K: torch.arange(K)[None, :] != 0)
+        want = ref.generate(ids, **gen)
+        SPEC.clear()
+        plain = m.generate(ids, **gen)
+    assert len(ed.hits) == 4  # the prefill and three decode steps of layer 1
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        _close(a, b)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, plain.scores)) > 1e-4
 
 
 def _bhqk_by_hand(module, spec, causal):
