@@ -469,3 +469,22 @@ def test_minilm_sink_knockout_moves_the_mass_and_zeroing_keeps_it_out():
     torch.testing.assert_close(after.sum(-1), torch.ones_like(after.sum(-1)))  # knocked out: renormalized
     assert_close(zw[layer].weights, P.double(), n=ids.shape[1])  # zeroed: as given, rows sum to 1 − P[:, 0]
     assert float((base - knocked).abs().max()) > 1e-2
+
+
+def test_return_lse_is_the_edited_heads_and_capture_reads_it():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, s, 5, 8, generator=g, dtype=torch.float64) for s in (4, 2, 2))  # GQA: H=4, Hkv=2
+    T = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    with bhqk.edit(heads=[2], mask=masks.key_span(1, 3), bias=T), bhqk.capture(what=("weights", "lse")) as cap:
+        out, lse = bhqk.attention(q, k, v, masks.causal(), return_lse=True)
+    plain_out, plain_lse = bhqk.attention(q, k, v, masks.causal(), return_lse=True)
+    edited_out, edited_lse = bhqk.attention(q[:, [2]], k[:, [1]], v[:, [1]], masks.causal() & masks.key_span(1, 3),
+                                            bias=T, return_lse=True, backend="reference")
+    keep = [0, 1, 3]
+    assert_close(out[:, keep], plain_out[:, keep], n=5)
+    assert_close(lse[:, keep], plain_lse[:, keep], n=5)
+    assert_close(out[:, [2]], edited_out, n=5)
+    assert_close(lse[:, [2]], edited_lse, n=5)
+    want = bhqk.attention_weights(q[:, [2]], k[:, [1]], masks.causal() & masks.key_span(1, 3), bias=T)  # [B, 1, Q, K]
+    assert_close(cap[0].weights[:, [2]], want, n=5)
+    assert_close(cap[0].lse, lse, n=5)

@@ -4,6 +4,9 @@ Lower layers call :func:`emit`; nothing happens unless an observer is active (on
 :func:`active` reads a plain module-level count before the ``ContextVar``: ``torch.compile`` traces
 the count (and guards on it) but cannot trace a ``ContextVar``, so with no observer anywhere the
 compiled path never touches one (a capture inside a compiled call is not supported).
+
+Editors (``bhqk.edit``) are the one write-side hook: :func:`editors` is read the same way (a module
+count first) and :func:`edit` hands a call's output to them before observers see it.
 """
 
 from __future__ import annotations
