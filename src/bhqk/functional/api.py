@@ -57,6 +57,8 @@ def attention(
             raise
         choice = retry
         out, lse = choice.run(p, return_lse)
+    if observe.editors():  # bhqk.edit: the heads it names are recomputed and stitched in (out-of-place)
+        p, out, lse = observe.edit(p, out, lse, backend)
     if observe.active():
         observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
     if layout == "bnhd":

@@ -13,11 +13,13 @@ from .document import Document, document
 from .padding import KeyPadding, KeysBelow, key_padding, padding
 from .predicate import Predicate, predicate
 from .prefix import PrefixLM, prefix_lm
+from .span import Span, block_span, key_span  # knock-out spans (bhqk.edit)
 from .window import SlidingWindow, sliding_window
 
 __all__ = [
     "Mask", "Tile", "Extent", "And", "Or", "Not", "and_masks", "or_masks",
     "causal", "padding", "key_padding", "sliding_window", "document", "prefix_lm", "predicate", "dense",
+    "key_span", "block_span", "Span",
     "from_torch_mha", "from_hf", "to_sdpa", "as_mask",
     "Causal", "KeysBelow", "KeyPadding", "SlidingWindow", "Document", "PrefixLM", "Predicate", "Dense",
 ]
