@@ -146,15 +146,6 @@ def test_low_precision_drops_the_same_entries(dtype):
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-def test_fully_masked_rows_with_dropout_stay_zero_and_finite():
-    q, k, v = qkv(1, 2, None, 6, 9, requires_grad=True)
-    allowed = torch.ones(1, 1, 6, 9, dtype=torch.bool)
-    allowed[:, :, 2] = False
-    out, _, _ = _tiled_and_keep(q, k, v, allowed, p=0.4, blocks=(2, 4))
-    assert bool((out[:, :, 2] == 0).all())
-    assert all(bool(torch.isfinite(g).all()) for g in torch.autograd.grad(out.sum(), (q, k, v)))
-
-
 def test_module_in_training_uses_tiled_dropout_and_auto_no_longer_refuses_it():
     q, k, v = qkv(1, 2, None, 100, 100, dtype=torch.float32)
     assert tiled.why_not(prepare(q, k, v, masks.sliding_window(8), dropout_p=0.1), False) is None

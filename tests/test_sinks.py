@@ -16,6 +16,7 @@ from bhqk.errors import BackendError, ShapeError
 from bhqk.functional import prepare
 from bhqk.functional.merge import merge, with_sinks
 from conftest import mask_kinds, qkv
+from tolerance import assert_close
 
 
 def formula(q, k, v, allowed, sinks, scale):
@@ -33,37 +34,17 @@ def _allowed(mask, B, H, Q, K):
     return torch.ones(B, H, Q, K, dtype=torch.bool) if mask is None else mask.materialize(B, H, Q, K).expand(B, H, Q, K)
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
-@pytest.mark.parametrize("kind", [None, "causal_br", "padding", "window", "document", "dense", "~causal"])
-def test_sinks_match_the_formula_outputs_lse_and_weights(backend, kind):
+@pytest.mark.parametrize("kind", [None, "causal_br", "document", "~causal"])
+def test_weights_sum_to_one_minus_the_sinks_share(kind):
+    """(out and lse with sinks on every backend and mask kind: tests/test_semantics.py)"""
     B, H, Hkv, Q, K = 2, 4, 2, 13, 21
     q, k, v = qkv(B, H, Hkv, Q, K, d=8, dv=5)
     sinks = torch.linspace(-2.0, 3.0, H, dtype=torch.float64)
     mask = None if kind is None else mask_kinds(B, H, Q, K)[kind]
-    extra = {"block_q": 4, "block_k": 8} if backend == "tiled" else {}
-    out, lse = bhqk.attention(q, k, v, mask, sinks=sinks, backend=backend, return_lse=True, **extra)
-    allowed = _allowed(mask, B, H, Q, K)
-    want_out, want_lse = formula(q, k, v, allowed, sinks, 8 ** -0.5)
-    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
-    P = bhqk.attention_weights(q, k, mask, sinks=sinks)  # rows sum to 1 − the sink's share
+    _, want_lse = formula(q, k, v, _allowed(mask, B, H, Q, K), sinks, 8 ** -0.5)
+    P = bhqk.attention_weights(q, k, mask, sinks=sinks)
     share = torch.exp(sinks[None, :, None] - want_lse)  # [B, H, Q]
-    torch.testing.assert_close(P.sum(-1), 1.0 - share, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
-def test_fully_masked_rows_with_a_sink_give_zero_and_lse_the_sink(backend):
-    B, H, Q, K = 1, 2, 6, 9
-    q, k, v = qkv(B, H, None, Q, K, requires_grad=True)
-    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
-    allowed = torch.rand(B, 1, Q, K, generator=torch.Generator().manual_seed(3)) > 0.5
-    allowed[:, :, [1, 4]] = False  # two fully masked rows
-    extra = {"block_q": 2, "block_k": 4} if backend == "tiled" else {}
-    out, lse = bhqk.attention(q, k, v, allowed, sinks=sinks, backend=backend, return_lse=True, **extra)
-    assert bool((out[:, :, [1, 4]] == 0).all())
-    torch.testing.assert_close(lse[:, :, [1, 4]], sinks[None, :, None].expand(B, H, 2).detach())
-    grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v, sinks))
-    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert_close(P.sum(-1), 1.0 - share, n=K)
 
 
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
