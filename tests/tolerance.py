@@ -68,3 +68,10 @@ def assert_low_precision_close(actual: torch.Tensor, expected: torch.Tensor, tor
     assert err <= ratio * ref + floor, (
         f"{msg}: error {err:.3g} against float64 exceeds {ratio}× PyTorch math's {ref:.3g} + {floor:.3g}"
     )
+
+
+def assert_paths_close(actual: torch.Tensor, other: torch.Tensor, *, dtype: torch.dtype | None = None, n: int = 1,
+                       magnitude: float | None = None, msg: str = "") -> None:
+    """Two paths that both round in ``dtype`` (two backends, a module and PyTorch's, one tiling and
+    another): each is within :func:`bound` of the exact value, so they are within twice it of each other."""
+    assert_close(actual, other, dtype=dtype, n=n, magnitude=magnitude, factor=2 * FACTOR, msg=msg)
