@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
+from tolerance import assert_close
 
 _MORE = int(os.environ.get("BHQK_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
@@ -88,14 +89,37 @@ def formula(q, k, v, allowed, bias=None, scale=None, softcap=None):
     return out, P
 
 
-def check_against(got, want, dtype, what):
-    """Wherever the formula is finite, ``got`` equals it; where the formula is NaN (a row attends a
-    NaN), anything goes."""
+def _finite_max(t) -> float:
+    t = t.detach().double()
+    t = t[torch.isfinite(t)]
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def scores_size(q, k, scale=None, softcap=None, bias=None) -> float:
+    """An upper bound of |S| that rounding acts on: |q·kᵀ·scale| ≤ d·max|q|·max|k|·scale (softcap:
+    at most softcap), plus the largest bias entry of ordinary size (a huge bias uniform over a row,
+    ``finfo.min`` padding, cancels in the softmax)."""
+    d = q.shape[-1]
+    s = d * _finite_max(q) * _finite_max(k) * (1.0 / math.sqrt(d) if scale is None else abs(scale))
+    s = min(s, softcap) if softcap is not None else s
+    if bias is not None and isinstance(bias, torch.Tensor):
+        b = bias.detach().double()
+        s += _finite_max(b[b.abs() < 1e4])
+    return s
+
+
+def check_against(got, want, dtype, what, *, n, magnitude):
+    """Wherever the formula is finite, ``got`` equals it within tests/tolerance.py's bound for sums
+    of ``n`` terms of ``magnitude`` (rounding S by eps·|S| scales every weight by 1 ± eps·|S|:
+    magnitude = max|v|·(1 + max|S|)); where the formula is NaN (a row attends a NaN), anything goes."""
     got = got.double()
     finite = torch.isfinite(want)
     assert not bool(torch.isnan(got[finite]).any()), f"{what}: NaN where the formula has none"
-    tol = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2}[dtype]
-    torch.testing.assert_close(got[finite], want[finite], atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+    assert_close(got[finite], want[finite], dtype=dtype, n=n, magnitude=magnitude, msg=what)
+
+
+def out_size(q, k, v, **kw) -> float:
+    return max(1.0, _finite_max(v)) * (1.0 + scores_size(q, k, **kw))
 
 
 # --- masks, each with its own independent meaning ------------------------------------------------
@@ -202,9 +226,11 @@ def test_fuzz_attention_matches_fp64_formula(p):
         except BackendError as e:  # an explicit backend may refuse a call, saying why
             assert p["backend"] != "auto" and ("softcap" in str(e) or "cannot take" in str(e)), e
         else:
-            check_against(_to_layout(out, lay), want, p["dtype"], f"attention[{p['backend']}]")
+            check_against(_to_layout(out, lay), want, p["dtype"], f"attention[{p['backend']}]", n=p["k"].shape[2],
+                          magnitude=out_size(p["q"], p["k"], p["v"], scale=p["scale"], softcap=p["softcap"], bias=p["bias"]))
         weights = bhqk.attention_weights(args[0], args[1], p["mask"], **kw)
-    check_against(weights, P, p["dtype"], "attention_weights")
+    check_against(weights, P, p["dtype"], "attention_weights", n=p["k"].shape[2],
+                  magnitude=1.0 + scores_size(p["q"], p["k"], scale=p["scale"], softcap=p["softcap"], bias=p["bias"]))
 
 
 # --- bad arguments: a ValueError/TypeError naming the argument ------------------------------------
@@ -316,7 +342,7 @@ def test_fuzz_nonfinite_values_in_unattended_keys(case):
     opts = {"block_q": block, "block_k": block} if backend == "tiled" and block else {}
     with no_hang():
         out = bhqk.attention(q, k, v, mask, backend=backend, **opts)
-    check_against(out, want, dtype, f"attention[{backend}]")
+    check_against(out, want, dtype, f"attention[{backend}]", n=k.shape[2], magnitude=out_size(q, k, v))
 
 
 def _finfo_min_row(backend, dtype):
@@ -326,14 +352,15 @@ def _finfo_min_row(backend, dtype):
     bias = torch.zeros(1, 1, 4, 4, dtype=dtype)
     bias[..., 1, :] = torch.finfo(dtype).min
     want, _ = formula(q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool), bias.double().clamp_min(-1e300))
-    check_against(bhqk.attention(q, k, v, bias=bias, backend=backend), want, dtype, backend)
+    check_against(bhqk.attention(q, k, v, bias=bias, backend=backend), want, dtype, backend, n=4, magnitude=out_size(q, k, v))
 
 
 def _nan_v_unattended(backend):
     q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(3))
     v[:, :, 3] = math.nan  # key 3 is attended by the last query only under causal
     want, _ = formula(q, k, v, torch.ones(4, 4, dtype=torch.bool).tril())
-    check_against(bhqk.attention(q, k, v, masks.causal(), backend=backend), want, torch.float64, backend)
+    check_against(bhqk.attention(q, k, v, masks.causal(), backend=backend), want, torch.float64, backend, n=4,
+                  magnitude=out_size(q, k, v))
 
 
 def _names(argument, call):

@@ -8,6 +8,9 @@ from torch import nn
 
 import bhqk
 from bhqk import masks
+from tolerance import assert_paths_close
+
+CHAIN = 2 * 16 + 7  # the sums behind one output: q/k/v projection (E = 16), attention (K = 7), out projection
 
 
 def _inputs(B=2, Q=5, K=7, E=16, kdim=None, vdim=None, seed=0):
@@ -32,9 +35,9 @@ def test_from_torch_outputs_and_weights_equal(batch_first, separate, bias):
     want, want_avg = ref(t(x), t(key), t(value), need_weights=True)
     _, want_heads = ref(t(x), t(key), t(value), need_weights=True, average_attn_weights=False)
     got, got_w = ours(x, key, value, return_weights=True)
-    torch.testing.assert_close(got, t(want), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_w, want_heads, atol=1e-6, rtol=1e-5)  # [B, H, Q, K]
-    torch.testing.assert_close(got_w.mean(1), want_avg, atol=1e-6, rtol=1e-5)
+    assert_paths_close(got, t(want), n=CHAIN)
+    assert_paths_close(got_w, want_heads, n=CHAIN)  # [B, H, Q, K]
+    assert_paths_close(got_w.mean(1), want_avg, n=CHAIN)
 
 
 def test_from_torch_converted_masks():
@@ -49,19 +52,19 @@ def test_from_torch_converted_masks():
     want, want_w = ref(x, key, value, key_padding_mask=kpm, attn_mask=attn_mask, average_attn_weights=False)
     m = masks.from_torch_mha(key_padding_mask=kpm, attn_mask=attn_mask, num_heads=H)
     got, got_w = ours(x, key, value, mask=m, return_weights=True)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+    assert_paths_close(got, want, n=CHAIN)
+    assert_paths_close(got_w, want_w, n=CHAIN)
     # per-head [B·H, Q, K] masks
     per_head = torch.rand(B * H, Q, K, generator=torch.Generator().manual_seed(0)) > 0.7
     per_head[..., 0] = False
     want = ref(x, key, value, attn_mask=per_head, need_weights=False)[0]
     got = ours(x, key, value, mask=masks.from_torch_mha(attn_mask=per_head, num_heads=H))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_paths_close(got, want, n=CHAIN)
     # a float attn_mask is additive: it goes through bias=
     float_mask = torch.randn(Q, K)
     want = ref(x, key, value, attn_mask=float_mask, need_weights=False)[0]
     got = ours(x, key, value, bias=bhqk.bias.from_torch_mha(float_mask, num_heads=H))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_paths_close(got, want, n=CHAIN)
     with pytest.raises(bhqk.MaskError, match="bias"):
         masks.from_torch_mha(attn_mask=float_mask, num_heads=H)
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import bhqk
 from bhqk import masks
 from conftest import mask_kinds, qkv
+from tolerance import assert_paths_close
 
 
 def sdpa(q, k, v, allowed=None, bias=None, scale=None):
@@ -26,9 +27,9 @@ def sdpa(q, k, v, allowed=None, bias=None, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", list(mask_kinds(2, 4, 5, 7)) + ["none"])
-def test_reference_matches_sdpa_every_mask(kind, dtype, tol):
+def test_reference_matches_sdpa_every_mask(kind, dtype):
     B, H, Hkv, Q, K = 2, 4, 2, 5, 7
     q, k, v = qkv(B, H, Hkv, Q, K, d=8, dv=6, dtype=dtype)
     m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
@@ -38,7 +39,7 @@ def test_reference_matches_sdpa_every_mask(kind, dtype, tol):
     if allowed is not None:  # SDPA's convention for rows with nothing to attend is also 0 in torch>=2.5
         dead = ~allowed.expand(B, H, Q, K).any(-1, keepdim=True)
         want = want.masked_fill(dead, 0.0)
-    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    assert_paths_close(out, want, n=K)
 
 
 @settings(max_examples=25, deadline=None)
@@ -57,7 +58,8 @@ def test_reference_matches_sdpa_random_shapes(B, Hkv, groups, Q, K, d, dv, use_b
     out = bhqk.attention(q, k, v, bias=bias, backend="reference", layout=layout)
     if layout == "bnhd":
         out = out.transpose(1, 2)  # [B, Q, H, dv] -> [B, H, Q, dv]
-    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    assert_paths_close(out, want, n=K, magnitude=max(1.0, float(v.abs().max())) * (1 + d * float(q.abs().max() * k.abs().max())
+                                                                             + (float(bias.abs().max()) if use_bias else 0.0)))
 
 
 def test_reference_gradients_match_sdpa():
@@ -71,19 +73,7 @@ def test_reference_gradients_match_sdpa():
     allowed = m.materialize(B, H, Q, K)
     (sdpa(q2, k2, v2, allowed, bias.materialize(B, H, Q, K, dtype=torch.float64)) * dout).sum().backward()
     for a, b in ((q, q2), (k, k2), (v, v2)):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-10, rtol=1e-10)
-
-
-def test_torch_backend_matches_reference_with_masks_bias_gqa():
-    B, H, Hkv, Q, K = 2, 6, 3, 5, 8
-    q, k, v = qkv(B, H, Hkv, Q, K, 8, 4)
-    for m in mask_kinds(B, H, Q, K).values():
-        ref = bhqk.attention(q, k, v, m, backend="reference")
-        got = bhqk.attention(q, k, v, m, backend="torch")
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-    bias = torch.randn(B, H, Q, K, dtype=q.dtype)
-    torch.testing.assert_close(bhqk.attention(q, k, v, masks.causal("top_left"), bias=bias, backend="torch"),
-                               bhqk.attention(q, k, v, masks.causal("top_left"), bias=bias, backend="reference"))
+        assert_paths_close(a.grad, b.grad, n=max(K, B * H * Q))
 
 
 def test_scale_defaults_to_inverse_sqrt_d_and_can_be_set():
@@ -103,32 +93,6 @@ def test_softcap_applies_tanh_before_bias():
     torch.testing.assert_close(bhqk.attention(q, k, v, bias=bias, softcap=c, backend="reference"), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_computes_in_fp32_and_returns_input_dtype(dtype):
-    q, k, v = qkv(2, 4, 2, 33, 47, 16, dtype=torch.float64)
-    exact = bhqk.attention(q, k, v, masks.causal("bottom_right"), backend="reference")
-    ql, kl, vl = (t.to(dtype) for t in (q, k, v))
-    out = bhqk.attention(ql, kl, vl, masks.causal("bottom_right"), backend="reference")
-    assert out.dtype == dtype
-    math = sdpa(ql, kl, vl, masks.causal("bottom_right").materialize(2, 4, 33, 47))
-    err, err_math = (out.double() - exact).abs().max(), (math.double() - exact).abs().max()
-    assert err <= 2 * err_math, (err, err_math)
-
-
-def test_dropout_only_when_asked_and_rescales():
-    q, k, v = qkv(1, 2, None, 16, 16, 8)
-    torch.manual_seed(0)
-    a = bhqk.attention(q, k, v, dropout_p=0.5, backend="reference")
-    b = bhqk.attention(q, k, v, backend="reference")
-    assert not torch.allclose(a, b)
-    # With V = 1 the output is the row sum of the dropped-out, rescaled P: mean 1 over many rows.
-    ones = torch.ones(1, 2, 16, 1, dtype=q.dtype)
-    torch.manual_seed(1)
-    sums = bhqk.attention(q.repeat(64, 1, 1, 1), k.repeat(64, 1, 1, 1), ones.repeat(64, 1, 1, 1), dropout_p=0.5,
-                          backend="reference")
-    assert abs(sums.mean().item() - 1.0) < 0.05
-
-
 def test_why_not_words():
     q, k, v = qkv(1, 2, None, 3, 4, 8)
     assert bhqk.why_not("reference", q, k, v) is None
@@ -140,8 +104,3 @@ def test_why_not_words():
         bhqk.attention(q, k, v, backend="torch", return_lse=True)
 
 
-def test_return_lse_is_logsumexp_of_scores():
-    q, k, v = qkv(2, 2, None, 4, 6, 8)
-    out, lse = bhqk.attention(q, k, v, backend="reference", return_lse=True)
-    S = q @ k.transpose(-2, -1) / 8**0.5  # [B, H, Q, K]
-    torch.testing.assert_close(lse, torch.logsumexp(S, -1))

@@ -68,3 +68,19 @@ def assert_low_precision_close(actual: torch.Tensor, expected: torch.Tensor, tor
     assert err <= ratio * ref + floor, (
         f"{msg}: error {err:.3g} against float64 exceeds {ratio}× PyTorch math's {ref:.3g} + {floor:.3g}"
     )
+
+
+def assert_paths_close(actual: torch.Tensor, other: torch.Tensor, *, dtype: torch.dtype | None = None, n: int = 1,
+                       magnitude: float | None = None, msg: str = "") -> None:
+    """Two paths that both round in ``dtype`` (two backends, a module and PyTorch's, one tiling and
+    another): each is within :func:`bound` of the exact value, so they are within twice it of each other."""
+    assert_close(actual, other, dtype=dtype, n=n, magnitude=magnitude, factor=2 * FACTOR, msg=msg)
+
+
+def assert_models_close(actual: torch.Tensor, expected: torch.Tensor, *, width: int, layers: int,
+                        dtype: torch.dtype | None = None, msg: str = "") -> None:
+    """Two implementations of a whole model (bhqk's and transformers'), both rounding in ``dtype``:
+    each of ``layers`` layers adds the error of sums of at most ``width`` terms (its widest matmul),
+    and those errors add up (a LayerNorm rescales, it does not shrink them): the bound of two paths
+    with √n = √width · layers."""
+    assert_paths_close(actual, expected, dtype=dtype, n=width * max(layers, 1) ** 2, msg=msg)

@@ -126,11 +126,17 @@ def uncompiled():
     """Run FlexAttention's unfused eager path inside this block: it builds the [B, H, Q, K] scores
     but compiles nothing (for tests and for debugging a mask_mod or score_mod)."""
     global _COMPILE
+    fa = _flex()
     old, _COMPILE = _COMPILE, False
+    debug = getattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    if debug is not None:  # else FlexAttention traces its eager path with dynamo, seconds per new structure
+        fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     try:
         yield
     finally:
         _COMPILE = old
+        if debug is not None:
+            fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = debug
 
 
 def uses_compile() -> bool:
@@ -275,9 +281,13 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32) when asked."""
     e = p.ext
     dv = p.sizes["dv"]
-    if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked
-        out = p.q.new_zeros(e.B, e.H, e.Q, dv)
-        return out, (p.q.new_full((e.B, e.H, e.Q), float("-inf"), dtype=torch.float32) if need_lse else None)
+    if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked (lse -inf, or its sink)
+        lse_dtype = torch.float64 if p.q.dtype == torch.float64 else torch.float32  # as the kernel's lse
+        out = p.q.new_zeros(e.B, e.H, e.Q, dv)  # [B, H, Q, dv]
+        lse = p.q.new_full((e.B, e.H, e.Q), float("-inf"), dtype=lse_dtype)  # [B, H, Q]
+        if p.sinks is not None:
+            out, lse = with_sinks(out, lse, p.sinks)
+        return out, (lse if need_lse else None)
     q, k, v = p.q, p.k, p.v
     if not p.needs_grad:  # FlexAttention refuses CPU tensors that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()

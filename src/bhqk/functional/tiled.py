@@ -736,7 +736,7 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     G, dt = H // Hkv, compute_dtype(p.q)
     grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (p.q, p.k, p.v)]
     grad_bias = [torch.zeros(b.tensor.shape, dtype=dt, device=p.q.device) for b in biases]  # [#B, #H, #Q, #K]
-    if Q == 0 or plan.tiles == 0:
+    if B == 0 or Q == 0 or plan.tiles == 0:  # nothing to attend, or no one asks
         return (*grads, [g.to(b.tensor.dtype) for g, b in zip(grad_bias, biases)])
     if on_device(p.q.device):
         p = _staged_problem(p)
