@@ -229,7 +229,7 @@ def _doc_ids(B, N, seed=3):
 
 
 def _bf16(rank, world):
-    """bf16: error against fp64 (same input values) at most ~2× PyTorch's math path at bf16 (docs/design.md §6)."""
+    """bf16: error against fp64 (same input values) at most ~2× PyTorch's math path at bf16 (docs/design.md §8)."""
     B, H, N, d = 2, 4, 64, 16
     ring_err = _compare(rank, world, B=B, H=H, Q=N, d=d, dtype=torch.bfloat16, mask=masks.causal(), kv_chunk=None,
                         ref_dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Tolerances from the arithmetic, for the whole suite (docs/design.md §6).
+"""Tolerances from the arithmetic, for the whole suite (docs/design.md §8).
 
 A float sum taken in another order (AVX2 vs AVX-512 kernels, one thread vs two, another tile size)
 is a different, equally correct answer, so no test compares floats with a tolerance picked by eye
