@@ -1,0 +1,459 @@
+"""The "spans" backend: PyTorch's fused CPU flash kernel, run only over the key spans a mask allows.
+
+PyTorch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``) is close to this
+CPU's peak but cannot skip anything: a mask is added on every tile. bhqk's masks know per tile what
+is empty, full or partial (``Mask.classify_grid``), so this backend cuts the [Q, K] grid into
+query blocks of ``block_q`` rows and, per block, into the runs of key tiles the mask allows:
+
+- an empty tile is skipped;
+- a run of full tiles is one span without a mask;
+- a run with partial tiles is one span with a small additive mask (``attn_mask``: -inf where the
+  mask forbids, plus the bias, which makes every span of a call with a bias masked);
+- a causal mask alone is the kernel's own ``is_causal`` (top-left, so bottom-right with Q ≠ K is a
+  full span plus a top-left causal one).
+
+Spans of equal length and kind in consecutive query blocks whose keys advance by a constant step
+(a sliding window's band, a prefix every block sees, a causal diagonal) form one :class:`Group`,
+computed in ONE kernel call: the query blocks are folded into the batch axis (a view of q) and the
+key spans are a strided view of k and v (``unfold``, or ``expand`` for a step of 0).
+
+Each span gives (out, lse) over its keys; the spans of a row are merged by their log-sum-exp
+(``merge.merge_``, the ring-attention merge), and sinks join once at the end (as ``merge.with_sinks``
+does). The kernel gives lse 0 (not -inf) for a row that sees no key of its span, so the mask's rows
+say which rows saw nothing. The backward calls the fused backward per span with the MERGED output
+and lse (what makes per-span gradients exact: P = exp(S - lse) is then each entry's share of the
+whole row) and adds up dq per row and dk, dv per key. A gradient of the returned lse (its users,
+or nothing) adds ``g·P`` to dS: two more kernel calls per span, only when it is nonzero.
+
+Refused (``why_not``): softcap, dropout, a bias that needs its gradient, non-CPU tensors, and an
+empty head dimension. NaN/inf in q, k or v: handed to the tiled backend (``hands_off``), as the
+torch adapter does. dv ≠ d: the narrower of v and (q, k) is padded with zero columns (the kernel
+wants one head size; zero columns change neither the scores nor the output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..bias import Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
+from ..masks import Causal, Extent
+from ..shapes import all_finite
+from .merge import merge_
+from .problem import Problem
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+BLOCK_Q = 256  # query rows per block: the kernel runs its own 256-row blocks from 768 rows on
+BLOCK_K = 128  # key tile of the classification: spans start and end on these edges
+ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
+MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class Group(NamedTuple):
+    """One kernel call: ``n`` consecutive query blocks of ``rows`` rows from row ``r0`` (block j:
+    rows ``r0 + j·rows …``) against keys ``k0 + j·kstep`` … ``+ L``. ``masked``: an additive mask
+    (the bool mask and the bias) on it; ``causal``: the kernel's top-left ``is_causal`` relative to
+    the span's corner instead of a mask."""
+
+    r0: int
+    rows: int
+    n: int
+    k0: int
+    kstep: int
+    L: int
+    masked: bool
+    causal: bool = False
+
+    @property
+    def entries(self) -> int:
+        """Score entries computed per (batch, head)."""
+        if self.causal:  # row i of the span sees keys 0 … i (all L when i ≥ L)
+            m = min(self.rows, self.L)
+            return self.n * (m * (m + 1) // 2 + (self.rows - m) * self.L)
+        return self.n * self.rows * self.L
+
+
+@dataclass
+class Plan:
+    """The kernel calls of one attention call; ``single``: each query row is in exactly one span
+    (no merge)."""
+
+    groups: list[Group]
+    single: bool
+
+    @property
+    def computed(self) -> int:
+        return sum(g.entries for g in self.groups)
+
+    def fraction(self, ext: Extent) -> float:
+        return self.computed / max(1, ext.Q * ext.K)
+
+
+# ---- what it can take -------------------------------------------------------------------------------
+
+def _bias_needs_grad(bias: Bias | None) -> bool:
+    if isinstance(bias, DenseBias):
+        return bias.tensor.requires_grad
+    if isinstance(bias, BiasSum):
+        return _bias_needs_grad(bias.a) or _bias_needs_grad(bias.b)
+    return False
+
+
+def why_not(p: Problem, need_lse: bool) -> str | None:
+    """None when PyTorch's fused CPU kernel can compute the call, else why not."""
+    if p.q.device.type != "cpu":
+        return f"PyTorch's fused flash kernel for the CPU takes CPU tensors (these are on {p.q.device.type})"
+    if p.q.dtype not in _DTYPES:
+        return f"the fused CPU kernel takes float32/64, bfloat16 and float16, not {p.q.dtype}"
+    if p.softcap is not None:
+        return "the fused CPU kernel has no softcap"
+    if p.dropout_p > 0:
+        return "the span path has no dropout (the fused kernel would draw a different keep-mask per span)"
+    if _bias_needs_grad(p.bias):
+        return "the fused kernel's backward gives no gradient for the bias"
+    if p.sizes["d"] == 0 and p.sizes["dv"] == 0:
+        return "the fused CPU kernel needs a head dimension above 0"
+    return None
+
+
+def hands_off(p: Problem) -> tuple[str, str] | None:
+    """("tiled", why) when q, k or v holds NaN/inf (the fused kernel lets them cross the mask and
+    turns a NaN query row into zeros), else None."""
+    return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask")
+
+
+def share(p: Problem) -> float:
+    """The fraction of the B·H·Q·K score entries the span path computes (1.0: it skips nothing)."""
+    ext = p.ext
+    if ext.Q == 0 or ext.K == 0:
+        return 0.0
+    return plan_for(p).fraction(ext)
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+
+def _blocks(p: Problem) -> tuple[int, int]:
+    bq = int(p.options.get("block_q") or BLOCK_Q)
+    bk = int(p.options.get("block_k") or BLOCK_K)
+    return max(1, bq), max(1, bk)
+
+
+def plan_for(p: Problem) -> Plan:
+    """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
+    spans of the tile classification, grouped (see the module docstring)."""
+    ext = p.ext
+    Q, K = ext.Q, ext.K
+    if ext.B == 0 or ext.H == 0 or Q == 0 or K == 0:
+        return Plan([], True)
+    masked = p.bias is not None
+    if p.mask is None:
+        return Plan([Group(0, Q, 1, 0, 0, K, masked)], True)
+    if isinstance(p.mask, Causal) and not masked:
+        off = p.mask.offset(ext)  # query i sees keys ≤ i + off
+        if off >= 0:  # keys [0, off) for every row, then top-left causal over the rest
+            causal = [Group(0, Q, 1, off, 0, K - off, False, True)] if off < K else []
+            return Plan(([Group(0, Q, 1, 0, 0, min(off, K), False)] if off > 0 else []) + causal, off == 0 or off >= K)
+        r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
+        return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
+    bq, bk = _blocks(p)
+    empty, full = p.mask.classify_grid(ext, bq, bk)  # [nq, nk] each
+    spans: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}  # (rows, L, masked) -> [(block, k0)]
+    per_block = []
+    for i in range(empty.shape[0]):
+        rows = min(bq, Q - i * bq)
+        cuts = _spans(empty[i].tolist(), full[i].tolist(), bk, K, masked)
+        per_block.append(len(cuts))
+        for k0, k1, m in cuts:
+            spans.setdefault((rows, k1 - k0, m), []).append((i, k0))
+    groups = [Group(i0 * bq, rows, n, k0, step, L, m) for (rows, L, m), items in spans.items()
+              for i0, n, k0, step in _chains(items)]
+    groups.sort(key=lambda g: (g.r0, g.k0))
+    return Plan(groups, all(c <= 1 for c in per_block))
+
+
+def _spans(empty: list[bool], full: list[bool], bk: int, K: int, masked: bool) -> list[tuple[int, int, bool]]:
+    """One query block's spans (k0, k1, masked) from its tiles' classification: runs of non-empty
+    tiles; a run up to ``ONE_SPAN`` keys (or any run, with a bias) is one span, masked if any tile
+    is partial; a longer one is cut into full runs (no mask) and partial runs."""
+    out: list[tuple[int, int, bool]] = []
+    j, nk = 0, len(empty)
+    while j < nk:
+        if empty[j]:
+            j += 1
+            continue
+        e = j
+        while e < nk and not empty[e]:
+            e += 1
+        k0, k1 = j * bk, min(K, e * bk)
+        if masked or k1 - k0 <= ONE_SPAN or all(full[j:e]) or not any(full[j:e]):
+            out.append((k0, k1, masked or not all(full[j:e])))
+        else:
+            s = j
+            while s < e:
+                t = s
+                while t < e and full[t] == full[s]:
+                    t += 1
+                out.append((s * bk, min(K, t * bk), not full[s]))
+                s = t
+        j = e
+    return out
+
+
+def _chains(items: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Spans (block, k0) of one kind -> (first block, count, first k0, key step) runs of consecutive
+    blocks whose k0 advances by a constant step ≥ 0 (each block at most once per run)."""
+    open_: dict[tuple[int, int | None], list] = {}  # (next block, next k0 or None) -> [i0, n, k0, step]
+    done = []
+    for i, k0 in sorted(items):
+        chain = open_.pop((i, k0), None)
+        if chain is None:
+            for key in [key for key in open_ if key[0] == i and key[1] is None]:
+                if k0 >= open_[key][2]:
+                    chain = open_.pop(key)
+                    chain[3] = k0 - chain[2]
+                    break
+        if chain is None:
+            chain = [i, 0, k0, None]
+        chain[1] += 1
+        open_[(i + 1, None if chain[3] is None else k0 + chain[3])] = chain
+        for key in [key for key in open_ if key[0] < i]:  # chains that missed block i are closed
+            done.append(open_.pop(key))
+    done += open_.values()
+    return sorted((i0, n, k0, step or 0) for i0, n, k0, step in done)
+
+
+# ---- one group's tensors ----------------------------------------------------------------------------
+
+def _q_view(t: torch.Tensor, g: Group) -> torch.Tensor:
+    """[B, H, Q, x] -> [B·n, H, rows, x]: the group's query blocks in the batch axis (a view when B = 1)."""
+    B = t.shape[0]
+    x = t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))  # [B, H, n, rows, x]
+    return x.transpose(1, 2).reshape(B * g.n, t.shape[1], g.rows, t.shape[-1])  # [B, n, H, rows, x] -> [B·n, H, rows, x]
+
+
+def _k_view(t: torch.Tensor, g: Group) -> torch.Tensor:
+    """[B, Hkv, K, x] -> [B·n, Hkv, L, x]: block j's keys k0 + j·kstep … + L (a strided view when B = 1)."""
+    B, Hkv = t.shape[0], t.shape[1]
+    if g.n == 1:
+        return t[:, :, g.k0:g.k0 + g.L]  # [B, Hkv, L, x]
+    if g.kstep == 0:
+        x = t[:, :, None, g.k0:g.k0 + g.L].expand(B, Hkv, g.n, g.L, t.shape[-1])  # [B, Hkv, n, L, x]
+    else:
+        end = g.k0 + (g.n - 1) * g.kstep + g.L
+        x = t[:, :, g.k0:end].unfold(2, g.L, g.kstep).transpose(-1, -2)  # [B, Hkv, n, x, L] -> [B, Hkv, n, L, x]
+    return x.transpose(1, 2).reshape(B * g.n, Hkv, g.L, t.shape[-1])  # [B, n, Hkv, L, x] -> [B·n, Hkv, L, x]
+
+
+def _k_index(g: Group) -> torch.Tensor:
+    """The key positions of the group's spans, block by block: [n·L]."""
+    return (g.k0 + g.kstep * torch.arange(g.n)[:, None] + torch.arange(g.L)[None, :]).reshape(-1)  # [n, L] -> [n·L]
+
+
+def _rows(t: torch.Tensor, g: Group) -> torch.Tensor:
+    """[B, H, Q, ...] -> the group's rows [B, H, n, rows, ...] (a view)."""
+    return t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))
+
+
+def _from_batch(t: torch.Tensor, B: int, n: int) -> torch.Tensor:
+    """[B·n, H, rows, ...] -> [B, H, n, rows, ...] (a view)."""
+    return t.unflatten(0, (B, n)).transpose(1, 2)
+
+
+def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Blocks j0:j1 of the group: the additive mask [B·(j1-j0) or 1, H or 1, rows, L] in q's dtype
+    (-inf: may not attend; the bias added) and the rows that see some key there, bool
+    [B·(j1-j0) or 1, H or 1, rows] (None: all of them)."""
+    ext, dev, n = p.ext, p.q.device, j1 - j0
+    B = ext.B
+    qi = (g.r0 + g.rows * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.rows, device=dev)[None, :])  # [n, rows]
+    ki = (g.k0 + g.kstep * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.L, device=dev)[None, :])  # [n, L]
+    allowed = None
+    if p.mask is not None:
+        mod = p.mask.mask_mod(ext.B, ext.H, ext.Q, ext.K, dev)
+        b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
+        h = torch.arange(ext.H, device=dev).view(1, 1, ext.H, 1, 1)
+        allowed = mod(b, h, qi.view(1, n, 1, g.rows, 1), ki.view(1, n, 1, 1, g.L))  # [#B, n, #H, rows, L]
+        allowed = torch.as_tensor(allowed, device=dev).expand(-1, n, -1, g.rows, g.L)
+    add = None
+    if p.bias is not None:
+        tiles = [_bias_tile(p, p.bias, int(qi[j, 0]), int(ki[j, 0]), g) for j in range(n)]  # [#B, #H, rows, L] each
+        Bb = max(t.shape[0] for t in tiles)
+        Hb = max(t.shape[1] for t in tiles)
+        add = torch.stack([t.expand(Bb, Hb, g.rows, g.L) for t in tiles], dim=1)  # [#B, n, #H, rows, L]
+        finite = add > float("-inf")
+        allowed = finite if allowed is None else allowed & finite
+    assert allowed is not None
+    if add is None:
+        add = torch.zeros((), dtype=p.q.dtype, device=dev)
+    add = torch.where(allowed, add, float("-inf"))  # [#B, n, #H, rows, L]
+    seen = allowed.any(dim=-1)  # [#B, n, #H, rows]
+    if n > 1 and add.shape[0] == 1 and bool((add == add[:, :1]).all()):  # every block alike (a band): one mask
+        add, seen = add[:, :1], seen[:, :1]
+    Bm = B if add.shape[1] > 1 or add.shape[0] > 1 else 1  # the call's batch is [B, n] flattened
+    nm, Hm = add.shape[1], add.shape[2]
+    add = add.expand(Bm, nm, Hm, g.rows, g.L).reshape(Bm * nm, Hm, g.rows, g.L)  # [Bm·n, Hm, rows, L]
+    seen = seen.expand(Bm, nm, Hm, g.rows).reshape(Bm * nm, Hm, g.rows)  # [Bm·n, Hm, rows]
+    return add, seen
+
+
+def _bias_tile(p: Problem, bias: Bias, q0: int, k0: int, g: Group) -> torch.Tensor:
+    """The bias on one span [#B, #H, rows, L] in q's dtype; finite values below that dtype's lowest
+    become its lowest, not -inf (as the torch adapter does)."""
+    from ..shapes import as_4d
+
+    lowest = torch.finfo(p.q.dtype).min
+    dt = p.q.dtype if bias.floor >= lowest else torch.float32
+    t = as_4d(bias.block(p.ext, q0, q0 + g.rows, k0, k0 + g.L, p.q.device, dt))  # [#B, #H, #rows, #L]
+    if dt != p.q.dtype:
+        t = torch.where(t > float("-inf"), t.clamp(min=lowest), t).to(p.q.dtype)
+    return t.expand(t.shape[0], t.shape[1], g.rows, g.L)
+
+
+def _chunks(p: Problem, g: Group) -> list[tuple[int, int]]:
+    """Blocks [j0, j1) per call: the group, cut so a call's mask stays under ``MASK_ELEMS`` entries."""
+    if not g.masked:
+        return [(0, g.n)]
+    per = g.rows * g.L * p.ext.B * (p.ext.H if p.bias is not None else 1)
+    step = max(1, MASK_ELEMS // max(1, per))
+    return [(j, min(g.n, j + step)) for j in range(0, g.n, step)]
+
+
+def _sub(g: Group, j0: int, j1: int) -> Group:
+    return g._replace(r0=g.r0 + j0 * g.rows, n=j1 - j0, k0=g.k0 + j0 * g.kstep)
+
+
+def _calls(p: Problem, plan: Plan):
+    """Every kernel call: (group, attn_mask or None, rows that see a key or None)."""
+    for g in plan.groups:
+        for j0, j1 in _chunks(p, g):
+            s = _sub(g, j0, j1)
+            if s.masked:
+                add, seen = _mask(p, g, j0, j1)
+                yield s, add, seen
+            else:
+                yield s, None, None
+
+
+# ---- forward and backward ---------------------------------------------------------------------------
+
+def _forward(p: Problem, plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, Q, dv] in q's dtype, lse [B, H, Q] float32/64) without sinks."""
+    B, H, Q = p.ext.B, p.ext.H, p.ext.Q
+    dv = v.shape[-1]
+    ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if plan.single and len(plan.groups) == 1 and plan.groups[0].n == 1 and plan.groups[0].r0 == 0 \
+            and plan.groups[0].rows == Q and not plan.groups[0].masked:
+        g = plan.groups[0]
+        out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
+        return out, lse
+    acc = torch.zeros(B, H, Q, dv, dtype=ldt, device=q.device)
+    acc_lse = torch.full((B, H, Q), float("-inf"), dtype=ldt, device=q.device)
+    for g, add, seen in _calls(p, plan):
+        out, lse = _FWD(_q_view(q, g), _k_view(k, g), _k_view(v, g), 0.0, g.causal, attn_mask=add, scale=p.scale)
+        if seen is not None:  # the kernel gives lse 0 to a row that saw no key of the span
+            lse = lse.masked_fill(~seen, float("-inf"))
+        out, lse = _from_batch(out, B, g.n), _from_batch(lse, B, g.n)  # [B, H, n, rows, dv], [B, H, n, rows]
+        if plan.single:
+            _rows(acc, g).copy_(out)
+            _rows(acc_lse, g).copy_(lse)
+        else:
+            merge_(_rows(acc, g), _rows(acc_lse, g), out, lse)
+    return acc.to(q.dtype), acc_lse
+
+
+def _sinked(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge.with_sinks`` without autograd: out·sigmoid(lse − sink), log(exp(lse) + exp(sink))."""
+    sink = sinks.to(lse.dtype)[None, :, None].expand_as(lse)  # [H] -> [B, H, Q]
+    w = torch.sigmoid(lse - sink)  # [B, H, Q]; 0 where lse = -inf
+    return (out.to(lse.dtype) * w[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
+
+
+def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse):
+    """dq, dk, dv from the fused backward per span with the final out and lse (sinks included)."""
+    B = p.ext.B
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=lse.dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=lse.dtype, device=q.device)
+    lse_b = torch.where(torch.isfinite(lse), lse, float("inf")).to(lse.dtype)  # a row that saw nothing: P = 0
+    out = out.to(q.dtype)
+    grad_out = grad_out.to(q.dtype)
+    g_lse = grad_lse if grad_lse is not None and bool((grad_lse != 0).any()) else None
+    if g_lse is not None:  # dS gains g·P: dq += scale·g·(P·K), dk += scale·Pᵀ·(g·q)
+        gq = (q.to(lse.dtype) * (g_lse.to(lse.dtype) * p.scale)[..., None]).to(q.dtype)  # [B, H, Q, d]
+    for g, add, _ in _calls(p, plan):
+        qg, kg, vg = _q_view(q, g), _k_view(k, g), _k_view(v, g)
+        og, lg, gog = _q_view(out, g), _q_view(lse_b[..., None], g)[..., 0], _q_view(grad_out, g)
+        gq_, gk_, gv_ = _BWD(gog, qg, kg, vg, og, lg, 0.0, g.causal, attn_mask=add, scale=p.scale)
+        if g_lse is not None:
+            pk, lk = _FWD(qg, kg, kg, 0.0, g.causal, attn_mask=add, scale=p.scale)  # P_span·K / its own sum
+            w = torch.exp(lk - lg).nan_to_num(0.0)  # [B·n, H, rows]: the span's share of the row
+            gs = _q_view(g_lse[..., None].to(lse.dtype) * p.scale, g)  # [B·n, H, rows, 1]
+            gq_ = gq_ + pk.to(lse.dtype) * (w[..., None] * gs)
+            _, _, extra = _BWD(_q_view(gq, g), qg, kg, kg, torch.zeros_like(og), lg, 0.0, g.causal,
+                               attn_mask=add, scale=p.scale)  # its dV: Pᵀ·(g·q·scale)
+            gk_ = gk_ + extra
+        _rows(dq, g).add_(_from_batch(gq_, B, g.n))  # [B, H, n, rows, d]
+        idx = _k_index(g).to(q.device)  # [n·L]
+        for acc, part in ((dk, gk_), (dv, gv_)):  # [B·n, Hkv, L, x] -> [B, Hkv, n·L, x]
+            acc.index_add_(2, idx, part.unflatten(0, (B, g.n)).transpose(1, 2).flatten(2, 3).to(acc.dtype))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _SpanAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p: Problem, plan: Plan, q, k, v, sinks):
+        out, lse = _forward(p, plan, q, k, v)
+        if sinks is not None:
+            out, lse = _sinked(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.p, ctx.plan = p, plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = _backward(ctx.p, ctx.plan, q, k, v, out, lse, grad_out, grad_lse)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:  # -Σ_rows P_sink·(D - g), D = rowsum(dO·O)
+            dt = lse.dtype
+            delta = (grad_out.to(dt) * out.to(dt)).sum(-1)  # [B, H, Q]
+            if grad_lse is not None:
+                delta = delta - grad_lse.to(dt)
+            p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]
+            dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
+        return None, None, dq, dk, dv, dsinks
+
+
+def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry: out [B, H, Q, dv] and lse [B, H, Q] (float32; float64 for float64 inputs),
+    differentiable in q, k, v, sinks (and through lse)."""
+    plan = plan if isinstance(plan, Plan) else plan_for(p)
+    q, k, v = p.q, p.k, p.v
+    d, dv = q.shape[-1], v.shape[-1]
+    if d < dv:  # one head size for the kernel: zero columns in q and k change no score
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))  # [.., d] -> [.., dv]
+    elif dv < d:
+        v = F.pad(v, (0, d - dv))  # [.., dv] -> [.., d]; the extra output columns are 0
+    inputs = (q, k, v) + ((p.sinks,) if p.sinks is not None else ())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out, lse = _SpanAttention.apply(p, plan, q, k, v, p.sinks)
+    else:
+        out, lse = _forward(p, plan, q, k, v)
+        if p.sinks is not None:
+            out, lse = _sinked(out, lse, p.sinks)
+    if dv < d:
+        out = out[..., :dv]
+    return out, lse
+
+
+__all__ = ["Group", "Plan", "hands_off", "plan_for", "run", "share", "why_not"]
