@@ -50,10 +50,11 @@ from .problem import Problem
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-BLOCK_Q = 256  # query rows per block: the kernel runs its own 256-row blocks from 768 rows on
-BLOCK_K = 128  # key tile of the classification: spans start and end on these edges
+BLOCK_Q = 128  # query rows per block (a window of W keys costs (block_q + W)/W of its entries)
+BLOCK_K = 64  # key tile of the classification: spans start and end on these edges
 ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
+KEEP_ELEMS = 1 << 22  # the forward's masks are kept for the backward up to this many entries in all
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -330,6 +331,9 @@ def _sub(g: Group, j0: int, j1: int) -> Group:
     return g._replace(r0=g.r0 + j0 * g.rows, n=j1 - j0, k0=g.k0 + j0 * g.kstep)
 
 
+Call = tuple[Group, "torch.Tensor | None", "torch.Tensor | None"]
+
+
 def _calls(p: Problem, plan: Plan):
     """Every kernel call: (group, attn_mask or None, rows that see a key or None)."""
     for g in plan.groups:
@@ -342,21 +346,30 @@ def _calls(p: Problem, plan: Plan):
                 yield s, None, None
 
 
+def _kept(calls: list[Call]) -> list[Call] | None:
+    """The forward's calls, masks and all, if their masks are small enough to keep for the backward."""
+    return calls if sum(a.numel() for _, a, _ in calls if a is not None) <= KEEP_ELEMS else None
+
+
 # ---- forward and backward ---------------------------------------------------------------------------
 
-def _forward(p: Problem, plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _whole(g: Group, p: Problem) -> bool:
+    """The group is one call over every query row and key."""
+    return g.n == 1 and g.r0 == 0 and g.rows == p.ext.Q and g.k0 == 0 and g.L == p.ext.K
+
+
+def _forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, Q, dv] in q's dtype, lse [B, H, Q] float32/64) without sinks."""
     B, H, Q = p.ext.B, p.ext.H, p.ext.Q
     dv = v.shape[-1]
     ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if plan.single and len(plan.groups) == 1 and plan.groups[0].n == 1 and plan.groups[0].r0 == 0 \
-            and plan.groups[0].rows == Q and not plan.groups[0].masked:
+    if len(plan.groups) == 1 and _whole(plan.groups[0], p) and not plan.groups[0].masked:
         g = plan.groups[0]
         out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
         return out, lse
     acc = torch.zeros(B, H, Q, dv, dtype=ldt, device=q.device)
     acc_lse = torch.full((B, H, Q), float("-inf"), dtype=ldt, device=q.device)
-    for g, add, seen in _calls(p, plan):
+    for g, add, seen in calls if calls is not None else _calls(p, plan):
         out, lse = _FWD(_q_view(q, g), _k_view(k, g), _k_view(v, g), 0.0, g.causal, attn_mask=add, scale=p.scale)
         if seen is not None:  # the kernel gives lse 0 to a row that saw no key of the span
             lse = lse.masked_fill(~seen, float("-inf"))
@@ -376,19 +389,22 @@ def _sinked(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[
     return (out.to(lse.dtype) * w[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
 
 
-def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse):
+def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, calls: list[Call] | None = None):
     """dq, dk, dv from the fused backward per span with the final out and lse (sinks included)."""
     B = p.ext.B
+    g_lse = grad_lse if grad_lse is not None and bool((grad_lse != 0).any()) else None
+    if len(plan.groups) == 1 and g_lse is None and _whole(plan.groups[0], p) and not plan.groups[0].masked:
+        g = plan.groups[0]  # one kernel call without a mask did it all (no mask, or causal)
+        return _BWD(grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, g.causal, scale=p.scale)
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=lse.dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=lse.dtype, device=q.device)
     lse_b = torch.where(torch.isfinite(lse), lse, float("inf")).to(lse.dtype)  # a row that saw nothing: P = 0
     out = out.to(q.dtype)
     grad_out = grad_out.to(q.dtype)
-    g_lse = grad_lse if grad_lse is not None and bool((grad_lse != 0).any()) else None
     if g_lse is not None:  # dS gains g·P: dq += scale·g·(P·K), dk += scale·Pᵀ·(g·q)
         gq = (q.to(lse.dtype) * (g_lse.to(lse.dtype) * p.scale)[..., None]).to(q.dtype)  # [B, H, Q, d]
-    for g, add, _ in _calls(p, plan):
+    for g, add, _ in calls if calls is not None else _calls(p, plan):
         qg, kg, vg = _q_view(q, g), _k_view(k, g), _k_view(v, g)
         og, lg, gog = _q_view(out, g), _q_view(lse_b[..., None], g)[..., 0], _q_view(grad_out, g)
         gq_, gk_, gv_ = _BWD(gog, qg, kg, vg, og, lg, 0.0, g.causal, attn_mask=add, scale=p.scale)
@@ -410,11 +426,12 @@ def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse):
 class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: Problem, plan: Plan, q, k, v, sinks):
-        out, lse = _forward(p, plan, q, k, v)
+        calls = list(_calls(p, plan))
+        out, lse = _forward(p, plan, q, k, v, calls)
         if sinks is not None:
             out, lse = _sinked(out, lse, sinks)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.p, ctx.plan = p, plan
+        ctx.p, ctx.plan, ctx.calls = p, plan, _kept(calls)
         return out, lse
 
     @staticmethod
@@ -422,7 +439,7 @@ class _SpanAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(ctx.p, ctx.plan, q, k, v, out, lse, grad_out, grad_lse)
+        dq, dk, dv = _backward(ctx.p, ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[5]:  # -Σ_rows P_sink·(D - g), D = rowsum(dO·O)
             dt = lse.dtype
