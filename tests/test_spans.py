@@ -193,3 +193,12 @@ def test_refusals_and_hand_offs():
     k[0, 0, 2, 1] = float("nan")
     assert spans.hands_off(problem(q, k, v, masks.causal())) == (
         "tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask")
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, 1e-122])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_causal_with_a_scale_the_kernels_is_causal_gets_wrong(scale, dtype):
+    q, k, v = qkv(1, 2, 1, 6, 6, 4)
+    want = bhqk.attention(q, k, v, masks.causal(), scale=scale, backend="reference")
+    got = bhqk.attention(q.to(dtype), k.to(dtype), v.to(dtype), masks.causal(), scale=scale, backend="spans")
+    assert_close(got, want, dtype=dtype, n=6)  # is_causal gives NaN there (-inf · scale): a masked span instead

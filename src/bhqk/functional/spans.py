@@ -147,6 +147,11 @@ def _blocks(p: Problem) -> tuple[int, int]:
     return max(1, bq), max(1, bk)
 
 
+def _positive(p: Problem) -> bool:
+    """The scale is above 0 in the kernel's arithmetic (float32, or float64 for float64 inputs)."""
+    return float(torch.tensor(p.scale, dtype=torch.float64 if p.q.dtype == torch.float64 else torch.float32)) > 0
+
+
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring)."""
@@ -157,7 +162,7 @@ def plan_for(p: Problem) -> Plan:
     masked = p.bias is not None
     if p.mask is None:
         return Plan([Group(0, Q, 1, 0, 0, K, masked)], True)
-    if isinstance(p.mask, Causal) and not masked:
+    if isinstance(p.mask, Causal) and not masked and _positive(p):  # is_causal: NaN for a scale ≤ 0 (-inf·scale)
         off = p.mask.offset(ext)  # query i sees keys ≤ i + off
         if off >= 0:  # keys [0, off) for every row, then top-left causal over the rest
             causal = [Group(0, Q, 1, off, 0, K - off, False, True)] if off < K else []
