@@ -75,10 +75,18 @@ def test_no_mask_and_causal_are_single_kernel_calls(monkeypatch):
         calls.clear()
         bhqk.attention(q, k, v, m, backend="spans")
         assert calls == [None]  # one call, no mask tensor: is_causal for the causal mask
-    q, k, v = qkv(1, 2, 1, 9, 20, 8)
+    q, k, v = qkv(1, 2, 1, 300, 600, 8)  # Q·K above SMALL_MASK
     calls.clear()
     bhqk.attention(q, k, v, masks.causal("bottom_right"), backend="spans")
     assert calls == [None, None]  # keys before the diagonal, then top-left causal over the rest
+    q, k, v = qkv(1, 2, 1, 9, 20, 8)
+    calls.clear()
+    bhqk.attention(q, k, v, masks.causal("bottom_right"), backend="spans")
+    assert len(calls) == 1 and calls[0].shape[-2:] == (9, 20)  # few queries: one call with a small mask
+    calls.clear()
+    q, k, v = qkv(1, 2, 1, 1, 300, 8)
+    bhqk.attention(q, k, v, masks.causal("bottom_right"), backend="spans")
+    assert calls == [None]  # a decoding step sees every key: one call without a mask
 
 
 def _loss(out, lse=None):
@@ -120,7 +128,7 @@ def test_equals_the_reference_outputs_and_gradients(kind, extra):
     _compare(q, k, v, m, with_lse=extra in ("lse_grad", "sinks"), **kw)
 
 
-@pytest.mark.parametrize("Qn, Kn", [(9, 20), (20, 9), (1, 30)])
+@pytest.mark.parametrize("Qn, Kn", [(9, 20), (20, 9), (1, 30), (70, 1000)])  # (70, 1000): above SMALL_MASK
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("blocks", [{}, SMALL])
 def test_causal_with_q_not_k(Qn, Kn, align, blocks):

@@ -54,6 +54,7 @@ BLOCK_Q = 128  # query rows per block (a window of W keys costs (block_q + W)/W 
 BLOCK_K = 64  # key tile of the classification: spans start and end on these edges
 ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
+SMALL_MASK = 1 << 16  # a causal call with Q·K up to this many entries is one masked call, not two calls merged
 KEEP_ELEMS = 1 << 22  # the forward's masks are kept for the backward up to this many entries in all
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -164,6 +165,10 @@ def plan_for(p: Problem) -> Plan:
         return Plan([Group(0, Q, 1, 0, 0, K, masked)], True)
     if isinstance(p.mask, Causal) and not masked and _positive(p):  # is_causal: NaN for a scale ≤ 0 (-inf·scale)
         off = p.mask.offset(ext)  # query i sees keys ≤ i + off
+        if off >= K - 1:  # every row sees every key (a decoding step: Q = 1, bottom-right)
+            return Plan([Group(0, Q, 1, 0, 0, K, False)], True)
+        if off > 0 and Q * K <= SMALL_MASK:  # a few queries after many keys: one call with a small mask
+            return Plan([Group(0, Q, 1, 0, 0, K, True)], True)
         if off >= 0:  # keys [0, off) for every row, then top-left causal over the rest
             causal = [Group(0, Q, 1, off, 0, K - off, False, True)] if off < K else []
             return Plan(([Group(0, Q, 1, 0, 0, min(off, K), False)] if off > 0 else []) + causal, off == 0 or off >= K)
