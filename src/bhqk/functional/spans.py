@@ -33,6 +33,7 @@ wants one head size; zero columns change neither the scores nor the output).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -127,9 +128,15 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
 
 
 def hands_off(p: Problem) -> tuple[str, str] | None:
-    """("tiled", why) when q, k or v holds NaN/inf (the fused kernel lets them cross the mask and
-    turns a NaN query row into zeros), else None."""
-    return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask")
+    """("tiled", why) when q, or k or v where a mask applies, holds NaN/inf (the fused kernel lets
+    them cross the mask and turns a NaN query row into zeros), else None. A call that is one kernel
+    call without a mask (no mask; a decoding step) checks q only: every row attends every key, so
+    NaN/inf in k or v reach every row there as in the formula (as the torch adapter does)."""
+    plan = plan_for(p)
+    unmasked = len(plan.groups) == 1 and _whole(plan.groups[0], p) and not (plan.groups[0].masked or plan.groups[0].causal)
+    if all_finite(p.q, *(() if unmasked or not plan.groups else (p.k, p.v))):
+        return None
+    return "tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask"
 
 
 def share(p: Problem) -> float:
@@ -149,13 +156,25 @@ def _blocks(p: Problem) -> tuple[int, int]:
 
 
 def _positive(p: Problem) -> bool:
-    """The scale is above 0 in the kernel's arithmetic (float32, or float64 for float64 inputs)."""
-    return float(torch.tensor(p.scale, dtype=torch.float64 if p.q.dtype == torch.float64 else torch.float32)) > 0
+    """The scale is a normal positive number in the kernel's arithmetic (float32, or float64 for float64 inputs)."""
+    return p.scale >= torch.finfo(torch.float64 if p.q.dtype == torch.float64 else torch.float32).tiny
+
+
+_LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring)."""
+    ref, plan = _LAST
+    if ref is not None and ref() is p:
+        return plan
+    plan = _plan(p)
+    _LAST[:] = [weakref.ref(p), plan]
+    return plan
+
+
+def _plan(p: Problem) -> Plan:
     ext = p.ext
     Q, K = ext.Q, ext.K
     if ext.B == 0 or ext.H == 0 or Q == 0 or K == 0:
