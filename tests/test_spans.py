@@ -35,15 +35,19 @@ def coverage(p, plan) -> torch.Tensor:
     return c
 
 
-@pytest.mark.parametrize("kind", list(mask_kinds(B, H, Q, K)) + ["none"])
+STRIPES = masks.predicate(lambda b, h, q, k: (k % 12) < 4, "stripes")  # many spans of one length per block
+
+
+@pytest.mark.parametrize("kind", list(mask_kinds(B, H, Q, K)) + ["none", "stripes"])
 @pytest.mark.parametrize("blocks", [{}, SMALL, {"block_q": 5, "block_k": 3}])
 def test_every_allowed_entry_is_in_exactly_one_span(kind, blocks):
     q, k, v = qkv(B, H, 2, Q, K, 8)
-    m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
+    m = {"none": None, "stripes": STRIPES}.get(kind) or mask_kinds(B, H, Q, K).get(kind)
     p = problem(q, k, v, m, options=blocks)
     plan = spans.plan_for(p)
     c = coverage(p, plan)
-    allowed = torch.ones(Q, K, dtype=torch.bool) if m is None else m.materialize(B, H, Q, K).any(dim=(0, 1))  # [Q, K]
+    full = torch.ones(Q, K, dtype=torch.bool)
+    allowed = full if m is None else m.materialize(B, H, Q, K).any(dim=(0, 1)) & full  # [Q, K]
     assert (c[allowed] == 1).all(), "an allowed entry is computed by no span or by two"
     assert (c <= 1).all(), "an entry is computed twice"
     assert spans.share(p) == pytest.approx(int(c.sum()) / (Q * K))
@@ -113,11 +117,11 @@ def _compare(q, k, v, m, with_lse=False, blocks=SMALL, **kw):
         assert_close(g, r, n=max(Kn, n_rows), msg=name)
 
 
-@pytest.mark.parametrize("kind", list(mask_kinds(B, H, Q, K)) + ["none"])
+@pytest.mark.parametrize("kind", list(mask_kinds(B, H, Q, K)) + ["none", "stripes"])
 @pytest.mark.parametrize("extra", ["plain", "bias", "sinks", "lse_grad"])
 def test_equals_the_reference_outputs_and_gradients(kind, extra):
     q, k, v = qkv(B, H, 2, Q, K, 8, dv=8 if extra == "plain" else 6, requires_grad=True)
-    m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
+    m = {"none": None, "stripes": STRIPES}.get(kind) or mask_kinds(B, H, Q, K).get(kind)
     kw = {}
     if extra == "bias":
         bias = torch.randn(B, 1, Q, K, dtype=torch.float64)

@@ -240,24 +240,18 @@ def _spans(empty: list[bool], full: list[bool], bk: int, K: int, masked: bool) -
 def _chains(items: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
     """Spans (block, k0) of one kind -> (first block, count, first k0, key step) runs of consecutive
     blocks whose k0 advances by a constant step ≥ 0 (each block at most once per run)."""
-    open_: dict[tuple[int, int | None], list] = {}  # (next block, next k0 or None) -> [i0, n, k0, step]
-    done = []
+    live: list[list] = []  # [first block, count, first k0, step or None, last block, last k0]
+    done: list[list] = []
     for i, k0 in sorted(items):
-        chain = open_.pop((i, k0), None)
-        if chain is None:
-            for key in [key for key in open_ if key[0] == i and key[1] is None]:
-                if k0 >= open_[key][2]:
-                    chain = open_.pop(key)
-                    chain[3] = k0 - chain[2]
-                    break
-        if chain is None:
-            chain = [i, 0, k0, None]
-        chain[1] += 1
-        open_[(i + 1, None if chain[3] is None else k0 + chain[3])] = chain
-        for key in [key for key in open_ if key[0] < i]:  # chains that missed block i are closed
-            done.append(open_.pop(key))
-    done += open_.values()
-    return sorted((i0, n, k0, step or 0) for i0, n, k0, step in done)
+        for c in live:
+            if c[4] == i - 1 and (k0 - c[5] == c[3] if c[3] is not None else k0 >= c[5]):
+                c[1], c[3], c[4], c[5] = c[1] + 1, k0 - c[5], i, k0
+                break
+        else:
+            live.append([i, 1, k0, None, i, k0])
+        done += [c for c in live if c[4] < i - 1]  # chains that missed block i - 1 are closed
+        live = [c for c in live if c[4] >= i - 1]
+    return sorted((i0, n, k0, step or 0) for i0, n, k0, step, _, _ in done + live)
 
 
 # ---- one group's tensors ----------------------------------------------------------------------------
