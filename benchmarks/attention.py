@@ -46,7 +46,7 @@ LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a de
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
 # flex: raw FlexAttention; bhqk_flex: backend="flex"; tiled_sinks: tiled with sinks [H]; tiled_dropout: dropout_p = 0.1
 # spans: backend="spans" (the fused CPU kernel over the spans a mask allows); block_loop: the plain loop of
-# one SDPA call per block of 256 queries over the keys that block may attend (the span path's baseline)
+# one fused-kernel call per block of 256 queries over the keys that block may attend (the span path's baseline)
 IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex", "tiled_sinks", "tiled_dropout",
          "spans", "block_loop"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -153,10 +153,13 @@ class Case:
 
 
 def block_loop(q, k, v, m, B: int, H: int, block: int = 256):
-    """The plain per-block loop: for each block of ``block`` queries, one SDPA call (PyTorch's
-    fused CPU kernel) over the keys from the first to the last one any of its rows may attend,
-    with that block's dense mask (None where it allows everything). The blocks' spans and masks
-    are found once, outside the timed call."""
+    """The plain per-block loop (issue #19's baseline): for each block of ``block`` queries, one call
+    of PyTorch's fused CPU kernel over the keys from the first to the last one any of its rows may
+    attend, with that block's additive mask (None where it allows everything); the backward calls
+    the fused backward per block and adds dk, dv into their key slices in place. The blocks' spans
+    and masks are found once, outside the timed call."""
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     N, K = q.shape[-2], k.shape[-2]
     calls = []
     for q0 in range(0, N, block):
@@ -168,13 +171,31 @@ def block_loop(q, k, v, m, B: int, H: int, block: int = 256):
         cols = rows.reshape(-1, K).any(dim=0).nonzero()  # [#B·#H·rows, K] -> allowed key positions
         lo, hi = int(cols.min()), int(cols.max()) + 1
         sub = rows[..., lo:hi]  # [#B, #H, rows, hi - lo] (or [rows, hi - lo])
-        calls.append((q0, q1, lo, hi, None if bool(sub.all()) else sub))
+        add = None if bool(sub.all()) else torch.zeros(sub.shape, dtype=q.dtype).masked_fill(~sub, float("-inf"))
+        calls.append((q0, q1, lo, hi, add))
 
-    def run():
-        outs = [F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=sub)
-                for q0, q1, lo, hi, sub in calls]  # [B, H, rows, d] each
-        return torch.cat(outs, dim=2)  # [B, H, N, d]
-    return run
+    class Loop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            res = [fwd(q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, attn_mask=add)
+                   for q0, q1, lo, hi, add in calls]  # (out [B, H, rows, d], lse [B, H, rows]) per block
+            out, lse = torch.cat([o for o, _ in res], dim=2), torch.cat([s for _, s in res], dim=2)  # [B, H, N, d], [B, H, N]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            for q0, q1, lo, hi, add in calls:
+                gq, gk, gv = bwd(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, q0:q1],
+                                 lse[:, :, q0:q1], 0.0, False, attn_mask=add)
+                dq[:, :, q0:q1] = gq
+                dk[:, :, lo:hi] += gk
+                dv[:, :, lo:hi] += gv
+            return dq, dk, dv
+
+    return lambda: Loop.apply(q, k, v)
 
 
 def estimate_gib(impl: str, mask: str, N: int, mode: str, H: int = 8) -> float:
