@@ -189,10 +189,26 @@ def test_empty_sizes(shape):
     assert all((t.grad == 0).all() for t in (q, k, v))
 
 
-def test_large_masks_are_cut_into_calls_with_the_same_answer(monkeypatch):
-    monkeypatch.setattr(spans, "MASK_ELEMS", 64)  # every block its own call
+@pytest.mark.parametrize("kind", ["dense", "window", "document", "stripes"])
+def test_large_calls_are_cut_into_calls_with_the_same_answer(monkeypatch, kind):
+    monkeypatch.setattr(spans, "MASK_ELEMS", 64)  # every block its own forward call
+    monkeypatch.setattr(spans, "GRAD_ELEMS", 100)  # and backward calls of a block or two
     q, k, v = qkv(B, H, 2, Q, K, 8, requires_grad=True)
-    _compare(q, k, v, mask_kinds(B, H, Q, K)["dense"], bias=torch.randn(1, H, Q, K, dtype=torch.float64))
+    m = STRIPES if kind == "stripes" else mask_kinds(B, H, Q, K)[kind]
+    _compare(q, k, v, m, bias=torch.randn(1, H, Q, K, dtype=torch.float64) if kind == "dense" else None)
+
+
+@pytest.mark.parametrize("kstep, L", [(0, 5), (4, 12), (4, 4), (3, 5), (6, 4)])
+def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
+    g = spans.Group(r0=0, rows=2, n=4, k0=1, kstep=kstep, L=L, masked=False)
+    part = torch.randn(2 * g.n, 3, L, 5, dtype=torch.float64)  # [B·n, Hkv, L, x]
+    got = torch.zeros(2, 3, 40, 5, dtype=torch.float64)
+    spans._add_keys(got, part, g, 2)
+    want = torch.zeros_like(got)
+    for b in range(2):
+        for j in range(g.n):
+            want[b, :, g.k0 + j * kstep:g.k0 + j * kstep + L] += part[b * g.n + j]
+    assert_close(got, want, n=g.n)  # sums of up to n terms, in another order
 
 
 def test_refusals_and_hand_offs():

@@ -57,6 +57,7 @@ ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial til
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
 SMALL_MASK = 1 << 16  # a causal call with Q·K up to this many entries is one masked call, not two calls merged
 KEEP_ELEMS = 1 << 22  # the forward's masks are kept for the backward up to this many entries in all
+GRAD_ELEMS = 1 << 22  # a backward call's dk (and dv) per block stay below this many entries (calls are split)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -427,7 +428,9 @@ def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, cal
     grad_out = grad_out.to(q.dtype)
     if g_lse is not None:  # dS gains g·P: dq += scale·g·(P·K), dk += scale·Pᵀ·(g·q)
         gq = (q.to(lse.dtype) * (g_lse.to(lse.dtype) * p.scale)[..., None]).to(q.dtype)  # [B, H, Q, d]
-    for g, add, _ in calls if calls is not None else _calls(p, plan):
+    pieces = (piece for call in (calls if calls is not None else _calls(p, plan))
+              for piece in _split(call, B, max(1, GRAD_ELEMS // (call[0].L * k.shape[1] * k.shape[-1]))))
+    for g, add in pieces:
         qg, kg, vg = _q_view(q, g), _k_view(k, g), _k_view(v, g)
         og, lg, gog = _q_view(out, g), _q_view(lse_b[..., None], g)[..., 0], _q_view(grad_out, g)
         gq_, gk_, gv_ = _BWD(gog, qg, kg, vg, og, lg, 0.0, g.causal, attn_mask=add, scale=p.scale)
@@ -440,10 +443,37 @@ def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, cal
                                attn_mask=add, scale=p.scale)  # its dV: Pᵀ·(g·q·scale)
             gk_ = gk_ + extra
         _rows(dq, g).add_(_from_batch(gq_, B, g.n))  # [B, H, n, rows, d]
-        idx = _k_index(g).to(q.device)  # [n·L]
-        for acc, part in ((dk, gk_), (dv, gv_)):  # [B·n, Hkv, L, x] -> [B, Hkv, n·L, x]
-            acc.index_add_(2, idx, part.unflatten(0, (B, g.n)).transpose(1, 2).flatten(2, 3).to(acc.dtype))
+        _add_keys(dk, gk_, g, B)
+        _add_keys(dv, gv_, g, B)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _split(call: Call, B: int, most: int):
+    """A call as calls of at most ``most`` query blocks each: (group, attn_mask) (the backward's
+    dk, dv per block are [B·n, Hkv, L, x]: this bounds their memory)."""
+    g, add, _ = call
+    for j0 in range(0, g.n, most):
+        j1 = min(g.n, j0 + most)
+        part = add
+        if add is not None and add.shape[0] > 1 and (j0, j1) != (0, g.n):  # one mask per block: [Bm·n, ...]
+            part = add.unflatten(0, (add.shape[0] // g.n, g.n))[:, j0:j1].flatten(0, 1)  # [Bm, n, ...] -> [Bm·(j1-j0), ...]
+        yield _sub(g, j0, j1), part
+
+
+def _add_keys(acc: torch.Tensor, part: torch.Tensor, g: Group, B: int) -> None:
+    """acc [B, Hkv, K, x] += the gradients of the group's key spans, part [B·n, Hkv, L, x]."""
+    part = part.unflatten(0, (B, g.n)).transpose(1, 2)  # [B, Hkv, n, L, x] (a view)
+    if g.n == 1 or g.kstep == 0:  # every block's span is the same keys
+        acc[:, :, g.k0:g.k0 + g.L] += part.sum(dim=2)
+    elif g.L % g.kstep == 0:  # blocks r, r + L/kstep, … cover disjoint, adjacent spans: added as one view each
+        every = g.L // g.kstep
+        for r in range(min(every, g.n)):
+            blocks = part[:, :, r::every]  # [B, Hkv, m, L, x]
+            m = blocks.shape[2]
+            start = g.k0 + r * g.kstep
+            acc[:, :, start:start + m * g.L] += blocks.flatten(2, 3)  # [B, Hkv, m·L, x]
+    else:
+        acc.index_add_(2, _k_index(g).to(acc.device), part.flatten(2, 3).to(acc.dtype))  # [B, Hkv, n·L, x]
 
 
 class _SpanAttention(torch.autograd.Function):
