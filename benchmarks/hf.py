@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads, "
           f"transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
           f"{meta['loadavg_end'][0]:.1f}. Widths: D={c['hidden']}, H={c['heads']}, Hkv={c['kv_heads']}, "
-          f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}), "
+          f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}; "
+          f"layer: {a.layers or LAYER['layers']} layer, MLP {a.intermediate or LAYER['intermediate']}), "
           f"window {c['window']}, fp32, B=1.\n")
     print(table(rows))
     if not mem:

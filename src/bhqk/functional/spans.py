@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
-from ..masks import Causal, Extent
+from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow
 from ..shapes import all_finite
 from .merge import merge_
 from .problem import Problem
@@ -292,12 +292,24 @@ def _from_batch(t: torch.Tensor, B: int, n: int) -> torch.Tensor:
     return t.unflatten(0, (B, n)).transpose(1, 2)
 
 
+def _shift_invariant(mask: Mask | None) -> bool:
+    """The mask depends on k − q only (causal, sliding windows and their & | ~): every block of a
+    group whose keys move with its queries sees the same pattern."""
+    if isinstance(mask, (Causal, SlidingWindow)):
+        return True
+    if isinstance(mask, (And, Or)):
+        return _shift_invariant(mask.a) and _shift_invariant(mask.b)
+    return isinstance(mask, Not) and _shift_invariant(mask.a)
+
+
 def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Blocks j0:j1 of the group: the additive mask [B·(j1-j0) or 1, H or 1, rows, L] in q's dtype
     (-inf: may not attend; the bias added) and the rows that see some key there, bool
     [B·(j1-j0) or 1, H or 1, rows] (None: all of them)."""
     ext, dev, n = p.ext, p.q.device, j1 - j0
     B = ext.B
+    if n > 1 and g.kstep == g.rows and p.bias is None and _shift_invariant(p.mask):  # a band: one block's mask for all
+        j1, n = j0 + 1, 1
     qi = (g.r0 + g.rows * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.rows, device=dev)[None, :])  # [n, rows]
     ki = (g.k0 + g.kstep * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.L, device=dev)[None, :])  # [n, L]
     allowed = None
@@ -391,8 +403,18 @@ def _forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) -
         g = plan.groups[0]
         out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
         return out, lse
-    acc = torch.zeros(B, H, Q, dv, dtype=ldt, device=q.device)
-    acc_lse = torch.full((B, H, Q), float("-inf"), dtype=ldt, device=q.device)
+    if plan.single:  # each row in at most one span: written in place, in q's dtype; rows in no span are 0, -inf
+        acc = torch.empty(B, H, Q, dv, dtype=q.dtype, device=q.device)
+        acc_lse = torch.empty(B, H, Q, dtype=ldt, device=q.device)
+        unseen = torch.ones(Q, dtype=torch.bool)
+        for g in plan.groups:
+            unseen[g.r0:g.r0 + g.n * g.rows] = False
+        if bool(unseen.any()):
+            acc[:, :, unseen] = 0.0
+            acc_lse[:, :, unseen] = float("-inf")
+    else:
+        acc = torch.zeros(B, H, Q, dv, dtype=ldt, device=q.device)
+        acc_lse = torch.full((B, H, Q), float("-inf"), dtype=ldt, device=q.device)
     for g, add, seen in calls if calls is not None else _calls(p, plan):
         out, lse = _FWD(_q_view(q, g), _k_view(k, g), _k_view(v, g), 0.0, g.causal, attn_mask=add, scale=p.scale)
         if seen is not None:  # the kernel gives lse 0 to a row that saw no key of the span
