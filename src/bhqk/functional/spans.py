@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
-from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow
+from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow
 from ..shapes import all_finite
 from .merge import merge_
 from .problem import Problem
@@ -162,17 +162,44 @@ def _positive(p: Problem) -> bool:
 
 
 _LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {call key: plan}
+_KEPT = 16  # plans kept per mask; more: the oldest half is dropped
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
-    spans of the tile classification, grouped (see the module docstring)."""
+    spans of the tile classification, grouped (see the module docstring). Kept per mask object
+    (the layers of a model share one; a dense mask per tensor) and call key (sizes, blocks, bias
+    or not, and the version of every tensor the mask holds, so an in-place write plans anew)."""
     ref, plan = _LAST
     if ref is not None and ref() is p:
         return plan
-    plan = _plan(p)
+    if p.mask is None:
+        plan = _plan(p)
+    else:
+        e = p.ext
+        key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p), _versions(p.mask))
+        store = p.mask._grids.setdefault("span_plans", {}) if isinstance(p.mask, Dense) else _PLANS.setdefault(p.mask, {})
+        plan = store.get(key)
+        if plan is None:
+            plan = _plan(p)
+            if len(store) >= _KEPT:
+                for old in list(store)[: _KEPT // 2]:
+                    del store[old]
+            store[key] = plan
     _LAST[:] = [weakref.ref(p), plan]
     return plan
+
+
+def _versions(x: object) -> tuple:
+    """(address, version) of every tensor a mask holds, its parts' included."""
+    out: list = []
+    for value in vars(x).values():
+        if isinstance(value, torch.Tensor):
+            out.append((value.data_ptr(), value._version))
+        elif isinstance(value, Mask):
+            out.extend(_versions(value))
+    return tuple(out)
 
 
 def _plan(p: Problem) -> Plan:
@@ -404,7 +431,7 @@ def _forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) -
         out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
         return out, lse
     if plan.single:  # each row in at most one span: written in place, in q's dtype; rows in no span are 0, -inf
-        acc = torch.empty(B, H, Q, dv, dtype=q.dtype, device=q.device)
+        acc = torch.empty(B, Q, H, dv, dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, H, Q, dv], the kernel's layout
         acc_lse = torch.empty(B, H, Q, dtype=ldt, device=q.device)
         unseen = torch.ones(Q, dtype=torch.bool)
         for g in plan.groups:
@@ -417,7 +444,7 @@ def _forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) -
         acc_lse = torch.full((B, H, Q), float("-inf"), dtype=ldt, device=q.device)
     for g, add, seen in calls if calls is not None else _calls(p, plan):
         out, lse = _FWD(_q_view(q, g), _k_view(k, g), _k_view(v, g), 0.0, g.causal, attn_mask=add, scale=p.scale)
-        if seen is not None:  # the kernel gives lse 0 to a row that saw no key of the span
+        if seen is not None and not bool(seen.all()):  # the kernel gives lse 0 to a row that saw no key of the span
             lse = lse.masked_fill(~seen, float("-inf"))
         out, lse = _from_batch(out, B, g.n), _from_batch(lse, B, g.n)  # [B, H, n, rows, dv], [B, H, n, rows]
         if plan.single:
