@@ -231,10 +231,18 @@ def _plan(p: Problem) -> Plan:
         per_block.append(len(cuts))
         for k0, k1, m in cuts:
             spans.setdefault((rows, k1 - k0, m), []).append((i, k0))
-    groups = [Group(i0 * bq, rows, n, k0, step, L, m) for (rows, L, m), items in spans.items()
+    groups = [_tall(Group(i0 * bq, rows, n, k0, step, L, m)) for (rows, L, m), items in spans.items()
               for i0, n, k0, step in _chains(items)]
     groups.sort(key=lambda g: (g.r0, g.k0))
     return Plan(groups, all(c <= 1 for c in per_block))
+
+
+def _tall(g: Group) -> Group:
+    """Consecutive blocks over the same keys (a document, a prefix) as one block of all their rows:
+    one call whose kernel sums dk, dv over the rows itself (a masked one while its mask stays small)."""
+    if g.n > 1 and g.kstep == 0 and (not g.masked or g.n * g.rows * g.L <= MASK_ELEMS):
+        return g._replace(rows=g.n * g.rows, n=1)
+    return g
 
 
 def _spans(empty: list[bool], full: list[bool], bk: int, K: int, masked: bool) -> list[tuple[int, int, bool]]:
