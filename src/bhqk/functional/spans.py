@@ -10,12 +10,14 @@ query blocks of ``block_q`` rows and, per block, into the runs of key tiles the 
 - a run with partial tiles is one span with a small additive mask (``attn_mask``: -inf where the
   mask forbids, plus the bias, which makes every span of a call with a bias masked);
 - a causal mask alone is the kernel's own ``is_causal`` (top-left, so bottom-right with Q ≠ K is a
-  full span plus a top-left causal one).
+  full span plus a top-left causal one; a decoding step, which sees every key, has no mask).
 
 Spans of equal length and kind in consecutive query blocks whose keys advance by a constant step
-(a sliding window's band, a prefix every block sees, a causal diagonal) form one :class:`Group`,
-computed in ONE kernel call: the query blocks are folded into the batch axis (a view of q) and the
-key spans are a strided view of k and v (``unfold``, or ``expand`` for a step of 0).
+(a sliding window's band, a causal diagonal) form one :class:`Group`, computed in ONE kernel call:
+the query blocks are folded into the batch axis (a view of q when B = 1) and the key spans are a
+strided view of k and v (``unfold``). Blocks over the same keys (a document, a prefix) become one
+tall block. A band's mask (causal and window masks depend on k − q only) is built for one block and
+broadcast. Plans are kept per mask object, like the tiled backend's.
 
 Each span gives (out, lse) over its keys; the spans of a row are merged by their log-sum-exp
 (``merge.merge_``, the ring-attention merge), and sinks join once at the end (as ``merge.with_sinks``
