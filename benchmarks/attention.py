@@ -12,6 +12,8 @@ benchmarks/results/ (--quick: to the untracked benchmarks/results/local/; --out 
     python benchmarks/attention.py                 # the full grid (long: an hour or more)
     python benchmarks/attention.py --quick         # a smoke run: under a minute on 2 quiet cores
     python benchmarks/attention.py --n 4096 --masks none causal --dtypes fp32 --modes fwd fwdbwd
+    python benchmarks/attention.py --impls spans block_loop tiled sdpa_flash --masks none causal window256 document \
+        hf_window256                                 # the span path (issue #19) against its baselines
 
 SDPA gets masks other than causal as the equivalent dense bool mask (built outside the timed call;
 its memory counts, since a caller must hold it). Implementations whose estimated memory exceeds
@@ -43,7 +45,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL = RESULTS / "local"  # untracked (.gitignore): quick runs and runs on a developer's machine
 MASKS = ["none", "causal", "window256", "window1024", "document", "padding", "hf_causal", "hf_window256", "hf_padding"]
 # flex: raw FlexAttention; bhqk_flex: backend="flex"; tiled_sinks: tiled with sinks [H]; tiled_dropout: dropout_p = 0.1
-IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex", "tiled_sinks", "tiled_dropout"]
+# spans: backend="spans" (the fused CPU kernel over the spans a mask allows); block_loop: the plain loop of
+# one fused-kernel call per block of 256 queries over the keys that block may attend (the span path's baseline)
+IMPLS = ["tiled", "auto", "torch", "sdpa_flash", "sdpa_math", "reference", "flex", "bhqk_flex", "tiled_sinks", "tiled_dropout",
+         "spans", "block_loop"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwdbwd"]
 NS = [1024, 2048, 4096, 8192, 16384]
@@ -100,8 +105,10 @@ class Case:
 
     def fn(self, impl: str):
         q, k, v, m = self.q, self.k, self.v, self.m
-        if impl in ("tiled", "auto", "reference", "torch"):
+        if impl in ("tiled", "auto", "reference", "torch", "spans"):
             return lambda: bhqk.attention(q, k, v, m, backend=impl)
+        if impl == "block_loop":
+            return block_loop(q, k, v, m, self.B, self.H)
         if impl == "tiled_sinks":
             sinks = torch.linspace(-1.0, 1.0, self.H).to(q.dtype)  # [H]
             return lambda: bhqk.attention(q, k, v, m, backend="tiled", sinks=sinks)
@@ -145,6 +152,52 @@ class Case:
         f().backward(self.dout)
 
 
+def block_loop(q, k, v, m, B: int, H: int, block: int = 256):
+    """The plain per-block loop (issue #19's baseline): for each block of ``block`` queries, one call
+    of PyTorch's fused CPU kernel over the keys from the first to the last one any of its rows may
+    attend, with that block's additive mask (None where it allows everything); the backward calls
+    the fused backward per block and adds dk, dv into their key slices in place. The blocks' spans
+    and masks are found once, outside the timed call."""
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    N, K = q.shape[-2], k.shape[-2]
+    calls = []
+    for q0 in range(0, N, block):
+        q1 = min(N, q0 + block)
+        if m is None:
+            calls.append((q0, q1, 0, K, None))
+            continue
+        rows = m[..., q0:q1, :] if isinstance(m, torch.Tensor) else m.block(masks.Extent(B, H, N, K), q0, q1, 0, K)
+        cols = rows.reshape(-1, K).any(dim=0).nonzero()  # [#B·#H·rows, K] -> allowed key positions
+        lo, hi = int(cols.min()), int(cols.max()) + 1
+        sub = rows[..., lo:hi]  # [#B, #H, rows, hi - lo] (or [rows, hi - lo])
+        add = None if bool(sub.all()) else torch.zeros(sub.shape, dtype=q.dtype).masked_fill(~sub, float("-inf"))
+        calls.append((q0, q1, lo, hi, add))
+
+    class Loop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            res = [fwd(q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, attn_mask=add)
+                   for q0, q1, lo, hi, add in calls]  # (out [B, H, rows, d], lse [B, H, rows]) per block
+            out, lse = torch.cat([o for o, _ in res], dim=2), torch.cat([s for _, s in res], dim=2)  # [B, H, N, d], [B, H, N]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            for q0, q1, lo, hi, add in calls:
+                gq, gk, gv = bwd(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, q0:q1],
+                                 lse[:, :, q0:q1], 0.0, False, attn_mask=add)
+                dq[:, :, q0:q1] = gq
+                dk[:, :, lo:hi] += gk
+                dv[:, :, lo:hi] += gv
+            return dq, dk, dv
+
+    return lambda: Loop.apply(q, k, v)
+
+
 def estimate_gib(impl: str, mask: str, N: int, mode: str, H: int = 8) -> float:
     """Rough peak memory, to skip what cannot run here: O(N²) for the reference and the math path,
     the dense mask for SDPA with masks other than causal, O(N) for the rest."""
@@ -175,10 +228,11 @@ def time_case(case: Case, impls: list[str], repeat: int, max_s: float) -> dict[s
             fns.pop(impl, None)
     for _ in range(repeat):
         for impl, f in list(fns.items()):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             case.step(f)
             dt = time.perf_counter() - t0
             res[impl]["times_ms"].append(1e3 * dt)
+            res[impl].setdefault("cpu_ms", []).append(1e3 * (time.process_time() - c0))  # all threads' CPU time
             if dt > max_s:
                 fns.pop(impl)
     for r in res.values():
@@ -186,6 +240,7 @@ def time_case(case: Case, impls: list[str], repeat: int, max_s: float) -> dict[s
         if ts:
             r["median_ms"] = statistics.median(ts)
             r["min_ms"], r["max_ms"] = min(ts), max(ts)
+            r["median_cpu_ms"] = statistics.median(r["cpu_ms"])
     return res
 
 
@@ -315,6 +370,14 @@ def targets(records: list[dict]) -> str:
             q = r["median_ms"] / min(best)
             add(f"{mask} (dense [1, 1, N, N]), N={N}, {dtype}, {mode}: auto / min(torch given it, tiled given "
                 f"{mask[3:]}) ≤ 1.10", q, q <= 1.10)
+    for mode, limit in (("fwd", 0.90), ("fwdbwd", 1.00)):  # issue #19: the span path against the plain per-block loop
+        a, b = t("spans", "window256", 16384, mode), t("block_loop", "window256", 16384, mode)
+        add(f"window 256, N=16384, fp32, {mode}: spans / per-256-query-block loop ≤ {limit}",
+            a / b if a and b else None, a and b and a / b <= limit)
+    for mask in ("none", "causal"):
+        for mode in MODES:
+            a, b = t("spans", mask, 4096, mode), t("sdpa_flash", mask, 4096, mode)
+            add(f"{mask}, N=4096, fp32, {mode}: spans / SDPA-flash ≤ 1.05", a / b if a and b else None, a and b and a / b <= 1.05)
     for mode in MODES:
         m = mem("tiled", "none", 16384, mode)
         add(f"tiled peak extra memory, no mask, N=16384, fp32, {mode} < 256 MiB", m, m is not None and m < 256, unit=" MiB")

@@ -3,7 +3,10 @@
 1. A Mistral-shaped model (real attention widths: D=4096, H=32, Hkv=8, d=128; a few layers; random
    weights) with sliding window 256 at N=4096: forward and forward+backward, time and peak memory.
 2. A Llama-shaped dense-causal model, the same.
-3. Capture of one head of one layer (``bhqk.capture(model=..., layers=[...], heads=[5])``) at
+3. The Mistral-shaped window layer of issue #19 (``--parts layer``: one layer, MLP 1024, N=4096,
+   forward+backward): ``"bhqk:spans"`` (the span path) against ``"sdpa"`` and ``free`` (an attention
+   function that returns q and costs nothing: the floor no attention backend can beat).
+4. Capture of one head of one layer (``bhqk.capture(model=..., layers=[...], heads=[5])``) at
    N=16384 against a plain forward, and against ``eager`` with ``output_attentions``.
 
 Times: median over repeats, implementations interleaved run by run (the machine is shared); peak
@@ -13,6 +16,7 @@ skipped where its [B, H, N, N] tensors would exceed ``--mem-limit-gib``; the tab
     python benchmarks/hf.py                 # the full configuration (long on 2 cores)
     python benchmarks/hf.py --quick         # small widths and N, no memory runs: a smoke run (about a minute)
     python benchmarks/hf.py --out results/x.json
+    python benchmarks/hf.py --parts layer   # issue #19's layer: bhqk:spans vs sdpa vs free attention
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 import peak_memory  # benchmarks/peak_memory.py: resident-set peaks, measured in a fresh process
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("bhqk", "sdpa", "eager")
+IMPLS = ("bhqk", "sdpa", "eager", "bhqk_spans", "free")  # bhqk_spans: "bhqk:spans"; free: attention that returns q
+LAYER = {"layers": 1, "intermediate": 1024}  # the layer part's model: one Mistral-shaped layer, MLP 1024
 
 FULL = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 4096, "layers": 2,
         "vocab": 1000, "window": 256, "N": 4096, "capture_N": 16384, "capture_layers": 1, "repeat": 3}
@@ -46,16 +51,41 @@ def build(kind: str, impl: str, c: dict, layers: int | None = None):
     from bhqk.integrations.transformers import register
 
     register()
+    impl = {"bhqk_spans": register_spans(), "free": register_free()}.get(impl, impl)
     torch.manual_seed(0)
-    common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+    width = c.get("layer_intermediate", c["intermediate"]) if kind == "layer" else c["intermediate"]
+    common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=width,
                   num_hidden_layers=layers or c["layers"], num_attention_heads=c["heads"],
                   num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
                   max_position_embeddings=max(c["N"], c["capture_N"]), attn_implementation=impl)
-    if kind == "window":
+    if kind in ("window", "layer"):
         model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=c["window"], **common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model
+
+
+def register_spans() -> str:
+    """``"bhqk:spans"``: bhqk's attention function and mask builder with backend="spans"."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from bhqk.integrations import transformers as integration
+
+    AttentionInterface.register("bhqk:spans", integration._attention_for("spans"))
+    AttentionMaskInterface.register("bhqk:spans", integration.build_mask)
+    return "bhqk:spans"
+
+
+def register_free() -> str:
+    """``"free"``: attention that costs nothing (returns q as the output; no mask is built), the floor."""
+    from transformers import AttentionInterface
+
+    def free_attention(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None  # [B, H, N, d] -> [B, N, H, d]
+
+    AttentionInterface.register("free", free_attention)
+    return "free"
 
 
 def inputs(c: dict, N: int) -> torch.Tensor:
@@ -161,6 +191,7 @@ def bench_model(kind: str, c: dict, impls, modes, limit: float, mem: bool, timeo
             else:
                 row.update(res[impl])
                 row["sdpa_over_this"] = paired(res, impl, "sdpa")
+                row["this_over_free"] = paired(res, "free", impl)  # median of t_this / t_free
                 if mem:
                     row.update(memory({"kind": kind, "impl": impl, "mode": mode, "N": N, "config": c}, timeout))
             rows.append(row)
@@ -196,8 +227,8 @@ def bench_capture(c: dict, limit: float, mem: bool, timeout: float) -> list[dict
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | peak extra MiB | note |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | this / free (paired) | peak extra MiB | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = f"{r['median_s']:.2f} s" if "median_s" in r else "—"
         ratio = r.get("sdpa_over_this")
@@ -205,7 +236,9 @@ def table(rows: list[dict]) -> str:
         if r.get("vs_plain"):  # capture rows: this time / the plain forward's
             ratio_s = f"time {r['vs_plain']:.2f}× plain"
         mem = f"{r['peak_mib']:.0f}" if "peak_mib" in r else r.get("mem_note", "—")
-        out.append(f"| {r['model']} | {r['N']} | {r['mode']} | {r['impl']} | {t} | {ratio_s} | {mem} | {r.get('note', '')} |")
+        free = f"{r['this_over_free']:.2f}×" if r.get("this_over_free") else "—"
+        out.append(f"| {r['model']} | {r['N']} | {r['mode']} | {r['impl']} | {t} | {ratio_s} | {free} | {mem} "
+                   f"| {r.get('note', '')} |")
     return "\n".join(out)
 
 
@@ -218,9 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--intermediate", type=int, help="MLP width (the attention widths stay real)")
     ap.add_argument("--repeat", type=int)
-    ap.add_argument("--parts", nargs="+", default=["window", "dense", "capture"], choices=["window", "dense", "capture"])
+    ap.add_argument("--parts", nargs="+", default=["window", "dense", "capture"], choices=["window", "dense", "capture", "layer"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--impls", nargs="+", choices=list(IMPLS),
+                    help="default: bhqk, sdpa, eager; the layer part: bhqk_spans, sdpa, free")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip eager above this estimated peak")
     ap.add_argument("--memory", choices=["on", "off"], help="fresh-process memory runs (default: on; off with --quick)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per memory run")
@@ -241,10 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     mem = (a.memory or ("off" if a.quick else "on")) == "on"
     out = a.out or HERE / "results" / ("hf-quick.json" if a.quick else "hf.json")
+    impls = a.impls or ["bhqk", "sdpa", "eager"]
     if "window" in a.parts:
-        rows += bench_model("window", c, a.impls, a.modes, a.mem_limit_gib, mem, a.timeout)
+        rows += bench_model("window", c, impls, a.modes, a.mem_limit_gib, mem, a.timeout)
     if "dense" in a.parts:
-        rows += bench_model("dense", c, a.impls, a.modes, a.mem_limit_gib, mem, a.timeout)
+        rows += bench_model("dense", c, impls, a.modes, a.mem_limit_gib, mem, a.timeout)
+    if "layer" in a.parts:
+        lc = {**c, "layers": a.layers or LAYER["layers"], "layer_intermediate": a.intermediate or LAYER["intermediate"]}
+        rows += bench_model("layer", lc, a.impls or ["bhqk_spans", "sdpa", "free"], a.modes, a.mem_limit_gib, mem, a.timeout)
     if "capture" in a.parts:
         rows += bench_capture(c, a.mem_limit_gib, mem, a.timeout)
     meta["loadavg_end"] = os.getloadavg()
@@ -252,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads, "
           f"transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
           f"{meta['loadavg_end'][0]:.1f}. Widths: D={c['hidden']}, H={c['heads']}, Hkv={c['kv_heads']}, "
-          f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}), "
+          f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}; "
+          f"layer: {a.layers or LAYER['layers']} layer, MLP {a.intermediate or LAYER['intermediate']}), "
           f"window {c['window']}, fp32, B=1.\n")
     print(table(rows))
     if not mem:

@@ -37,7 +37,7 @@ FUZZ = settings(
     max_examples=_MORE or 40, deadline=None, derandomize=not _MORE, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-BACKENDS = ["reference", "tiled", "torch", "auto"]
+BACKENDS = ["reference", "tiled", "torch", "auto", "spans"]
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import torch
 from ..bias import Dense as DenseBias
 from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Dense
-from . import calibrate, flex, reference, tiled, tiled_plan, torch_sdpa
+from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .problem import Problem, prepare
 
 Run = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan=None) -> (out, lse)
@@ -200,6 +200,7 @@ register(Backend("reference", _plan_free(reference.run), lambda p, need_lse: Non
 register(Backend("torch", _plan_free(torch_sdpa.run), torch_sdpa.why_not, estimate_torch, hands_off=torch_sdpa.hands_off))
 register(Backend("tiled", tiled.run, tiled.why_not, estimate_tiled, tiled_floor, traceable=False))
 register(Backend("flex", _plan_free(flex.run), flex.why_not, estimate_flex, hands_off=flex.hands_off))  # compiled FlexAttention
+register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off))  # fused kernel, mask spans
 
 
 # ---- the policy -----------------------------------------------------------------------------------
