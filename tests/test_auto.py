@@ -259,3 +259,17 @@ def test_models_use_auto_directly():
     from bhqk.models import common
 
     assert not hasattr(common, "backend_for")
+
+
+def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(reference_costs):
+    q, k, v = qkv(1, 2, None, 1, 40, d=8, dtype=torch.float32)  # a decode step
+    step = masks.causal("bottom_right")
+    assert bhqk.choose_backend(q, k, v, step).name == "torch"
+    bad = q.clone()
+    bad[..., 0] = float("nan")
+    handed = bhqk.choose_backend(bad, k, v, step)  # the same structure: the kept claim, its hand-off asked anew
+    assert handed.name == "tiled" and "torch hands it to tiled" in handed.reason
+    assert torch.isnan(bhqk.attention(bad, k, v, step)).all()
+    assert bhqk.choose_backend(q, k, v, step, return_lse=True).name == "tiled"  # another structure
+    top = bhqk.choose_backend(q, k, v, masks.causal("top_left"))  # the same sizes, another alignment: not the kept claim
+    assert top.name == "torch" and "2% of the scores" in top.reason
