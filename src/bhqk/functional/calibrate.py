@@ -29,16 +29,13 @@ def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs
     the forward+backward ones when ``grad``)."""
     c = kept(device, dtype, Costs)
     if c is None or (grad and c.sdpa_backward is None):
-        c = measure(device, dtype, grad, c)
-        keep(device, dtype, c)
+        keep(device, dtype, c := measure(device, dtype, grad, c))
     return c
 
 
 def remeasure(device: torch.device | str, dtype: torch.dtype) -> Costs:
     """Measure SDPA's and the tiled backend's costs again, forward and forward+backward, and keep them."""
-    device = torch.device(device)
-    c = measure(device, dtype, True)
-    keep(device, dtype, c)
+    keep(device, dtype, c := measure(torch.device(device), dtype, True))
     return c
 
 
@@ -61,8 +58,7 @@ def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
 
 def _inputs(device, dtype, n: int, h: int = H, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, D, generator=g).to(device=device, dtype=dtype).requires_grad_(grad) for _ in range(3))
-    return q, k, v  # [1, h, n, D] each
+    return tuple(torch.randn(1, h, n, D, generator=g).to(device=device, dtype=dtype).requires_grad_(grad) for _ in range(3))  # type: ignore[return-value]
 
 
 def _both(run: Callable[..., tuple], *args) -> Callable[[], None]:

@@ -28,10 +28,9 @@ class Estimate(NamedTuple):
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds per (device type, dtype) at d = dv = 64. SDPA: ``sdpa_call`` per call, ``sdpa_elem``
-    per score entry, ``sdpa_mask_elem`` extra per entry of a dense mask built for it; tiled:
-    ``tiled_scale`` × ``tiled_plan``'s model seconds. Forward+backward: ``sdpa_backward`` (its time
-    over the forward's) and ``tiled_backward`` (× the model's forward seconds); None: not measured."""
+    """Seconds at d = dv = 64: SDPA's per call, per score entry, extra per entry of a dense mask built
+    for it; tiled: × ``tiled_plan``'s model. Forward+backward: SDPA's ratio to its forward, tiled's
+    scale of the model's forward seconds (None: not measured)."""
 
     sdpa_call: float
     sdpa_elem: float
@@ -63,15 +62,14 @@ _MEMO: dict[tuple[str, str], Costs | FlexCosts | None] = {}  # (device type, "fl
 _FIXED: list[tuple[dict[torch.dtype, Costs], FlexCosts | None] | None] = [None]  # set by fixed()
 
 
-def mode() -> str:
+def mode() -> str:  # BHQK_COSTS
     return os.environ.get("BHQK_COSTS", "")
 
 
 def kept(device: torch.device | str, dtype: torch.dtype, kind: type[_C]) -> _C | None:
     """The costs of ``kind`` kept for this machine (fixed, reference, in-process or in the file), or None."""
-    if _FIXED[0] is not None:
-        table, flex = _FIXED[0]
-        return flex if kind is FlexCosts else table.get(dtype, table[torch.float32])  # type: ignore[return-value]
+    if (fx := _FIXED[0]) is not None:
+        return fx[1] if kind is FlexCosts else fx[0].get(dtype, fx[0][torch.float32])  # type: ignore[return-value]
     if mode() == "reference":
         return REFERENCE.get(dtype, REFERENCE[torch.float32]) if kind is Costs else None  # type: ignore[return-value]
     k = torch.device(device).type, ("flex " if kind is FlexCosts else "") + str(dtype).removeprefix("torch.")
@@ -108,14 +106,11 @@ def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex: FlexCosts
 
 def machine_key(device_type: str) -> str:
     """What the costs depend on: CPU model and SIMD flags (or GPU name), threads, torch version."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        hw = torch.cuda.get_device_name()
-    else:
-        info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-        model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), os.uname().machine)
-        flags = next((hashlib.sha1(ln.encode()).hexdigest()[:12] for ln in info if ln.startswith(("flags", "Features"))), "")
-        hw = f"{model} flags {flags} threads {torch.get_num_threads()}"
-    return f"v{VERSION} torch {torch.__version__} {device_type} {hw}"
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), os.uname().machine)
+    flags = next((hashlib.sha1(ln.encode()).hexdigest()[:12] for ln in info if ln.startswith(("flags", "Features"))), "")
+    hw = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else f"{model} flags {flags}"
+    return f"v{VERSION} torch {torch.__version__} {device_type} {hw} threads {torch.get_num_threads()}"
 
 
 def stored_in() -> Path | None:

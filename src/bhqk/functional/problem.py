@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -30,8 +29,8 @@ class Problem:
     options: dict = field(default_factory=dict)  # backend tuning, e.g. block_q / block_k for "tiled"
     sinks: torch.Tensor | None = None  # [H]: per-head logits in each row's softmax denominator, no value
 
-    @functools.cached_property
-    def ext(self) -> Extent:  # computed once per call (auto and the backends read it often)
+    @property
+    def ext(self) -> Extent:
         s = self.sizes
         return Extent(s["B"], s["H"], s["Q"], s["K"])
 

@@ -69,8 +69,7 @@ register(Backend("flex", lambda p, lse, plan=None: flex.run(p, lse), flex.why_no
 
 @dataclass(frozen=True)
 class Choice:
-    """The backend that runs a call, why, the seconds of every backend ``auto`` weighed (none when
-    one claimed the call), and the ``plan`` its run reuses (the tile plan)."""
+    """The backend that runs a call, why, the seconds of each backend weighed, the ``plan`` it reuses."""
 
     backend: Backend
     reason: str
@@ -97,19 +96,15 @@ def _outside_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[tor
     return run(p, need_lse, plan)
 
 
-def _decide_and_run(p: Problem, need_lse: bool, plan: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (choice := decide(p, need_lse)).backend.run(p, need_lse, choice.plan)
-
-
-_AT_RUN_TIME = Backend("auto", _decide_and_run, lambda p, need_lse: None, traceable=False)  # auto under compile
+_AT_RUN_TIME = Backend("auto", lambda p, lse, plan=None: (c := decide(p, lse)).backend.run(p, lse, c.plan),
+                       lambda p, lse: None, traceable=False)  # auto under compile: decided at run time
 
 
 def decide(p: Problem, need_lse: bool) -> Choice:
-    """``auto``, by structure first: of the backends that can take the call, a claimant (``share``:
-    PyTorch's fused kernel computes it exactly) runs, the one computing the fewest scores (a tie:
-    the first registered, so plain SDPA when nothing can be skipped). Unclaimed calls (softcap,
-    dropout, a mask SDPA needs dense) go to the cheapest ``estimate`` by this machine's costs.
-    Backends with neither (the reference, O(Q·K) memory) never run: no silent O(Q·K) fallback."""
+    """``auto``, by structure first: of the backends that can take the call, the claimant (``share``:
+    PyTorch's fused kernel computes it exactly) computing the fewest scores runs (a tie: the first
+    registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
+    SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never."""
     key = _structure(p, need_lse)
     if key is not None and (hit := _CLAIMED.get(key)) is not None:
         return _handed_off(hit, p)
@@ -117,8 +112,8 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     claims: list[tuple[float, int, Backend]] = []
     weighed: list[Backend] = []
     for order, be in enumerate(sorted(_REGISTRY.values(), key=lambda b: b.share is None)):  # claimants first
-        if (be.share is None and (claims or be.estimate is None)):
-            continue  # a claim wins: the others need not be asked
+        if be.share is None and (claims or be.estimate is None):  # a claim wins: the others need not be asked
+            continue
         if (reason := be.why_not(p, need_lse)) is not None:
             refused[be.name] = reason
         elif be.share is not None and (share := be.share(p)) is not None:
@@ -186,12 +181,9 @@ def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, d
 
 
 def resolve(backend: str, p: Problem, need_lse: bool) -> Choice:
-    """What will run the call (``.name``, ``.run(p, need_lse)``), or a BackendError that says why
-    the named backend cannot."""
-    if backend == "auto":
-        if torch.compiler.is_compiling():
-            return Choice(_AT_RUN_TIME, "auto under torch.compile: decided at run time, outside the graph", {})
-        return decide(p, need_lse)
+    """What will run the call, or a BackendError that says why the named backend cannot."""
+    if backend == "auto":  # under torch.compile: decided at run time, outside the graph
+        return Choice(_AT_RUN_TIME, "auto under torch.compile", {}) if torch.compiler.is_compiling() else decide(p, need_lse)
     be = get(backend)
     if (reason := be.why_not(p, need_lse)) is not None:
         raise BackendError(f"backend {backend!r} cannot take this call: {reason}.")
