@@ -1,7 +1,8 @@
-"""The ``auto`` policy as a registry policy: every registered backend with an estimate is weighed
-(a fake backend registered here is considered, wins when cheapest, loses when it refuses); the
-tile plan travels in the Choice; costs are measured per machine and cached, and tests inject fixed
-costs so the choices they check do not depend on the machine."""
+"""The ``auto`` policy, by structure first: a registered backend that claims a call as exact and
+fused (``Backend.share``; the span path per the contract in OWNERS.md is tested here with a fake
+one) runs it, the one computing the fewest scores; calls nobody claims are weighed by each
+backend's own cost model; the tile plan travels in the Choice; costs are measured per machine,
+cached, and fixed in tests so the choices they check do not depend on the machine."""
 
 from __future__ import annotations
 
@@ -15,23 +16,14 @@ import torch
 import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
-from bhqk.functional import (
-    Backend,
-    Estimate,
-    calibrate,
-    prepare,
-    register,
-    registry,
-    tiled,
-    unregister,
-)
+from bhqk.functional import Backend, Estimate, calibrate, costs, prepare, register, registry, tiled, unregister
 from bhqk.functional.tiled_plan import Plan
 from conftest import qkv
 
 
 @pytest.fixture
 def reference_costs(two_threads):
-    with calibrate.fixed():
+    with costs.fixed():
         yield
 
 
@@ -46,7 +38,7 @@ def fake():
         return registry.get("reference").run(p, need_lse)
 
     register(Backend("fake", run, lambda p, need_lse: state["refuse"],
-                     lambda p, grad: Estimate(state["seconds"], "fake note", "fake-plan")))
+                     lambda p, grad, c: Estimate(state["seconds"], "fake note", "fake-plan")))
     try:
         yield state
     finally:
@@ -54,21 +46,70 @@ def fake():
     assert "fake" not in bhqk.functional.names()
 
 
+@pytest.fixture
+def spans():
+    """A fused backend registered as the contract says the span path will be (``spans.share``: the
+    fraction it computes; NaN/inf handed to tiled), computing with the reference."""
+    state = {"runs": 0, "refuse": None}
+
+    def run(p, need_lse, plan=None):
+        state["runs"] += 1
+        return registry.get("reference").run(p, need_lse)
+
+    def share(p):  # what a span path skips: the mask's empty 64×64 tiles
+        if p.mask is None:
+            return 1.0
+        m = p.mask.materialize(1, 1, p.ext.Q, p.ext.K)
+        return int(m.sum()) / m.numel()
+
+    register(Backend(name="spans", run=run, why_not=lambda p, need_lse: state["refuse"],
+                     hands_off=registry.get("torch").hands_off, traceable=False, share=share))
+    try:
+        yield state
+    finally:
+        unregister("spans")
+
+
+def test_a_fused_backend_named_per_the_contract_is_chosen_by_structure(spans, reference_costs):
+    q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
+    docs = masks.document(torch.arange(300) // 100)
+    for mask in (masks.sliding_window(16), masks.causal("bottom_right") & masks.padding(200), docs):
+        choice = bhqk.choose_backend(q, k, v, mask)
+        assert choice.name == "spans" and choice.estimates == {}, choice.reason  # nothing measured or weighed
+        assert choice.reason.startswith("spans: PyTorch's fused kernel computes this call exactly")
+    out = bhqk.attention(q, k, v, masks.sliding_window(16), return_lse=True)  # lse: SDPA refuses, the span path takes it
+    assert spans["runs"] == 1
+    torch.testing.assert_close(out[0], bhqk.attention(q, k, v, masks.sliding_window(16), backend="reference"))
+    nothing_to_skip = bhqk.choose_backend(q, k, v)  # equal shares: plain SDPA, registered first
+    assert nothing_to_skip.name == "torch" and "spans would compute 100%" in nothing_to_skip.reason
+    assert bhqk.choose_backend(q, k, v, masks.causal()).name == "torch"  # is_causal skips as much as a span path
+    spans["refuse"] = "the span path refuses"
+    choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
+    assert choice.name != "spans" and "not spans: the span path refuses" in choice.reason and choice.estimates
+    assert bhqk.choose_backend(q, k, v, masks.sliding_window(16), softcap=5.0).name == "tiled"  # the kernel has no softcap
+    spans["refuse"] = None
+    poisoned = v.clone()
+    poisoned[0, 0, 3] = float("nan")
+    handed = bhqk.choose_backend(q, k, poisoned, masks.sliding_window(16))
+    assert handed.name == "tiled" and "spans hands it to tiled" in handed.reason
+
+
 def test_a_registered_backend_is_weighed_and_wins_when_cheapest(fake, reference_costs):
     q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
     choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
-    assert choice.name == "fake" and set(choice.estimates) >= {"fake", "torch"}
+    assert choice.name == "fake" and set(choice.estimates) >= {"fake", "torch", "tiled"}
     assert choice.reason.startswith("fake: estimated") and "fake note" in choice.reason
     out = bhqk.attention(q, k, v, masks.sliding_window(16))
     assert fake["runs"] == 1
     torch.testing.assert_close(out, bhqk.attention(q, k, v, masks.sliding_window(16), backend="reference"))
+    assert bhqk.choose_backend(q, k, v).name == "torch"  # a claim by structure is never weighed against estimates
 
 
 def test_a_registered_backend_loses_when_dearer_or_refusing(fake, reference_costs):
     q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
     fake["seconds"] = 10.0
     choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
-    assert choice.name != "fake" and "fake" in choice.estimates and choice.estimates["fake"] == 10.0
+    assert choice.name != "fake" and choice.estimates["fake"] == 10.0
     fake["seconds"], fake["refuse"] = 1e-9, "the fake backend refuses"
     choice = bhqk.choose_backend(q, k, v, masks.sliding_window(16))
     assert choice.name != "fake" and "fake" not in choice.estimates and "not fake: the fake backend refuses" in choice.reason
@@ -83,9 +124,10 @@ def test_policy_choices_and_reasons(reference_costs):
         return registry.decide(prepare(q, k, v, *args, **kw), lse)
 
     plain = decide()
-    assert plain.name == "torch" and plain.reason.startswith("torch: estimated") and "tiled" in plain.reason
-    assert decide(masks.causal()).name == "torch"
-    assert decide(lse=True).name == "tiled"  # only tiled returns lse
+    assert plain.name == "torch" and plain.reason.startswith("torch: PyTorch's fused kernel computes this call exactly, 100%")
+    causal = decide(masks.causal())
+    assert causal.name == "torch" and "50% of the scores" in causal.reason
+    assert decide(lse=True).name == "tiled"  # only tiled returns lse (until the span path)
     assert decide(softcap=30.0).name == "tiled"
     win = decide(masks.sliding_window(256))
     assert win.name == "tiled" and win.estimates["tiled"] * 3 < win.estimates["torch"]
@@ -96,19 +138,19 @@ def test_policy_choices_and_reasons(reference_costs):
     huge = torch.zeros(1, 1, 8192, 8)
     far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
     assert far.name == "tiled" and "not torch: it would need a dense mask" in far.reason
-    dropping = registry.decide(prepare(huge, huge, huge, masks.padding(6000), dropout_p=0.1), False)
-    assert dropping.name == "tiled"  # the tiled backend has dropout (tests/test_dropout.py)
+    dropping = registry.decide(prepare(huge, huge, huge, dropout_p=0.1), False)
+    assert dropping.name == "tiled" and "math path" in dropping.reason  # SDPA's CPU dropout builds [B, H, Q, K]
     assert bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1) is None
-    assert bhqk.why_not("tiled", huge, huge, huge, masks.padding(6000), return_lse=True) is None
+    step = registry.decide(prepare(big[:, :, :1], big[:, :, :256], big[:, :, :256], masks.causal("bottom_right")), False)
+    assert step.name == "torch" and "100%" in step.reason  # a decode step: its one query sees every key
 
 
-def test_tiny_calls_go_to_sdpa_even_masked(reference_costs):
+def test_tiny_masked_calls_go_to_sdpa_by_estimate(reference_costs):
     q, k, v = qkv(2, 4, 2, 1, 9, d=8, dtype=torch.float32)  # a decode step with a KV cache
     pad = masks.key_padding(torch.tensor([[True] * 9, [False] * 3 + [True] * 6]))
-    for mask in (None, masks.causal("bottom_right"), pad, pad & masks.causal("bottom_right")):
+    for mask in (pad, pad & masks.causal("bottom_right")):
         choice = bhqk.choose_backend(q, k, v, mask)
-        assert choice.name == "torch", choice.reason
-        assert "not tiled: its fixed costs alone" in choice.reason  # no tile plan was made
+        assert choice.name == "torch" and choice.estimates["torch"] < choice.estimates["tiled"], choice.reason
     torch.testing.assert_close(bhqk.attention(q, k, v, pad), bhqk.attention(q, k, v, pad, backend="reference"))
 
 
@@ -130,93 +172,104 @@ def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, monkeypat
 
 def test_no_backend_possible_names_every_refusal(reference_costs, monkeypatch):
     q, k, v = qkv(1, 2, None, 8, 8, d=4, dtype=torch.float32)
-    tiled = registry.get("tiled")
-    refusing = dataclasses.replace(tiled, why_not=lambda p, need_lse: "it refuses for this test")
+    refusing = dataclasses.replace(registry.get("tiled"), why_not=lambda p, need_lse: "it refuses for this test")
     monkeypatch.setitem(registry._REGISTRY, "tiled", refusing)
     with pytest.raises(BackendError, match="torch: .*log-sum-exp.*tiled: it refuses for this test"):
         bhqk.choose_backend(q, k, v, return_lse=True)
 
 
-# ---- the costs: measured once per machine, cached, overridable -----------------------------------
+# ---- the costs: measured once per machine (calibrate), kept (costs), overridable ------------------
 
-FAKE = calibrate.Costs(1e-5, 1e-9, 0.6, 1e-10, 2.0, 3.0, 1e-10, source="measured")
+FAKE = costs.Costs(1e-5, 1e-9, 1e-10, 2.0)
 
 
 def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(calibrate, "measure", lambda dev, dt: calls.append(dt) or FAKE)
-    backward = {"sdpa_backward": 4.0, "sdpa_causal_backward": 0.7, "sdpa_mask_elem_backward": 1e-10, "tiled_fixed_backward": 2.0,
-                "tiled_elem_backward": 3.0}
-    monkeypatch.setattr(calibrate, "measure_backward", lambda dev, dt: backward)
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+
+    def measure(dev, dt, grad=False, old=None):
+        calls.append(grad)
+        return dataclasses.replace(old or FAKE, sdpa_backward=4.0, tiled_backward=3.0) if grad else FAKE
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(costs, "_MEMO", {})
     path = tmp_path / "costs.json"
     monkeypatch.setenv("BHQK_COSTS", str(path))
     cpu = torch.device("cpu")
-    assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [torch.float32]
-    assert calibrate.costs(cpu, torch.float32).sdpa_elem == 1e-9 and len(calls) == 1  # in-process memo
+    assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [False]
+    assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [False]  # in-process memo
     with_grad = calibrate.costs(cpu, torch.float32, grad=True)
-    assert (with_grad.sdpa_backward, with_grad.tiled_elem_backward) == (4.0, 3.0) and len(calls) == 1
-    monkeypatch.setattr(calibrate, "_MEMO", {})  # a new process: read from the file, nothing measured
-    assert calibrate.costs(cpu, torch.float32, grad=True) == with_grad and len(calls) == 1
+    assert (with_grad.sdpa_backward, with_grad.tiled_backward, calls) == (4.0, 3.0, [False, True])
+    monkeypatch.setattr(costs, "_MEMO", {})  # a new process: read from the file, nothing measured
+    assert calibrate.costs(cpu, torch.float32, grad=True) == with_grad and len(calls) == 2
     data = json.loads(path.read_text())
     (key,) = data
-    assert key == calibrate.machine_key("cpu") and torch.__version__ in key and "float32" in data[key]
+    assert key == costs.machine_key("cpu") and torch.__version__ in key and "float32" in data[key]
     monkeypatch.setenv("BHQK_COSTS", "reference")
-    assert calibrate.costs(cpu, torch.bfloat16) == calibrate.REFERENCE[torch.bfloat16]
+    assert calibrate.costs(cpu, torch.bfloat16) == costs.REFERENCE[torch.bfloat16]
 
 
 def test_measuring_gives_positive_finite_costs(monkeypatch):
-    monkeypatch.setenv("BHQK_COSTS", "measure")
-    monkeypatch.setattr(calibrate, "_MEMO", {})
-    c = calibrate.measure(torch.device("cpu"), torch.float32)
-    for name in ("sdpa_call", "sdpa_elem", "tiled_fixed", "tiled_elem", "tiled_partial", "sdpa_build_elem"):
+    """The real measurement end to end, at sizes small enough for the suite (the production sizes
+    only change the numbers)."""
+    monkeypatch.setattr(calibrate, "N", 128)
+    monkeypatch.setattr(calibrate, "SMALL", 16)
+    monkeypatch.setattr(calibrate, "SAMPLE_S", 1e-4)
+    c = calibrate.measure(torch.device("cpu"), torch.float32, grad=True)
+    for name in ("sdpa_call", "sdpa_elem", "tiled_scale", "sdpa_backward", "tiled_backward"):
         value = getattr(c, name)
         assert math.isfinite(value) and value > 0, (name, value)
-    assert 0.3 <= c.sdpa_causal <= 1.0 and c.sdpa_mask_elem >= 0
-    b = calibrate.measure_backward(torch.device("cpu"), torch.float32)
-    assert b["sdpa_backward"] >= 1.5 and 0.3 <= b["sdpa_causal_backward"] <= 1.0
-    assert b["tiled_fixed_backward"] > 0 and b["tiled_elem_backward"] > 0
+    assert c.sdpa_mask_elem >= 0 and c.sdpa_backward >= 1.5
 
 
 def test_measure_turns_its_timings_into_costs(monkeypatch):
-    """The arithmetic of ``measure`` / ``measure_backward`` on timings given by the test (the real
-    timings differ on every machine; these make each formula and clamp checkable)."""
-    times = {"plain": 2e-3, "plain_big": 30e-3, "causal_big": 18e-3, "mask_big": 36e-3, "call": 50e-6, "build": 4e-3,
-             "tiled": 40e-3, "tiled_window": 20e-3, "tiled_small": 1e-3,
-             "sdpa_big": 30e-3, "sdpa_big_both": 105e-3, "sdpa_causal_big_both": 70e-3, "sdpa_mask_big_both": 110e-3,
-             "tiled_big_both": 150e-3, "tiled_small_both": 4e-3}
-    monkeypatch.setattr(calibrate, "_fastest", lambda fns, device, rounds=5: {k: times[k] for k in fns})
-    fitted = []
-    monkeypatch.setattr(calibrate, "_scales", lambda parts, t: fitted.append(t) or tuple(range(2, 2 + len(parts[0]))))
-    cpu, entries = torch.device("cpu"), calibrate.H * calibrate.N_BIG**2
+    """The arithmetic of ``measure`` on timings given by the test (real ones differ per machine)."""
+    times = {"call": 50e-6, "plain": 30e-3, "mask": 36e-3, "tiled0": 40e-3, "tiled1": 20e-3, "tiled2": 1e-3}
+    both = {"plain": 105e-3, "tiled0": 150e-3, "tiled1": 60e-3, "tiled2": 4e-3}
+    monkeypatch.setattr(calibrate, "_fastest", lambda fns, device, rounds=5: {k: (both if "plain" in fns and len(fns) == 4
+                                                                                  else times)[k] for k in fns})
+    monkeypatch.setattr(calibrate, "N", 256)
+    monkeypatch.setattr(calibrate, "SMALL", 32)
+    cpu, entries = torch.device("cpu"), calibrate.H * 256**2
     c = calibrate.measure(cpu, torch.float32)
-    assert c.sdpa_call == 50e-6 and c.sdpa_build_elem == pytest.approx(4e-3 / calibrate.N**2)
-    assert c.sdpa_elem == pytest.approx((30e-3 - 50e-6) / entries)
-    assert c.sdpa_causal == pytest.approx((18e-3 - 50e-6) / (30e-3 - 50e-6))
-    assert c.sdpa_mask_elem == pytest.approx(6e-3 / entries)
-    assert (c.tiled_fixed, c.tiled_elem, c.tiled_partial) == (2, 3, 4) and fitted[0] == [40e-3, 20e-3, 1e-3]
-    b = calibrate.measure_backward(cpu, torch.float32)
-    assert b["sdpa_backward"] == pytest.approx(3.5) and b["sdpa_causal_backward"] == pytest.approx(70 / 105)
-    assert b["sdpa_mask_elem_backward"] == pytest.approx(5e-3 / entries)
-    assert (b["tiled_fixed_backward"], b["tiled_elem_backward"]) == (2, 3) and fitted[1] == [150e-3, 4e-3]
-    times.update(causal_big=40e-3, mask_big=20e-3, sdpa_big_both=40e-3)  # noise: clamped, never nonsense
-    c, b = calibrate.measure(cpu, torch.float32), calibrate.measure_backward(cpu, torch.float32)
-    assert c.sdpa_causal == 1.0 and c.sdpa_mask_elem == 0.0 and b["sdpa_backward"] == 1.5
-    assert calibrate._causal_share(1e-3, 10e-3, 0.0) == 0.3  # a causal kernel never counts as < 30 % of the work
+    assert c.sdpa_call == 50e-6 and c.sdpa_elem == pytest.approx((30e-3 - 50e-6) / entries)
+    assert c.sdpa_mask_elem == pytest.approx(6e-3 / entries) and c.sdpa_backward is None
+    b = calibrate.measure(cpu, torch.float32, grad=True, old=c)
+    assert b.sdpa_backward == pytest.approx(105e-3 / 30e-3) and b.tiled_backward == pytest.approx(c.tiled_scale * 214 / 61)
+    times.update(mask=20e-6, plain=40e-6)  # noise: clamped, never nonsense
+    c = calibrate.measure(cpu, torch.float32)
+    assert c.sdpa_mask_elem == 0.0 and c.sdpa_elem == pytest.approx(0.1 * 40e-6 / entries)
 
 
-def test_the_tile_models_three_parts_are_fitted_exactly_when_consistent():
-    parts = [(1.0, 2.0, 0.5), (0.2, 8.0, 0.1), (3.0, 0.5, 0.0)]
-    scales = (0.5, 2.0, 7.0)
-    times = [sum(p * s for p, s in zip(row, scales)) for row in parts]
-    assert calibrate._scales(parts, times) == pytest.approx(scales)
-    one = calibrate._scales(parts, [times[0], -1.0, times[2]])  # noise that makes a scale negative: one scale for all
-    assert one[0] == one[1] == one[2] > 0
-    two = calibrate._scales([(0.01, 0.05), (0.005, 0.0005)], [0.30, 0.002])  # the backward's 2×2 fit, noisy
-    assert two == pytest.approx((0.302 / 0.0655,) * 2)  # the total over the total, nothing else in either sum
+def test_cli_calibrate_says_what_it_measured_and_where_it_keeps_it(tmp_path, monkeypatch, capsys):
+    from bhqk import cli
+
+    monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(costs, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "measure", lambda dev, dt, grad=False, old=None: dataclasses.replace(
+        FAKE, sdpa_backward=3.5, tiled_backward=6.0))  # the measuring itself: test_measuring_gives_positive_finite_costs
+    assert cli.main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept in: {tmp_path / 'costs.json'}" in out and "SDPA (float32):  10 µs per call, 1 ns per score entry" in out
+    assert "tiled (float32): the tile model × 2.00, forward+backward × 6.00" in out and "flex: not measured" in out
+    assert calibrate.costs(torch.device("cpu"), torch.float32, grad=True).tiled_backward == 6.0  # kept
+    assert cli.main(["calibrate", "--device", "cuda"] if not torch.cuda.is_available() else ["calibrate", "--dtype", "half"]) == 2
 
 
 def test_models_use_auto_directly():
     from bhqk.models import common
 
     assert not hasattr(common, "backend_for")
+
+
+def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(reference_costs):
+    q, k, v = qkv(1, 2, None, 1, 40, d=8, dtype=torch.float32)  # a decode step
+    step = masks.causal("bottom_right")
+    assert bhqk.choose_backend(q, k, v, step).name == "torch"
+    bad = q.clone()
+    bad[..., 0] = float("nan")
+    handed = bhqk.choose_backend(bad, k, v, step)  # the same structure: the kept claim, its hand-off asked anew
+    assert handed.name == "tiled" and "torch hands it to tiled" in handed.reason
+    assert torch.isnan(bhqk.attention(bad, k, v, step)).all()
+    assert bhqk.choose_backend(q, k, v, step, return_lse=True).name == "tiled"  # another structure
+    top = bhqk.choose_backend(q, k, v, masks.causal("top_left"))  # the same sizes, another alignment: not the kept claim
+    assert top.name == "torch" and "2% of the scores" in top.reason

@@ -7,6 +7,7 @@ length, window or padding does not compile again. Compiling every mask kind is m
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -26,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import bhqk
 from bhqk import BackendError, masks
 from bhqk import bias as biases
-from bhqk.functional import calibrate, flex, names, registry
+from bhqk.functional import calibrate, costs, flex, names
 from bhqk.functional.problem import prepare
 from bhqk.functional.registry import decide
 from bhqk.masks import Extent
@@ -189,25 +190,23 @@ def test_why_not_names_each_limit():
 
 def test_auto_does_not_weigh_flex_until_its_costs_are_measured():
     assert "flex" in names()
-    for Q, m in ((8, None), (300, masks.sliding_window(16)), (2000, masks.causal())):
+    for Q, m in ((300, masks.sliding_window(16)), (2000, masks.sliding_window(64))):  # calls no fused kernel claims
         q, k, v = qkv(1, 2, None, Q, Q, 16, dtype=torch.float32)
         with torch.no_grad():
             c = decide(prepare(q, k, v, m), False)
         assert c.backend.name != "flex" and "flex" not in c.estimates
-        assert "flex: its costs were never measured on this machine (cpu, float32)" in c.reason
+        assert "not flex: its costs were never measured on this machine (cpu, float32)" in c.reason
 
 
-# ---- auto weighs flex with its compile counted -------------------------------------------------
+# ---- auto weighs flex where measured, an uncompiled kernel charged its compile ----------------------
 
-FLEX = calibrate.FlexCosts(compile=0.5, call=1e-4, elem=0.2e-9)  # a FlexAttention 5× cheaper per entry than tiled
+FLEX = costs.FlexCosts(compile=0.5, call=1e-4, elem=0.2e-9)  # a FlexAttention 5× cheaper per entry than tiled
 
 
 @pytest.fixture
 def flex_costs(two_threads):
-    with calibrate.fixed(flex_costs=FLEX):
-        registry._SAVED.clear()
+    with costs.fixed(flex=FLEX):
         yield
-        registry._SAVED.clear()
 
 
 def _window_call(Q=4096, seed=0):
@@ -215,47 +214,28 @@ def _window_call(Q=4096, seed=0):
     return prepare(q, k, v, masks.sliding_window(256))
 
 
-def test_auto_compiles_flex_once_repeated_calls_have_paid_for_it(flex_costs, monkeypatch):
+def test_auto_compiles_flex_only_for_a_call_that_pays_for_the_compile_alone(flex_costs, monkeypatch):
     monkeypatch.setattr(flex, "compiled", lambda key, backward=False: False)  # never compiled: decide only, nothing runs
-    p = _window_call()
-    with torch.no_grad():
-        first = decide(p, False)
-        est = registry.estimate_flex(p, False)
-        gain = min(first.estimates.values()) - est.seconds  # what one call saves with a compiled kernel
-        assert first.name != "flex" and est.upfront == FLEX.compile and gain > 0
-        assert "never on a first call" in first.reason and "would first compile (0.5 s)" in first.reason
-        calls = 2  # the call being decided
-        while (c := decide(p, False)).name != "flex":
-            calls += 1
-            assert calls < 100
-    # rent until the savings of the earlier calls and this one reach the compile, then buy
-    assert calls == max(2, math.ceil(FLEX.compile / gain)), (calls, gain)
-    assert "flex pays its compile now (0.5 s)" in c.reason
-
-
-def test_auto_never_compiles_flex_for_tiny_calls_or_when_only_asked(flex_costs, monkeypatch):
-    monkeypatch.setattr(flex, "compiled", lambda key, backward=False: False)
-    tiny = _window_call(Q=64)
-    big = _window_call()
-    with torch.no_grad():
-        for _ in range(50):  # a tiny call would not be faster: nothing is saved, nothing compiles
-            assert decide(tiny, False).name == "torch"
-        for _ in range(50):  # choose_backend says what auto would run, and records nothing
-            assert bhqk.choose_backend(big.q, big.k, big.v, big.mask).name != "flex"
-    assert registry._SAVED == {}
+    with torch.no_grad(), costs.fixed(flex=costs.FlexCosts(compile=0.1, call=1e-4, elem=0.2e-9)):
+        first = decide(_window_call(), False)
+        assert first.name != "flex" and first.estimates["flex"] > 0.1
+        assert "flex" in first.reason and "compiling its kernel first (0.1 s)" in first.reason
+        long = decide(_window_call(Q=16384), False)  # tiled's estimate alone exceeds flex's and its compile
+        assert long.name == "flex" and "compiling its kernel first" in long.reason
+        assert decide(_window_call(Q=64), False).name == "torch"  # a tiny call: never
 
 
 def test_auto_picks_a_compiled_flex_kernel_from_the_first_call(flex_costs, monkeypatch):
     monkeypatch.setattr(flex, "compiled", lambda key, backward=False: True)
     with torch.no_grad():
         c = decide(_window_call(), False)
-    assert c.name == "flex" and "compiled" in c.reason and "pays" not in c.reason
+    assert c.name == "flex" and "compiled" in c.reason and "compiling" not in c.reason
 
 
 def test_auto_runs_flex_and_it_equals_the_reference(flex_costs):
     q, k, v = qkv(2, 4, 2, 700, 700, 32, dtype=torch.float32)
     m = masks.sliding_window(64) & masks.padding(torch.tensor([700, 500]))
-    with flex.uncompiled(), torch.no_grad():  # the eager path compiles nothing: no upfront cost
+    with flex.uncompiled(), torch.no_grad():  # the eager path compiles nothing: no compile to charge
         assert bhqk.choose_backend(q, k, v, m).name == "flex"
         got = bhqk.attention(q, k, v, m, bias=biases.alibi(4))
     want = bhqk.attention(q, k, v, m, bias=biases.alibi(4), backend="reference")
@@ -265,49 +245,38 @@ def test_auto_runs_flex_and_it_equals_the_reference(flex_costs):
 def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs):
     q, k, v = qkv(1, 4, None, 2000, 2000, 64, dtype=torch.float32, requires_grad=True)
     c = decide(prepare(q, k, v, masks.sliding_window(64)), False)  # gradients: no backward on the CPU
-    assert c.name != "flex" and "flex: FlexAttention does not support backward on CPU" in c.reason
+    assert c.name != "flex" and "not flex: FlexAttention does not support backward on CPU" in c.reason
 
 
 def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch):
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
-    monkeypatch.setattr(registry, "_SAVED", {})  # the decide below records: keep it out of other tests
-    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
+    monkeypatch.setattr(costs, "_MEMO", {})
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))  # the eager path builds [1, 4, N, N]: keep it small
-    monkeypatch.setattr(calibrate, "N_BIG", 1024)  # decide measures SDPA and tiled for this file too: smaller
+    monkeypatch.setattr(calibrate, "N", 256)  # decide measures SDPA and tiled for this file too: smaller
     with flex.uncompiled():
         c = calibrate.measure_flex("cpu", torch.float32)
     assert all(math.isfinite(x) and x >= 0 for x in (c.compile, c.call, c.elem)) and c.elem > 0 and c.backward is None
     saved = json.loads((tmp_path / "costs.json").read_text())
     assert any("flex float32" in entry for entry in saved.values())
-    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})  # a new process: read back from the file
-    assert calibrate.flex_costs(torch.device("cpu"), torch.float32) == c
-    cpu = torch.device("cpu")
-    calibrate.observed_compile(cpu, torch.float32, 12.5, first_in_process=False)  # a compile bhqk paid: the next estimate
-    calibrate.observed_compile(cpu, torch.float32, 30.0, first_in_process=True)  # a process's first: 17.5 s more
-    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
-    got = calibrate.flex_costs(cpu, torch.float32)
-    assert (got.compile, got.first_compile) == (12.5, 17.5)
+    monkeypatch.setattr(costs, "_MEMO", {})  # a new process: read back from the file
+    assert costs.kept(torch.device("cpu"), torch.float32, costs.FlexCosts) == c
     q, k, v = qkv(1, 2, None, 600, 600, 64, dtype=torch.float32)
-    with torch.no_grad():
+    with torch.no_grad(), costs.fixed(flex=dataclasses.replace(c, compile=12.5)):
         c = decide(prepare(q, k, v, masks.sliding_window(64)), False)
-    upfront = 12.5 if flex.compiled_any("cpu") else 30.0  # weighed with the compiles it last paid
-    assert f"not flex: it would first compile ({upfront:.3g} s)" in c.reason
+    assert c.name != "flex" and c.estimates["flex"] >= 12.5 and "compiling its kernel first (12.5 s)" in c.reason
 
 
-def test_cli_calibrate_measures_and_says_where_it_keeps_the_costs(tmp_path, monkeypatch, capsys):
+def test_cli_calibrate_measures_flex_and_says_so(tmp_path, monkeypatch, capsys):
     from bhqk import cli
 
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
-    monkeypatch.setattr(calibrate, "_FLEX_MEMO", {})
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(costs, "_MEMO", {})
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))
-    monkeypatch.setattr(calibrate, "N_BIG", 512)  # what the command says is tested here, not the figures
+    monkeypatch.setattr(calibrate, "measure", lambda dev, dt, grad=False, old=None: costs.REFERENCE[torch.float32])
     with flex.uncompiled():
         assert cli.main(["calibrate", "--flex"]) == 0
     out = capsys.readouterr().out
-    assert f"kept in: {tmp_path / 'costs.json'}" in out and "SDPA (float32)" in out and "tiled (float32)" in out
     assert "flex (float32):  compile" in out and "auto now weighs it" in out
-    assert cli.main(["calibrate", "--device", "cuda"] if not torch.cuda.is_available() else ["calibrate", "--dtype", "half"]) == 2
 
 
 # ---- compiled: one shared kernel, new sizes do not recompile --------------------------------------
@@ -365,21 +334,20 @@ def test_gpu_benchmark_exits_clearly_without_cuda(monkeypatch, capsys):
     assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
-def test_a_gpu_user_is_told_once_to_measure_flex_when_auto_falls_back_to_tiled(monkeypatch):
+def test_a_gpu_user_is_told_once_to_measure_flex_when_auto_cannot_weigh_it(monkeypatch):
     from bhqk.errors import PerformanceHint
 
-    monkeypatch.setattr(registry, "_HINTED", set())
+    monkeypatch.setattr(flex, "_HINTED", set())
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # devices as values: no GPU needed to build them
     with pytest.warns(PerformanceHint, match=r"bhqk calibrate --device cuda --flex"):
-        registry.flex_hint(cuda, torch.bfloat16, "tiled", True)
+        flex.hint(cuda, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        registry.flex_hint(cuda, torch.bfloat16, "tiled", True)  # once per device type and dtype
-        registry.flex_hint(cpu, torch.float32, "tiled", True)  # on the CPU tiled is the fast path
-        registry.flex_hint(cuda, torch.float16, "torch", True)  # SDPA ran: nothing to say
-        registry.flex_hint(cuda, torch.float16, "tiled", False)  # flex could not take the call (dropout, …)
-        with calibrate.fixed(flex_costs=FLEX):
-            registry.flex_hint(cuda, torch.float16, "tiled", True)  # measured: auto weighed flex, tiled won
+        flex.hint(cuda, torch.bfloat16)  # once per device type and dtype
+        flex.hint(cpu, torch.float32)  # on the CPU tiled is the fast path
+        with costs.fixed(flex=FLEX):  # measured: auto weighs flex, nothing to say
+            q = torch.zeros(1, 1, 4, 16)
+            flex.estimate(prepare(q, q, q, masks.causal()), False, costs.REFERENCE[torch.float32])
 
 
 @pytest.mark.slow

@@ -75,3 +75,65 @@ def test_the_checker_sees_a_violation(tmp_path):
     assert len(bad) == 2, bad
     assert "imports nn" in bad[0] and "masks/bad.py" in bad[0]
     assert "imports functional" in bad[1] and "shapes.py" in bad[1]
+
+
+# ---- no two modules import each other (docs/design.md §3): a pair that does is one module in two files
+
+# Pairs allowed to import each other: none (a new entry needs a reason written here).
+KNOWN_PAIRS: set[tuple[str, str]] = set()
+
+
+def _module_imports(path: Path, root: Path = SRC) -> set[str]:
+    """The files of the package (paths relative to ``root``) that ``path`` imports, at any depth of
+    its code (an import inside a function counts: it is still a dependency)."""
+    tree = ast.parse(path.read_text())
+    pkg = list(path.relative_to(root).parts[:-1])
+
+    def file_of(parts: list[str]) -> str | None:
+        if (root.joinpath(*parts).with_suffix(".py")).is_file():
+            return "/".join(parts) + ".py"
+        if (root.joinpath(*parts) / "__init__.py").is_file():
+            return "/".join(parts + ["__init__.py"])
+        return None
+
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[list[str]] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)]
+            elif node.module and node.module.split(".")[0] == "bhqk":
+                base = []
+            else:
+                continue
+            mod = (node.module or "").split(".") if node.module else []
+            mod = mod[1:] if not node.level else mod  # absolute: drop "bhqk"
+            targets.append(base + mod)
+            targets += [base + mod + [a.name] for a in node.names]  # `from . import x`: x may be a module
+        elif isinstance(node, ast.Import):
+            targets += [a.name.split(".")[1:] for a in node.names if a.name.startswith("bhqk.")]
+        for parts in targets:
+            f = file_of(parts) if parts else None
+            if f is not None and not f.endswith("__init__.py"):
+                found.add(f)
+    found.discard(str(path.relative_to(root)))
+    return found
+
+
+def _mutual_imports(root: Path = SRC) -> set[tuple[str, str]]:
+    graph = {str(p.relative_to(root)): _module_imports(p, root) for p in root.rglob("*.py")}
+    return {(a, b) for a, deps in graph.items() for b in deps if a < b and a in graph.get(b, set())}
+
+
+def test_no_two_modules_import_each_other():
+    pairs = _mutual_imports() - KNOWN_PAIRS
+    assert not pairs, "modules importing each other: " + ", ".join(f"{a} <-> {b}" for a, b in sorted(pairs))
+
+
+def test_the_checker_sees_a_pair_importing_each_other(tmp_path):
+    (tmp_path / "masks").mkdir()
+    (tmp_path / "masks" / "__init__.py").write_text("")
+    (tmp_path / "masks" / "a.py").write_text("from .b import x\n")
+    (tmp_path / "masks" / "b.py").write_text("def f():\n    from . import a\n")  # inside a function counts too
+    (tmp_path / "masks" / "c.py").write_text("from bhqk.masks.a import y\n")  # one way only: fine
+    assert _mutual_imports(tmp_path) == {("masks/a.py", "masks/b.py")}

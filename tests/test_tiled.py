@@ -19,7 +19,7 @@ from bhqk.functional.merge import merge
 from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, _pow2_floor, classify_leaves, make_plan, plan_for, split, workers
 from bhqk.masks import Tile
 from conftest import mask_kinds, qkv
-from tolerance import assert_low_precision_close, assert_paths_close
+from tolerance import assert_close, assert_low_precision_close, assert_paths_close
 
 NEG_INF = float("-inf")
 
@@ -288,6 +288,50 @@ def test_nan_in_an_attended_value_poisons_the_rows_that_attend_it():
     out = bhqk.attention(q, k, v, masks.causal(), backend="tiled", block_q=4, block_k=4)
     assert torch.isnan(out[0, 0, 5:]).all()  # these attend key 5, as the reference
     assert torch.isfinite(out[0, 0, :4]).all()
+
+
+def _grads(backend, q, k, v, m, dout):
+    ts = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = bhqk.attention(*ts, m, backend=backend, block_q=4, block_k=4) if backend == "tiled" else \
+        bhqk.attention(*ts, m, backend=backend)
+    return (out, *torch.autograd.grad(out, ts, dout.to(out.dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hkv", [2, 4])  # GQA takes the per-query-head path, Hkv = H the per-tile one
+def test_low_precision_nonfinite_keys_and_values_reach_exactly_the_rows_that_may_attend_them(dtype, Hkv):
+    """Issue 18 item 2: bf16/fp16 with NaN/inf in k or v crashed the tiled path (its NaN/inf flags
+    were kept in the input dtype, multiplied with float32 scores). Unattended: nothing changes,
+    forward or backward; attended: NaN/inf exactly in the rows that may attend them."""
+    B, H, Q, K = 2, 4, 6, 12
+    q, k, v = (t.to(dtype) for t in qkv(B, H, Hkv, Q, K, d=8))
+    dout = torch.randn(B, H, Q, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    m = masks.padding(torch.tensor([7, 10]))
+    clean = _grads("tiled", q, k, v, m, dout)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 10:] = float("nan")  # the issue's repro: poison in the padding only
+    v2[0, :, 7:] = float("inf")
+    poisoned = _grads("tiled", q, k2, v2, m, dout)
+    for got, want, n in zip(poisoned, clean, (K, B * Q, B * Q, B * Q)):
+        assert torch.isfinite(got).all()
+        assert_close(got.float(), want.double(), dtype=dtype, n=n)
+    exact = _grads("reference", q.double(), k.double(), v.double(), m, dout)
+    assert_close(poisoned[0].float(), exact[0], dtype=dtype, n=K)
+    for backend in ("auto", "torch"):  # both hand such calls to the tiled backend
+        assert_close(bhqk.attention(q, k2, v2, m, backend=backend).float(), exact[0], dtype=dtype, n=K)
+
+    causal = masks.causal("top_left") & m  # row i may attend keys ≤ i
+    k3, v3 = k2.clone(), v2.clone()
+    v3[0, :, 4] = float("inf")  # batch 0: rows 4.. may attend key 4
+    k3[1, :, 2] = float("nan")  # batch 1: rows 2.. may attend key 2
+    out, dq, _, _ = _grads("tiled", q, k3, v3, causal, dout)
+    want = bhqk.attention(q.double(), k3.double(), v3.double(), causal, backend="reference")
+    attends = torch.zeros(B, 1, Q, 1, dtype=torch.bool)
+    attends[0, :, 4:], attends[1, :, 2:] = True, True  # [B, 1, Q, 1]: the rows that may attend a poisoned key
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.equal(torch.isinf(out), torch.isinf(want))
+    assert torch.equal(~torch.isfinite(out).all(-1, keepdim=True), attends.expand(B, H, Q, 1))
+    assert_close(torch.where(attends, 0.0, out.float()), torch.where(attends, 0.0, want), dtype=dtype, n=K)
+    assert torch.isfinite(dq[~attends.expand(B, H, Q, 1).squeeze(-1)]).all()  # no row that may not attend them gets NaN
 
 
 # ---- the internal forward/backward contract (ring attention builds on it) -------------------------

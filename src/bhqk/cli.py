@@ -108,30 +108,26 @@ def cmd_mask(a: argparse.Namespace) -> str:
 
 def cmd_calibrate(a: argparse.Namespace) -> str:
     """Measure what attention costs here (what ``auto`` weighs), and FlexAttention's with --flex."""
-    from .functional import calibrate
+    from .functional import calibrate, costs
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False).")
-    where = calibrate.stored_in()
-    out = [f"machine: {calibrate.machine_key(dev.type)}",
+    where = costs.stored_in()
+    out = [f"machine: {costs.machine_key(dev.type)}",
            f"kept in: {where}" if where else "kept in: this process only (BHQK_COSTS is 'measure' or 'reference')"]
     c = calibrate.remeasure(dev, dtype)
     ns = lambda t: f"{1e9 * t:.3g} ns"  # noqa: E731
     out += [f"SDPA ({a.dtype}):  {1e6 * c.sdpa_call:.3g} µs per call, {ns(c.sdpa_elem)} per score entry, "
-            f"causal × {c.sdpa_causal:.2f} (forward+backward × {c.sdpa_causal_backward:.2f}), "
-            f"forward+backward × {c.sdpa_backward:.2f}",
-            f"tiled ({a.dtype}): the reference machine's tile model × {c.tiled_fixed:.2f} (fixed part), "
-            f"× {c.tiled_elem:.2f} (per entry), × {c.tiled_partial:.2f} (masked tiles); forward+backward: "
-            f"× {c.tiled_fixed_backward:.2f} (fixed), × {c.tiled_elem_backward:.2f} (per entry)"]
+            f"+{ns(c.sdpa_mask_elem)} per entry of a dense mask, forward+backward × {c.sdpa_backward:.2f}",
+            f"tiled ({a.dtype}): the tile model × {c.tiled_scale:.2f}, forward+backward × {c.tiled_backward:.2f}"]
     if a.flex:
         f = calibrate.measure_flex(dev, dtype)
         back = "no backward here" if f.backward is None else f"forward+backward × {f.backward:.2f}"
-        out.append(f"flex ({a.dtype}):  compile {f.compile:.3g} s a kernel (+{f.first_compile:.3g} s for a process's first), "
-                   f"{1e6 * f.call:.3g} µs per call, "
+        out.append(f"flex ({a.dtype}):  compile {f.compile:.3g} s a kernel, {1e6 * f.call:.3g} µs per call, "
                    f"{ns(f.elem)} per visited score entry, {back}; auto now weighs it")
     else:
-        out.append("flex: not measured (--flex compiles two kernels: tens of seconds on a CPU); "
+        out.append("flex: not measured (--flex compiles a kernel: tens of seconds on a CPU); "
                    "until it is, auto does not weigh it")
     return "\n".join(out)
 

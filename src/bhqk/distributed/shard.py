@@ -101,7 +101,7 @@ def gather(x: torch.Tensor, *, dim: int = 2, scheme: str = "zigzag", group=None)
     """The whole tensor on every rank from each rank's shard ``x`` (an all-gather; not differentiable)."""
     import torch.distributed as dist
 
-    from .ring import Ring
+    from .group import Ring
 
     ring = Ring.of(group)
     pieces = [torch.empty_like(x) for _ in range(ring.size)]

@@ -26,18 +26,17 @@ to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully m
 returned lse includes the sink, as on every backend; the seam is in :func:`run`, and on the CPU it
 needs the lse the compiled kernel lacks.
 ``auto`` weighs this backend only where its costs were measured on this machine
-(``calibrate.measure_flex``, ``bhqk calibrate --flex``), and counts the compile: a kernel not yet
-compiled is paid for only once calls with its key would have saved more than the compile takes
-(see ``registry.decide``). The first call of each kernel is timed, and that compile becomes the
-estimate of the next (``calibrate.observed_compile``).
+(``calibrate.measure_flex``, ``bhqk calibrate --flex``), and charges a kernel not yet compiled in
+this process its whole compile (:func:`estimate`): auto compiles only for a call that pays for it
+alone; a structure run once by name is compiled from then on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import shutil
-import time
 import types
 import weakref
 
@@ -46,11 +45,12 @@ import torch
 from ..bias import ALiBi, Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
-from ..errors import BackendError
+from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Mask
 from ..masks.base import index4, scalar
 from ..shapes import all_finite
-from . import calibrate
+from . import costs
+from .costs import Costs, Estimate, FlexCosts
 from .merge import with_sinks
 from .problem import Problem
 
@@ -308,19 +308,14 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     else:
         fn = _call
     sinks = p.sinks
-    if _COMPILE and key not in _WARM:  # its first call compiles: timed, the estimate of the next compile
-        t0 = time.perf_counter()
+    if _COMPILE and key not in _WARM:  # its first call compiles
         try:
             out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
         except Exception as e:  # noqa: BLE001 — any compile failure: refused from now on, in words
             _BROKEN[key] = f"its kernel for this structure failed to compile here ({type(e).__name__}: {str(e)[:200]})"
             forget(key)
             raise BackendError(f"backend 'flex' cannot take this call: {_BROKEN[key]}.") from e
-        if q.device.type == "cuda":
-            torch.cuda.synchronize(q.device)
-        first = not compiled_any(q.device.type)
         _WARM.add(key)
-        calibrate.observed_compile(q.device, q.dtype, time.perf_counter() - t0, first)
     else:
         out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
     if _COMPILE and p.needs_grad:
@@ -328,3 +323,42 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
         out, lse = with_sinks(out, lse, sinks)
     return out, (lse if need_lse else None)
+
+
+# ---- its cost model (what ``auto`` weighs; the numbers are measured by ``calibrate.measure_flex``) ----
+
+def estimate(p: Problem, grad: bool, c: Costs) -> Estimate:
+    """Seconds of compiled FlexAttention: per call plus per score entry of the blocks it visits (×
+    the head width over 64), by its costs measured on this machine (none: inf, it is not weighed),
+    plus the whole compile while this structure's kernel has not compiled in this process."""
+    dev, dt = p.q.device, p.q.dtype
+    fc = costs.kept(dev, dt, FlexCosts)
+    if fc is None:
+        hint(dev, dt)
+        where = f"{dev.type}, {str(dt).removeprefix('torch.')}"
+        return Estimate(math.inf, f"its costs were never measured on this machine ({where}); "
+                                  "`bhqk calibrate --flex` measures them once (it compiles kernels)")
+    if grad and fc.backward is None:
+        return Estimate(math.inf, "its forward+backward was never measured on this machine")
+    entries = visited(p)
+    width = (p.sizes["d"] + p.sizes["dv"]) / 128
+    t = (fc.call + entries * fc.elem * width) * ((fc.backward or 1.0) if grad else 1.0)
+    note = f"{entries / max(1, p.ext.B * p.ext.H * p.ext.Q * p.ext.K):.0%} of the scores in the blocks it visits"
+    key = kernel_key(p)
+    if _COMPILE and not (compiled(key) and (not grad or compiled(key, backward=True))):
+        return Estimate(t + fc.compile, note + f", compiling its kernel first ({fc.compile:.3g} s)")
+    return Estimate(t, note + ", compiled")
+
+
+_HINTED: set[tuple[str, torch.dtype]] = set()
+
+
+def hint(device: torch.device, dtype: torch.dtype) -> None:
+    """Once per (device type, dtype) off the CPU: a PerformanceHint that auto cannot weigh
+    FlexAttention, usually much faster for masks on a GPU, until its costs are measured there."""
+    if device.type != "cpu" and (device.type, dtype) not in _HINTED:
+        _HINTED.add((device.type, dtype))
+        warn_user(f"bhqk: auto cannot weigh FlexAttention on {device.type} ({str(dtype).removeprefix('torch.')}): its costs "
+                  "were never measured on this machine; on a GPU it is usually much faster for masks: run "
+                  f"`bhqk calibrate --device {device.type} --flex` once (it is kept for this machine), or pass backend='flex'.",
+                  PerformanceHint)

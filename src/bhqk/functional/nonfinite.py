@@ -13,12 +13,13 @@ import torch
 from ..shapes import all_finite
 
 
-def finite_part(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def finite_part(v: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(v with NaN/inf replaced by 0, flags [.., K, 3·dv] marking NaN | +inf | -inf in v), or
-    (v, None) when v is finite. flags has v's dtype."""
+    (v, None) when v is finite. flags has ``dtype`` (default v's: the dtype the scores are
+    computed in, which the reach indicator multiplying them has)."""
     if all_finite(v):
         return v, None
-    flags = torch.cat([v.isnan(), v == float("inf"), v == float("-inf")], dim=-1).to(v.dtype)  # [.., K, 3·dv]
+    flags = torch.cat([v.isnan(), v == float("inf"), v == float("-inf")], dim=-1).to(dtype or v.dtype)  # [.., K, 3·dv]
     return v.masked_fill(~torch.isfinite(v), 0.0), flags
 
 

@@ -510,7 +510,7 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     finite = all_finite(p.k, p.v)
     if not finite and H > Hkv:
         return _forward(_per_query_head(p), plan)
-    v, flags = (p.v, None) if finite else finite_part(p.v)  # NaN/inf in v as 0; flags [B, Hkv, K, 3·dv] say where
+    v, flags = (p.v, None) if finite else finite_part(p.v, compute_dtype(p.q))  # v with NaN/inf as 0; flags [B, Hkv, K, 3·dv]
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
     n_workers = workers(p.q.device)  # 1 on the device path: one job, run inline
     parts = split(B, Hkv, n_workers)

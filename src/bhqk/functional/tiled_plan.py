@@ -33,6 +33,7 @@ import torch
 from ..errors import BackendError
 from ..masks import And, Causal, Dense, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, Predicate, SlidingWindow, Tile
 from ..masks.dense import GRID_CODES
+from .costs import Costs, Estimate
 from .problem import Problem
 
 
@@ -183,7 +184,7 @@ class Plan:
         return sum(self.parts(rows_per_q, n_workers))
 
     def parts(self, rows_per_q: int, n_workers: int = 1) -> tuple[float, float, float]:
-        """:meth:`cost` in three parts, which ``calibrate`` scales to the machine one by one: fixed
+        """:meth:`cost` in three parts (:func:`estimate` scales the last two by the head width): fixed
         (per call, rectangle, row group), per entry and row (the matmuls, exp2, the O(Q·d) passes),
         and the mask's extra on partial rectangles."""
         m, Q = self.model, (self.rows[-1].q1 if self.rows else 0)
@@ -465,3 +466,15 @@ def _plan(p: Problem) -> Plan:
     rows_per_q, n = p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device)))
     plans = [make_plan(p, bq, bk, group) for bq, bk in sorted(candidates, reverse=True)]
     return min(plans, key=lambda pl: pl.cost(rows_per_q, n))
+
+
+def estimate(p: Problem, grad: bool, c: Costs) -> Estimate:
+    """The tiled backend's seconds: its tile plan's model seconds (the plan it will run; per-entry
+    parts × the head width over 64) × this machine's measured scale (``costs.Costs.tiled_scale``,
+    or ``tiled_backward`` for forward+backward). One scale for the whole model, so the estimate
+    ranks plans as the planner does."""
+    plan = plan_for(p)
+    fixed, entries, partial = plan.parts(p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device))))
+    model_s = fixed + (entries + partial) * (p.sizes["d"] + p.sizes["dv"]) / 128
+    scale = (c.tiled_backward or c.tiled_scale) if grad else c.tiled_scale
+    return Estimate(model_s * scale, f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles", plan)

@@ -9,25 +9,66 @@ answer as every other backend."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ..bias import Bias
 from ..masks import Causal, to_sdpa
 from ..shapes import all_finite, per_query_head
+from .costs import Costs, Estimate
 from .problem import Problem
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 HAS_GQA = _TORCH >= (2, 5)  # enable_gqa= and zero output for fully masked rows arrived in 2.5
 
 
+def all_allowed(p: Problem) -> bool:
+    """The mask lets every query attend every key: none, or bottom-right causal with one query (a
+    decode step: its query sits at the last key position)."""
+    m = p.mask
+    return m is None or (isinstance(m, Causal) and m.align == "bottom_right" and p.ext.Q == 1)
+
+
 def structure_free(p: Problem) -> bool:
     """True when SDPA can take the call without a dense [.., Q, K] mask or bias."""
     if p.bias is not None:
         return False
-    if p.mask is None:
+    if all_allowed(p):
         return True
     return isinstance(p.mask, Causal) and (p.mask.align == "top_left" or p.ext.Q == p.ext.K)
+
+
+def share(p: Problem) -> float | None:
+    """Its claim as an exact fused kernel (``Backend.share``): the fraction of the B·H·Q·K scores
+    it computes, where it needs no dense mask or bias (is_causal skips the upper triangle), else
+    None; None too for dropout on the CPU, which runs SDPA's math path ([B, H, Q, K] in memory)."""
+    if not structure_free(p) or (p.dropout_p > 0 and p.q.device.type == "cpu"):
+        return None
+    Q, K = p.ext.Q, p.ext.K
+    if all_allowed(p) or Q * K == 0:
+        return 1.0
+    allowed = Q * (Q + 1) // 2 if Q <= K else K * (K + 1) // 2 + (Q - K) * K  # top-left: row i sees keys 0..i
+    return allowed / (Q * K)
+
+
+DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA
+
+
+def estimate(p: Problem, grad: bool, c: Costs) -> Estimate:
+    """Seconds by this machine's costs (``costs.Costs``): per call, per score entry (× the head
+    width over 64) and per entry of the dense mask/bias built for it; forward+backward × its ratio."""
+    e = p.ext
+    if p.dropout_p > 0 and p.q.device.type == "cpu":
+        return Estimate(math.inf, "its dropout runs SDPA's math path, which builds [B, H, Q, K]")
+    dense = 0 if structure_free(p) else e.B * e.Q * e.K * (e.H if p.bias is not None else 1)
+    if dense > DENSE_LIMIT:
+        return Estimate(math.inf, f"it would need a dense mask/bias of {dense} entries (> {DENSE_LIMIT}); "
+                        "auto does not build O(Q·K) tensors for it")
+    width = (p.sizes["d"] + p.sizes["dv"]) / 128
+    t = c.sdpa_call + e.B * e.H * e.Q * e.K * (c.sdpa_elem * width + (c.sdpa_mask_elem if dense else 0.0))
+    return Estimate(t * ((c.sdpa_backward or 1.0) if grad else 1.0), f"dense mask {dense / 1e6:.3g} M entries" if dense else "")
 
 
 def why_not(p: Problem, need_lse: bool) -> str | None:
@@ -56,7 +97,7 @@ def _bias(p: Problem, bias_: Bias) -> torch.Tensor:
 def _nonfinite(p: Problem) -> bool:
     """q, or (with a mask or bias) k or v, holds NaN/inf. Without a mask or bias every row attends
     every key, so NaN/inf in k or v reach every row in SDPA as in the formula; only q is checked."""
-    structured = p.mask is not None or p.bias is not None
+    structured = not all_allowed(p) or p.bias is not None
     return not all_finite(p.q, *((p.k, p.v) if structured else ()))
 
 
@@ -68,7 +109,7 @@ def hands_off(p: Problem) -> tuple[str, str] | None:
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA on a call it computes right (finite inputs: see :func:`hands_off`): out [B, H, Q, dv], no lse."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
-    kw = to_sdpa(p.mask, B, H, Q, K, device=p.q.device)
+    kw = to_sdpa(None if all_allowed(p) else p.mask, B, H, Q, K, device=p.q.device)
     attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
     if is_causal and p.bias is not None and p.mask is not None:
         attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # SDPA takes no is_causal with a mask

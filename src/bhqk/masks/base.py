@@ -164,13 +164,14 @@ class Mask:
                                         mask_mod=self.mask_mod(B, H, Q, K, device), seq_lengths=(Q, K))
 
 
+FROM_TENSOR: list[Callable[[torch.Tensor], Mask]] = []  # masks.dense adds ``dense`` at import (base imports nothing above it)
+
+
 def _as_mask(m: object) -> Mask:
     if isinstance(m, Mask):
         return m
-    if isinstance(m, torch.Tensor):
-        from .dense import dense
-
-        return dense(m)
+    if isinstance(m, torch.Tensor) and FROM_TENSOR:
+        return FROM_TENSOR[0](m)
     raise MaskError(f"cannot combine a mask with {type(m).__name__}; use bhqk.masks.dense(tensor) for tensors.")
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, as_4d, check_broadcast, tile_of
-from .base import NEGATED, Extent, Mask, Tile
+from .base import FROM_TENSOR, NEGATED, Extent, Mask, Tile
 
 
 class Dense(Mask):
@@ -167,3 +167,6 @@ def _blocks(x: torch.Tensor, dim: int, size: int, reduce) -> torch.Tensor:
 def dense(tensor: torch.Tensor) -> Dense:
     """A bool tensor that broadcasts to [B, H, Q, K]; True = may attend."""
     return Dense(tensor)
+
+
+FROM_TENSOR.append(dense)  # ``mask & tensor`` and ``and_masks(tensor, ...)`` in base take a tensor as this
