@@ -19,6 +19,7 @@ from bhqk.errors import BackendError
 from bhqk.functional import Backend, Estimate, calibrate, costs, prepare, register, registry, tiled, unregister
 from bhqk.functional.tiled_plan import Plan
 from conftest import qkv
+from tolerance import assert_close
 
 
 @pytest.fixture
@@ -28,7 +29,20 @@ def reference_costs(two_threads):
 
 
 @pytest.fixture
-def fake():
+def no_span_path():
+    """The registry without the span path, for the tests of how auto weighs calls no fused kernel
+    claims (before the span path existed, every masked call was such a call)."""
+    saved = dict(registry._REGISTRY)
+    unregister("spans")
+    try:
+        yield
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+
+
+@pytest.fixture
+def fake(no_span_path):
     """A backend that computes with the reference, costs what the test says, and refuses on demand."""
     state = {"seconds": 1e-6, "refuse": None, "runs": 0}
 
@@ -62,12 +76,31 @@ def spans():
         m = p.mask.materialize(1, 1, p.ext.Q, p.ext.K)
         return int(m.sum()) / m.numel()
 
+    saved = dict(registry._REGISTRY)  # the real span path, in registration order (ties go to the first registered)
     register(Backend(name="spans", run=run, why_not=lambda p, need_lse: state["refuse"],
                      hands_off=registry.get("torch").hands_off, traceable=False, share=share))
     try:
         yield state
     finally:
-        unregister("spans")
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+
+
+def test_auto_runs_the_real_span_path_where_a_mask_lets_it_skip_and_sdpa_where_nothing_can_be(reference_costs):
+    q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32)
+    for mask in (masks.sliding_window(16), masks.causal("bottom_right") & masks.padding(200),
+                 masks.document(torch.arange(300) // 100)):
+        choice = bhqk.choose_backend(q, k, v, mask)
+        assert choice.name == "spans" and choice.estimates == {}, choice.reason
+        assert choice.reason.startswith("spans: ")
+    assert bhqk.choose_backend(q, k, v).name == "torch"
+    assert bhqk.choose_backend(q, k, v, masks.causal()).name == "torch"
+    assert bhqk.choose_backend(q, k, v, masks.sliding_window(16), softcap=5.0).name == "tiled"  # no softcap in the kernel
+    out, lse = bhqk.attention(q, k, v, masks.sliding_window(16), return_lse=True)
+    want, want_lse = bhqk.attention(q.double(), k.double(), v.double(), masks.sliding_window(16), backend="reference",
+                                    return_lse=True)
+    assert_close(out, want, n=300)
+    assert_close(lse, want_lse, n=300)
 
 
 def test_a_fused_backend_named_per_the_contract_is_chosen_by_structure(spans, reference_costs):
@@ -127,17 +160,15 @@ def test_policy_choices_and_reasons(reference_costs):
     assert plain.name == "torch" and plain.reason.startswith("torch: PyTorch's fused kernel computes this call exactly, 100%")
     causal = decide(masks.causal())
     assert causal.name == "torch" and "50% of the scores" in causal.reason
-    assert decide(lse=True).name == "tiled"  # only tiled returns lse (until the span path)
-    assert decide(softcap=30.0).name == "tiled"
+    assert decide(lse=True).name == "spans"  # SDPA returns no lse; the span path does, over the whole key range
+    assert decide(softcap=30.0).name == "tiled"  # the fused kernel has no softcap
     win = decide(masks.sliding_window(256))
-    assert win.name == "tiled" and win.estimates["tiled"] * 3 < win.estimates["torch"]
-    assert isinstance(win.plan, Plan) and win.plan.fraction(prepare(q, k, v).ext) < 0.2
-    dense_win = decide(masks.sliding_window(256).materialize(1, 1, 4096, 4096))
-    assert dense_win.name == "tiled" and "dense mask 16.8 M entries" in dense_win.reason
-    assert decide(masks.document(torch.arange(4096) // 512)).name == "tiled"
+    assert win.name == "spans" and "of the scores" in win.reason
+    assert registry.get("spans").share(prepare(q, k, v, masks.sliding_window(256))) < 0.2
+    assert decide(masks.sliding_window(256).materialize(1, 1, 4096, 4096)).name == "spans"  # a dense mask is classified too
+    assert decide(masks.document(torch.arange(4096) // 512)).name == "spans"
     huge = torch.zeros(1, 1, 8192, 8)
-    far = registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False)
-    assert far.name == "tiled" and "not torch: it would need a dense mask" in far.reason
+    assert registry.decide(prepare(huge, huge, huge, masks.padding(6000)), False).name == "spans"
     dropping = registry.decide(prepare(huge, huge, huge, dropout_p=0.1), False)
     assert dropping.name == "tiled" and "math path" in dropping.reason  # SDPA's CPU dropout builds [B, H, Q, K]
     assert bhqk.why_not("tiled", huge, huge, huge, dropout_p=0.1) is None
@@ -145,7 +176,7 @@ def test_policy_choices_and_reasons(reference_costs):
     assert step.name == "torch" and "100%" in step.reason  # a decode step: its one query sees every key
 
 
-def test_tiny_masked_calls_go_to_sdpa_by_estimate(reference_costs):
+def test_tiny_masked_calls_go_to_sdpa_by_estimate(reference_costs, no_span_path):
     q, k, v = qkv(2, 4, 2, 1, 9, d=8, dtype=torch.float32)  # a decode step with a KV cache
     pad = masks.key_padding(torch.tensor([[True] * 9, [False] * 3 + [True] * 6]))
     for mask in (pad, pad & masks.causal("bottom_right")):
@@ -154,7 +185,7 @@ def test_tiny_masked_calls_go_to_sdpa_by_estimate(reference_costs):
     torch.testing.assert_close(bhqk.attention(q, k, v, pad), bhqk.attention(q, k, v, pad, backend="reference"))
 
 
-def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, monkeypatch):
+def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, no_span_path, monkeypatch):
     q, k, v = qkv(1, 2, None, 300, 300, d=8, dtype=torch.float32, requires_grad=True)
     fwd = bhqk.choose_backend(q.detach(), k.detach(), v.detach(), masks.sliding_window(8), return_lse=True)
     both = bhqk.choose_backend(q, k, v, masks.sliding_window(8), return_lse=True)
@@ -170,7 +201,7 @@ def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, monkeypat
         torch.testing.assert_close(a, b)
 
 
-def test_no_backend_possible_names_every_refusal(reference_costs, monkeypatch):
+def test_no_backend_possible_names_every_refusal(reference_costs, no_span_path, monkeypatch):
     q, k, v = qkv(1, 2, None, 8, 8, d=4, dtype=torch.float32)
     refusing = dataclasses.replace(registry.get("tiled"), why_not=lambda p, need_lse: "it refuses for this test")
     monkeypatch.setitem(registry._REGISTRY, "tiled", refusing)
@@ -261,7 +292,7 @@ def test_models_use_auto_directly():
     assert not hasattr(common, "backend_for")
 
 
-def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(reference_costs):
+def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(reference_costs, no_span_path):
     q, k, v = qkv(1, 2, None, 1, 40, d=8, dtype=torch.float32)  # a decode step
     step = masks.causal("bottom_right")
     assert bhqk.choose_backend(q, k, v, step).name == "torch"
