@@ -45,6 +45,21 @@ NOT_RUN = pytest.StashKey[int]()
 
 
 @pytest.fixture
+def no_span_path():
+    """The registry without the span path, for the tests of how auto weighs calls no fused kernel
+    claims (on the CPU the span path claims every masked call the fused kernel can compute)."""
+    from bhqk.functional import registry
+
+    saved = dict(registry._REGISTRY)  # in registration order: ties of shares go to the first registered
+    registry.unregister("spans")
+    try:
+        yield
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+
+
+@pytest.fixture
 def two_threads():
     """The reference machine's two threads (workers) for the test, restored after it."""
     n = torch.get_num_threads()

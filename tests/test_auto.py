@@ -17,7 +17,6 @@ import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
 from bhqk.functional import Backend, Estimate, calibrate, costs, prepare, register, registry, tiled, unregister
-from bhqk.functional.tiled_plan import Plan
 from conftest import qkv
 from tolerance import assert_close
 
@@ -26,19 +25,6 @@ from tolerance import assert_close
 def reference_costs(two_threads):
     with costs.fixed():
         yield
-
-
-@pytest.fixture
-def no_span_path():
-    """The registry without the span path, for the tests of how auto weighs calls no fused kernel
-    claims (before the span path existed, every masked call was such a call)."""
-    saved = dict(registry._REGISTRY)
-    unregister("spans")
-    try:
-        yield
-    finally:
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(saved)
 
 
 @pytest.fixture

@@ -188,7 +188,7 @@ def test_why_not_names_each_limit():
         bhqk.attention(*qkv(1, 2, None, 4, 4, 8, requires_grad=True), backend="flex")
 
 
-def test_auto_does_not_weigh_flex_until_its_costs_are_measured():
+def test_auto_does_not_weigh_flex_until_its_costs_are_measured(no_span_path):
     assert "flex" in names()
     for Q, m in ((300, masks.sliding_window(16)), (2000, masks.sliding_window(64))):  # calls no fused kernel claims
         q, k, v = qkv(1, 2, None, Q, Q, 16, dtype=torch.float32)
@@ -214,7 +214,7 @@ def _window_call(Q=4096, seed=0):
     return prepare(q, k, v, masks.sliding_window(256))
 
 
-def test_auto_compiles_flex_only_for_a_call_that_pays_for_the_compile_alone(flex_costs, monkeypatch):
+def test_auto_compiles_flex_only_for_a_call_that_pays_for_the_compile_alone(flex_costs, monkeypatch, no_span_path):
     monkeypatch.setattr(flex, "compiled", lambda key, backward=False: False)  # never compiled: decide only, nothing runs
     with torch.no_grad(), costs.fixed(flex=costs.FlexCosts(compile=0.1, call=1e-4, elem=0.2e-9)):
         first = decide(_window_call(), False)
@@ -225,14 +225,14 @@ def test_auto_compiles_flex_only_for_a_call_that_pays_for_the_compile_alone(flex
         assert decide(_window_call(Q=64), False).name == "torch"  # a tiny call: never
 
 
-def test_auto_picks_a_compiled_flex_kernel_from_the_first_call(flex_costs, monkeypatch):
+def test_auto_picks_a_compiled_flex_kernel_from_the_first_call(flex_costs, monkeypatch, no_span_path):
     monkeypatch.setattr(flex, "compiled", lambda key, backward=False: True)
     with torch.no_grad():
         c = decide(_window_call(), False)
     assert c.name == "flex" and "compiled" in c.reason and "compiling" not in c.reason
 
 
-def test_auto_runs_flex_and_it_equals_the_reference(flex_costs):
+def test_auto_runs_flex_and_it_equals_the_reference(flex_costs, no_span_path):
     q, k, v = qkv(2, 4, 2, 700, 700, 32, dtype=torch.float32)
     m = masks.sliding_window(64) & masks.padding(torch.tensor([700, 500]))
     with flex.uncompiled(), torch.no_grad():  # the eager path compiles nothing: no compile to charge
@@ -242,13 +242,13 @@ def test_auto_runs_flex_and_it_equals_the_reference(flex_costs):
     assert_paths_close(got, want, n=700)
 
 
-def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs):
+def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs, no_span_path):
     q, k, v = qkv(1, 4, None, 2000, 2000, 64, dtype=torch.float32, requires_grad=True)
     c = decide(prepare(q, k, v, masks.sliding_window(64)), False)  # gradients: no backward on the CPU
     assert c.name != "flex" and "not flex: FlexAttention does not support backward on CPU" in c.reason
 
 
-def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch):
+def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch, no_span_path):
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
     monkeypatch.setattr(costs, "_MEMO", {})
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))  # the eager path builds [1, 4, N, N]: keep it small
@@ -380,7 +380,7 @@ def test_why_not_says_when_the_cpu_has_no_cpp_compiler(monkeypatch):
         flex._no_compiler.cache_clear()
 
 
-def test_a_kernel_that_fails_to_compile_is_refused_and_auto_runs_its_next_choice(flex_costs, monkeypatch):
+def test_a_kernel_that_fails_to_compile_is_refused_and_auto_runs_its_next_choice(flex_costs, monkeypatch, no_span_path):
     def broken(key):
         def fail(*args):
             raise NotImplementedError("NYI: a lowering this structure needs")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
-from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow
+from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow, tensor_versions
 from ..shapes import all_finite
 from .merge import merge_
 from .problem import Problem
@@ -180,28 +180,18 @@ def plan_for(p: Problem) -> Plan:
         plan = _plan(p)
     else:
         e = p.ext
-        key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p), _versions(p.mask))
+        key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p), tensor_versions(p.mask))
         store = p.mask._grids.setdefault("span_plans", {}) if isinstance(p.mask, Dense) else _PLANS.setdefault(p.mask, {})
-        plan = store.get(key)
+        plan = store.get(key) if key[-1] is not None else None
         if plan is None:
             plan = _plan(p)
-            if len(store) >= _KEPT:
-                for old in list(store)[: _KEPT // 2]:
-                    del store[old]
-            store[key] = plan
+            if key[-1] is not None:  # None: an inference tensor, no version to key a kept plan by
+                if len(store) >= _KEPT:
+                    for old in list(store)[: _KEPT // 2]:
+                        del store[old]
+                store[key] = plan
     _LAST[:] = [weakref.ref(p), plan]
     return plan
-
-
-def _versions(x: object) -> tuple:
-    """(address, version) of every tensor a mask holds, its parts' included."""
-    out: list = []
-    for value in vars(x).values():
-        if isinstance(value, torch.Tensor):
-            out.append((value.data_ptr(), value._version))
-        elif isinstance(value, Mask):
-            out.extend(_versions(value))
-    return tuple(out)
 
 
 def _plan(p: Problem) -> Plan:

@@ -31,7 +31,22 @@ from typing import NamedTuple
 import torch
 
 from ..errors import BackendError
-from ..masks import And, Causal, Dense, Document, Extent, KeyPadding, KeysBelow, Mask, Not, Or, Predicate, SlidingWindow, Tile
+from ..masks import (
+    And,
+    Causal,
+    Dense,
+    Document,
+    Extent,
+    KeyPadding,
+    KeysBelow,
+    Mask,
+    Not,
+    Or,
+    Predicate,
+    SlidingWindow,
+    Tile,
+    tensor_versions,
+)
 from ..masks.dense import GRID_CODES
 from .costs import Costs, Estimate
 from .problem import Problem
@@ -418,16 +433,18 @@ def plan_for(p: Problem) -> Plan:
     into a mask's tensor in place makes a new plan."""
     e = p.ext
     key = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), on_device(p.q.device),
-           workers(p.q.device), _versions(p.mask))
+           workers(p.q.device), tensor_versions(p.mask))
     if p.mask is None:
         store = _PLANS_UNMASKED
     elif isinstance(p.mask, Dense):  # a tensor handed to every layer is wrapped anew at each call: kept per tensor
         store = p.mask._grids.setdefault("plans", {})
     else:
         store = _PLANS.setdefault(p.mask, {})
-    plan = store.get(key)
+    plan = store.get(key) if key[-1] is not None else None
     if plan is None:
         plan = _plan(p)
+        if key[-1] is None:  # an inference tensor: no version to key a kept plan by
+            return plan
         if len(store) >= _KEPT:
             for old in list(store)[: _KEPT // 2]:
                 del store[old]
@@ -435,17 +452,6 @@ def plan_for(p: Problem) -> Plan:
     return plan
 
 
-def _versions(x: object) -> tuple:
-    """(id, version) of every tensor a mask holds, its parts' included (what an in-place write changes)."""
-    if x is None:
-        return ()
-    out: list = []
-    for value in vars(x).values():
-        if isinstance(value, torch.Tensor):  # alive while its owner is: its address names it
-            out.append((value.data_ptr(), value._version))
-        elif isinstance(value, Mask):
-            out.extend(_versions(value))
-    return tuple(out)
 
 
 def _plan(p: Problem) -> Plan:

@@ -5,7 +5,7 @@ draws it; ``classify(extent, q0, q1, k0, k1)`` says whether a tile is empty, ful
 For FlexAttention: ``mask_mod(B, H, Q, K)`` and ``block_mask(B, H, Q, K, block, device)``.
 """
 
-from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks
+from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks, tensor_versions
 from .causal import Causal, causal
 from .convert import as_mask, from_hf, from_torch_mha, to_sdpa
 from .dense import Dense, dense
@@ -20,6 +20,6 @@ __all__ = [
     "Mask", "Tile", "Extent", "And", "Or", "Not", "and_masks", "or_masks",
     "causal", "padding", "key_padding", "sliding_window", "document", "prefix_lm", "predicate", "dense",
     "key_span", "block_span", "Span",
-    "from_torch_mha", "from_hf", "to_sdpa", "as_mask",
+    "from_torch_mha", "from_hf", "to_sdpa", "as_mask", "tensor_versions",
     "Causal", "KeysBelow", "KeyPadding", "SlidingWindow", "Document", "PrefixLM", "Predicate", "Dense",
 ]

@@ -276,12 +276,36 @@ class Not(Mask):
         return f"~{self.a!r}"
 
     def mask_mod(self, B, H, Q, K, device=None):
-        fa = self.a.mask_mod(B, H, Q, K, device)
+        token = NEGATED.set(not NEGATED.get())  # a dense mask inside reads with the opposite polarity
+        try:
+            fa = self.a.mask_mod(B, H, Q, K, device)
+        finally:
+            NEGATED.reset(token)
         return lambda b, h, q_idx, kv_idx: ~fa(b, h, q_idx, kv_idx)
 
     def classify_grid(self, ext, block_q, block_k):
         empty, full = self.a.classify_grid(ext, block_q, block_k)
         return full, empty
+
+
+def tensor_versions(mask: object) -> tuple | None:
+    """(address, in-place version) of every tensor ``mask`` holds, its parts' included: what a plan
+    kept for the mask is keyed by, so writing into its tensor in place makes a new plan. None when
+    one is an inference tensor (it has no version counter): such a mask cannot be kept."""
+    if mask is None:
+        return ()
+    out: list = []
+    for value in vars(mask).values():
+        if isinstance(value, torch.Tensor):  # alive while its owner is: its address names it
+            if value.is_inference():
+                return None
+            out.append((value.data_ptr(), value._version))
+        elif isinstance(value, Mask):
+            inner = tensor_versions(value)
+            if inner is None:
+                return None
+            out.extend(inner)
+    return tuple(out)
 
 
 def and_masks(*masks: Mask) -> Mask:

@@ -34,7 +34,11 @@ class Dense(Mask):
     @property
     def _grids(self) -> dict:
         """classify_grid's results per extent and grid, shared by every Dense on this tensor and
-        valid while it is unchanged: an in-place write starts a new cache, as it must."""
+        valid while it is unchanged: an in-place write starts a new cache, as it must. An inference
+        tensor has no version counter: its results are kept on this ``Dense`` alone (a new one wraps
+        the tensor at each call)."""
+        if self._source.is_inference():
+            return self.__dict__.setdefault("_inference_grids", {})
         return _grids_of(self._source)
 
     def check(self, ext: Extent) -> None:
