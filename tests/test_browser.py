@@ -1,10 +1,12 @@
 """The interactive page in a real headless browser (Debian's Chromium driven by Playwright): it loads
 with no console errors and no network, switching head changes what is drawn, hovering a token or a
-cell highlights its row, and at 9 and 200 tokens the layout holds at 1400 px (no horizontal scroll,
+cell highlights its row, and at 9, 49 and 200 tokens the layout holds at 1400 px (no horizontal scroll,
 canvas heatmap, a bounded number of non-overlapping labels, the overview on the first screen, the
-page under 3 MB). Screenshots go to artifacts/ (gitignored); load times are printed and written to
-artifacts/page_load.json, never asserted. Without Chromium these tests are deselected and reported
-as NOT RUN by tests/conftest.py (and the run does not exit 0)."""
+page under 3 MB, the "fit" zoom showing every key column with no scrollbar). Scrollbars take room as
+in a desktop browser (Playwright's --hide-scrollbars is left out). Screenshots go to artifacts/
+(gitignored); load times are printed and written to artifacts/page_load.json, never asserted.
+Without Chromium these tests are deselected and reported as NOT RUN by tests/conftest.py (and the
+run does not exit 0)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ WIDTH, HEIGHT = 1400, 900
 SHORT = "The cat sat on the mat."
 LONG = " ".join(f"On day {i} the cat sat on the mat by the window while the dog slept near the door." for i in range(30))
 LABEL_GAP = 14  # attention.js: least pixels between neighbouring labels
-SIZES = [9, 200, pytest.param(73, marks=pytest.mark.slow), pytest.param(256, marks=pytest.mark.slow)]
+SIZES = [9, 49, 200, pytest.param(73, marks=pytest.mark.slow), pytest.param(256, marks=pytest.mark.slow)]
 _built: dict[int, tuple[Path, list[str]]] = {}
 
 
@@ -54,7 +56,7 @@ def browser():
     from playwright import sync_api
 
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, ignore_default_args=["--hide-scrollbars"])
         yield b
         b.close()
 
@@ -78,7 +80,7 @@ def open_page(browser, path: Path):
 @pytest.fixture()
 def page(browser, tmp_path_factory):
     path, report = built(tmp_path_factory, 9)
-    assert "layer 0 (layers.0.attn), head 2" in report[-1]  # MiniLM's previous-token head is picked
+    assert "layer 0 (layers.0.attn), head 2" in "\n".join(report)  # MiniLM's previous-token head is picked
     ctx, pg = open_page(browser, path)
     yield pg
     ctx.close()
@@ -150,6 +152,16 @@ def test_views_can_be_switched(page):
     assert page.is_visible("#lines") and not page.is_visible("#heatmap")
 
 
+def assert_fits(pg) -> None:
+    """The heatmap lies whole inside its scroll box: neither scrollbar, the last key column visible."""
+    box = pg.evaluate("""() => { const s = document.getElementById('heatmap-scroll'), c = document.getElementById('heatmap');
+        const a = s.getBoundingClientRect(), b = c.getBoundingClientRect();
+        return {sw: s.scrollWidth, cw: s.clientWidth, sh: s.scrollHeight, ch: s.clientHeight,
+                right: b.right, visible: a.left + s.clientWidth, bottom: b.bottom, seen: a.top + s.clientHeight}; }""")
+    assert box["sw"] <= box["cw"] and box["sh"] <= box["ch"], box  # no scrollbar inside the heatmap's card
+    assert box["right"] <= box["visible"] + 0.5 and box["bottom"] <= box["seen"] + 0.5, box
+
+
 def labels_y(pg) -> list[float]:
     return pg.eval_on_selector_all("#heatmap-labels text.ylab", "els => els.map(e => e.getBoundingClientRect().y)")
 
@@ -172,11 +184,13 @@ def test_layout_holds_at_length(browser, tmp_path_factory, n):
         assert pg.evaluate("document.documentElement.scrollWidth") <= WIDTH  # no horizontal scrolling
         hm = pg.locator("#heatmap").bounding_box()
         assert hm["width"] > 300 and hm["x"] + hm["width"] <= WIDTH
+        assert_fits(pg)  # "fit" (the default zoom): every key column and query row visible, no scrollbar
         ov = pg.locator("#overview").bounding_box()  # the layers × heads overview on the first screen
         assert ov["y"] + ov["height"] <= HEIGHT and ov["x"] + ov["width"] <= WIDTH
         ys = labels_y(pg)
         assert min(ys[i + 1] - ys[i] for i in range(len(ys) - 1)) >= LABEL_GAP - 0.5  # labels never overlap
-        assert len(ys) <= hm["height"] / (LABEL_GAP - 0.5) + 1 and len(ys) >= min(n, 30)
+        assert len(ys) <= hm["height"] / (LABEL_GAP - 0.5) + 1  # thinned to every few tokens, never
+        assert len(ys) >= min(n, hm["height"] / (2 * LABEL_GAP))  # further apart than twice the least gap
         if n > 9:
             assert "input cut: " in pg.inner_text("#notice") and f"the first {n} are shown" in report[0]
         pg.screenshot(path=str(ARTIFACTS / f"attention_page_{n}.png"))
@@ -189,6 +203,8 @@ def test_layout_holds_at_length(browser, tmp_path_factory, n):
             pg.click("#zoom button[data-zoom='4']")  # zoom: more labels, the page itself still does not scroll sideways
             assert pg.locator("#heatmap-labels text.ylab").count() > len(ys)
             assert pg.evaluate("document.documentElement.scrollWidth") <= WIDTH
+            pg.click("#zoom button[data-zoom='1']")  # back to fit: whole again
+            assert_fits(pg)
             assert pg.problems == []
     finally:
         ctx.close()

@@ -245,3 +245,22 @@ def test_cache_under_autograd_prefill_decode_backward(window, backend):
     with torch.no_grad():  # the same cache then keeps decoding without autograd
         m(torch.randn(2, 1, 16, dtype=torch.float64), mask=step_mask, cache=cache)
     assert cache.length == 8
+
+
+@torch.no_grad()  # the inference buffers
+def test_print_says_the_capacity_before_use_and_when_it_was_outgrown():
+    """The buffers are allocated at the first call with room for `capacity` positions; a longer
+    sequence reallocates them at twice the size, and print() says so."""
+    cache = KVCache(num_layers=1, capacity=8)
+    assert repr(cache) == "KVCache(layers=1, length=0, keys=None, values=None, capacity=8)"
+    assert repr(cache[0]) == "LayerCache(layer 0, length=0, keys=None, values=None, capacity=8)"
+    assert "capacity=16)" in repr(KVCache(2)) and "capacity=6)" in repr(KVCache(1, window=3))  # what the first call allocates
+    m, x = make_mha(), torch.randn(1, 12, 32)
+    m(x[:, :8], mask=masks.causal(), cache=cache)
+    assert repr(cache).endswith("keys=[1, 4, 8, 8], values=[1, 4, 8, 8], capacity=8)")  # full, not grown
+    m(x[:, 8:9], cache=cache)
+    assert repr(cache).endswith("capacity=16, grown from 8)") and cache.state()["layers"][0]["grown_from"] == 8
+    assert "grown from 8" in repr(cache[0]) and cache[0].k.shape[2] == 16
+    cache.reset()
+    m(x[:, :3], mask=masks.causal(), cache=cache)  # a reset keeps the grown buffers
+    assert repr(cache).endswith("capacity=16, grown from 8)")

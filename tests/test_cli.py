@@ -153,7 +153,6 @@ def test_multi_line_library_error_is_printed_whole(tmp_path):
     (["mask", "document", "-Q", "4"], "bhqk mask: error:"),  # 8 document ids for 4 queries
     (["mask", "spiral"], "invalid choice"),
     (["explain", "-H", "0", "-Q", "1", "-d", "1"], "--heads/-H: must be >= 1"),
-    (["explain", "-Q", "1", "-d", "1"], "--heads"),  # required (or, with --html, checked in cmd_explain)
     (["generate", "--model", "x", "--ids", "1", "--temperature", "nan"], "--temperature: must be a finite number"),
     (["generate", "--model", "x", "--ids", "1", "--temperature", "-1"], "--temperature: must be >= 0"),
     (["generate", "--model", "x", "--ids", "1", "--top-k", "0"], "--top-k: must be >= 1, got 0"),
@@ -162,6 +161,9 @@ def test_multi_line_library_error_is_printed_whole(tmp_path):
     (["generate", "--model", "x", "--ids", "1", "--backend", "fast"], "unknown backend 'fast'"),
     (["embed", ""], "a sentence is empty"),
     (["embed", "  "], "a sentence is empty"),
+    (["show", ""], "the text is empty"),  # refused as embed refuses it, before a model is loaded or a file written
+    (["show", "   "], "the text is empty"),
+    (["trace", " \t"], "the text is empty"),
     (["embed", "hello", "--out", "vectors.csv"], "use one of .npy, .json"),
     (["embed"], "no sentences"),
     (["embed", "hello", "--file", "/nonexistent/sentences.txt"], "No such file or directory: /nonexistent/sentences.txt"),
@@ -171,9 +173,21 @@ def test_multi_line_library_error_is_printed_whole(tmp_path):
 ])
 def test_bad_arguments_exit_2_with_one_message(argv, words):
     code, out, err = run(argv)
-    command = argv[0] if argv and argv[0] in ("mask", "explain", "generate", "embed") else ""
+    command = argv[0] if argv and argv[0] in ("mask", "explain", "generate", "embed", "show", "trace") else ""
     assert_one_error(code, out, err, command)
     assert words in err
+
+
+def test_show_refuses_blank_text_before_writing_anything(tmp_path, monkeypatch):
+    from bhqk import viz
+
+    monkeypatch.chdir(tmp_path)  # where the default folder bhqk-show/ would be written
+    for text in ("", "   "):
+        for argv in (["show", text], ["show", text, "--out", "pictures"]):
+            assert_one_error(*run(argv), "show")
+        with pytest.raises(ValueError, match="the text is empty"):
+            viz.show(text, "pictures")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sizes_too_large_to_draw_are_refused_before_anything_is_built(monkeypatch):
@@ -267,3 +281,15 @@ def test_installed_entry_point_smoke():
     r = subprocess.run([str(exe), "mask", "causal", "-Q", "3", "-K", "5"], capture_output=True, text=True, env=env, check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("bhqk mask: error:") and "--align top_left" in r.stderr
+
+
+def test_readme_install_comment_names_every_dependency():
+    """The README's `pip install` line says what the library pulls in: every dependency in pyproject.toml."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in deps]
+    line = next(x for x in (root / "README.md").read_text().splitlines() if x.startswith("pip install /path/to/bhqk "))
+    comment = line.split("#", 1)[1]
+    assert names and all(n in comment for n in names), (names, comment)

@@ -25,6 +25,18 @@ def test_explain_in_chinese_uses_the_seed_names():
         assert word in text
 
 
+@pytest.mark.parametrize("lang, word", [("en", "the worked example's sizes"), ("zh", "示例的尺寸")])
+def test_explain_without_sizes_walks_the_worked_example(lang, word, capsys):
+    """As ``explain --html`` does: no sizes, the worked example (4 tokens of width 3, 2 heads)."""
+    assert main(["explain", "--lang", lang]) == 0
+    text = capsys.readouterr().out
+    assert word in text and "(B=1, H=2, Hkv=2, Q=4, K=4, d=3, dv=3, D=6)" in text
+    assert "[B, H, Q, K]     = [1, 2, 4, 4]" in text
+    assert text.strip() == bhqk.explain(lang=lang)
+    assert main(["explain", "-Q", "1", "-d", "5"]) == 0  # a size left out is the example's: H=2
+    assert "(B=1, H=2, Hkv=2, Q=1, K=1, d=5, dv=5, D=10)" in capsys.readouterr().out
+
+
 def test_explain_flags_d_model_mismatch_and_bad_heads():
     assert "✗" in bhqk.explain(B=1, H=2, Q=4, K=4, d=3, D=8)
     with pytest.raises(bhqk.ShapeError, match="H=6 is not divisible by Hkv=4"):
@@ -44,6 +56,9 @@ def test_trace_records_named_shapes_and_module_path():
     with bhqk.trace() as t2:
         pass
     assert len(t2) == 0  # nothing recorded outside the block
+    assert repr(t) == str(t) and "object at" not in repr(t)  # a bare `t` in a notebook shows the calls
+    assert "#0 enc" in repr(t) and "k [B=2, Hkv=2, K=5, d=4]" in repr(t) and "x [B=2, Q=3, D=16]" in repr(t)
+    assert repr(t2) == "trace: no attention calls recorded"
 
 
 def test_cli_explain_mask_demo(capsys):
@@ -65,4 +80,5 @@ def test_cli_demo_prints_the_seed_scores_and_draws(capsys, tmp_path):
     for value in ("1.5400", "3.5200", "5.5000", "7.4800", "18.3700", "29.2600", "7.8100"):
         assert value in out  # the first seed's Q·Kᵀ table
     assert "[B=2, H=8, Q=5, K=7]" in out  # the traced multi-head call
+    assert max(len(line) for line in out.splitlines()) <= 100  # fits a 100-column terminal, the trace included
     assert (tmp_path / "attention.html").exists() and (tmp_path / "attention.png").exists()

@@ -16,6 +16,7 @@ from torch import nn
 
 import bhqk
 from bhqk import masks, viz
+from bhqk.errors import ShapeError
 from bhqk.inspect import capture
 from bhqk.viz.heatmap import DPI
 from bhqk.viz.html import decode_weights, encode_weights
@@ -119,8 +120,38 @@ def test_to_bertviz_format(cap):
         bhqk.attention(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4))
     with pytest.raises(ValueError, match="every head"):
         viz.to_bertviz(part, TOKENS)
-    with pytest.raises(ValueError, match="K=9 but 8 tokens"):
+    with pytest.raises(ShapeError, match="tokens has 8 tokens but call '0' has K=9 keys"):
         viz.to_bertviz(cap, TOKENS[:8])
+
+
+@pytest.mark.parametrize("tokens", [TOKENS[:5], TOKENS + ["extra"]], ids=["too few", "too many"])
+def test_pictures_and_page_refuse_a_wrong_number_of_tokens(cap, tmp_path, tokens):
+    """One token per query and per key, as cap.summary and to_bertviz demand: a ShapeError naming
+    `tokens`, the count the call needs and the count given; nothing drawn, nothing written."""
+    want = f"tokens has {len(tokens)} tokens but call '1' has Q=9 queries"
+    with pytest.raises(ShapeError, match=want):
+        viz.heatmap(cap, tokens, layer=1, head=2, path=tmp_path / "head.png")
+    with pytest.raises(ShapeError, match=want.replace("'1'", "'0'")):
+        viz.html(cap, tokens, tmp_path / "page.html")
+    with pytest.raises(ShapeError, match=f"key_tokens has {len(tokens)} tokens but call '1' has K=9 keys"):
+        viz.heatmap(cap, TOKENS, layer=1, key_tokens=tokens)
+    with pytest.raises(ShapeError, match=f"key_tokens has {len(tokens)} tokens but call '0' has K=9 keys"):
+        viz.html(cap, TOKENS, tmp_path / "page.html", key_tokens=tokens)
+    with pytest.raises(ShapeError, match=f"tokens has {len(tokens)} tokens but the weights have Q=9"):
+        viz.heatmap(cap[0].weights, tokens)  # a tensor [B, H, Q, K]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cross_attention_labels_need_key_tokens(tmp_path):
+    q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)  # Q=3 queries, K=5 keys
+    with capture() as c:
+        bhqk.attention(q, kv, kv)
+    queries, keys = ["a", "b", "c"], ["v", "w", "x", "y", "z"]
+    fig = viz.heatmap(c, queries, key_tokens=keys)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == keys
+    assert viz.html(c, queries, tmp_path / "p.html", key_tokens=keys).is_file()
+    with pytest.raises(ShapeError, match="tokens has 3 tokens but call 'attention.0' has K=5 keys.*key_tokens="):
+        viz.heatmap(c, queries)
 
 
 def test_html_is_self_contained_and_carries_the_weights(cap, tmp_path):
@@ -189,6 +220,7 @@ def test_show_command_writes_pictures_and_page(tmp_path):
         assert path.is_file() and path.stat().st_size > 1000
         assert str(path) in text
     assert "layer 2 (layers.2.attn), head 5" in text and "[B=1, H=12, Q=9, K=9]" in text
+    assert "on [CLS]/[SEP] " in text  # MiniLM's tokenizer has them, and they are in the text
     w, h = png_size(paths[1])
     assert w > h > 500  # 12 heads across, 6 layers down
     a = p.parse_args(["show", "The cat sat on the mat.", "--head", "12", "--out", str(tmp_path / "bad")])
@@ -204,6 +236,30 @@ def test_show_command_writes_pictures_and_page(tmp_path):
         a = p.parse_args(["show", "x", "--max-tokens", bad, "--out", str(tmp_path / "bad")])
         with pytest.raises(ValueError, match="takes 3 … 256 tokens"):
             a.func(a)
+
+
+def test_special_token_shares_only_for_tokens_that_are_there(tmp_path, monkeypatch):
+    """A decoder's text has no [CLS]/[SEP]: neither the page nor ``bhqk show`` reports shares on them."""
+    from bhqk.viz import cli as vcli
+    from bhqk.viz.html import page_data
+
+    words = ["The", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat", "."]  # GPT-2's tokens
+    q = torch.randn(1, 2, 7, 8)
+    with capture() as c:
+        bhqk.attention(q, q, q, masks.causal())
+    assert set(page_data(c, words)["layers"][0]["heads"][0]["stats"]) == {"entropy", "distance", "first"}
+    stats = page_data(c, ["[CLS]"] + words[1:])["layers"][0]["heads"][0]["stats"]
+    assert "on [CLS]" in stats and "on [SEP]" not in stats
+
+    def decoder(sentence, model=None, backend="auto", *, max_tokens=None, cut=None, specials=None):
+        cut += [7, 7]  # nothing cut; no special token among the words
+        return c, words
+
+    monkeypatch.setattr(vcli, "run_sentence", decoder)
+    report: list[str] = []
+    vcli.show("The cat sat on the mat.", tmp_path, report=report)
+    assert "entropy" in report[-1] and "CLS" not in "\n".join(report) and "SEP" not in "\n".join(report)
+    assert "[CLS]" not in (tmp_path / "attention.html").read_text()
 
 
 def test_pick_head_prefers_a_focused_head_that_reads_words():

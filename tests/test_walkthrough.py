@@ -55,8 +55,9 @@ def test_sizes_as_flags_and_limits(tmp_path, capsys):
     with pytest.raises(ValueError, match="Q=40 must be 1 … 12"):
         walkthrough.build(Q=40)
     assert main(["explain", "--html", str(tmp_path / "x.html"), "--kv-heads", "1", "-H", "2"]) == 2
-    assert main(["explain", "-H", "2"]) == 2  # the text walk-through still needs its sizes
-    assert "--head-dim" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["explain", "-H", "3"]) == 0  # the text walk-through too: sizes left out are the example's
+    assert "(B=1, H=3, Hkv=3, Q=4, K=4, d=3, dv=3, D=9)" in capsys.readouterr().out
 
 
 @pytest.mark.browser

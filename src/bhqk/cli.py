@@ -51,9 +51,7 @@ def cmd_explain(a: argparse.Namespace) -> str:
         from .viz.walkthrough import cmd_explain_html
 
         return cmd_explain_html(a)
-    if None in (a.heads, a.q_len, a.head_dim):
-        raise ValueError("explain needs --heads, --q-len and --head-dim (or --html FILE, which draws the worked example).")
-    return explain(B=a.batch, H=a.heads, Q=a.q_len, K=a.k_len if a.k_len else a.q_len, d=a.head_dim,
+    return explain(B=a.batch, H=a.heads, Q=a.q_len, K=a.k_len, d=a.head_dim,  # sizes left out: the worked example's
                    dv=a.value_dim, Hkv=a.kv_heads, D=a.model_dim, lang=a.lang)
 
 
@@ -163,11 +161,12 @@ def parser() -> Parser:
                        description="Print the named shape of every step of multi-head attention for the given sizes, "
                                    "and the self-check lines (inner dimension, head split, memory of S and P).")
     e.add_argument("--batch", "-B", type=positive, default=1, help="B, batch size (default 1)")
-    e.add_argument("--heads", "-H", type=positive, default=None, help="H, number of query heads (needed unless --html)")
-    e.add_argument("--q-len", "-Q", type=positive, default=None, help="Q, query length (needed unless --html)")
+    e.add_argument("--heads", "-H", type=positive, default=None,
+                   help="H, number of query heads (default 2, the worked example's)")
+    e.add_argument("--q-len", "-Q", type=positive, default=None, help="Q, query length (default 4, the worked example's)")
     e.add_argument("--k-len", "-K", type=positive, default=None, help="K, key length (default: Q, self-attention)")
     e.add_argument("--head-dim", "-d", type=positive, default=None,
-                   help="d, head dimension of queries and keys (needed unless --html)")
+                   help="d, head dimension of queries and keys (default 3, the worked example's)")
     e.add_argument("--value-dim", type=positive, default=None, help="dv, head dimension of values (default d)")
     e.add_argument("--kv-heads", type=positive, default=None, help="Hkv, key/value heads; H must be a multiple (default H)")
     e.add_argument("--model-dim", type=positive, default=None, help="D, model width (default H·d)")

@@ -60,8 +60,8 @@ def attention_pictures(out_dir: str = "bhqk-show") -> str:
         paths = show("The cat sat on the mat.", out_dir, backend="torch", report=report)
     except (ImportError, LoadError) as e:
         return f"3. Pictures of attention skipped: {e}"
-    return "\n".join(["3. Attention of a real sentence (bundled all-MiniLM-L6-v2, captured from the SDPA path), "
-                      "as `bhqk show` draws it:",
+    return "\n".join(["3. Attention of a real sentence (bundled all-MiniLM-L6-v2, captured from the SDPA path),",
+                      "   as `bhqk show` draws it:",
                       *(f"   {r}" for r in report), *(f"   wrote {p}" for p in paths)])
 
 

@@ -28,6 +28,7 @@ _WORDS = {
         "groups": "query heads per key/value head",
         "memory": "memory of S and P (each, fp32; the reference builds them, the tiled path never does)",
         "gqa": "query head h reads key/value head h // {g}",
+        "worked": "the worked example's sizes: 4 tokens of width 3, 2 heads (give H, Q, d for others)",
     },
     "zh": {
         "title": "多头注意力，逐步的形状",
@@ -51,6 +52,7 @@ _WORDS = {
         "groups": "每个键值头服务的查询头数",
         "memory": "S 与 P 的内存（各一份，fp32；参考实现会构建，分块实现从不构建）",
         "gqa": "查询头 h 读取键值头 h // {g}",
+        "worked": "示例的尺寸：4 个 token，宽度 3，2 个头（给出 H、Q、d 可换成其他尺寸）",
     },
 }
 
@@ -59,11 +61,21 @@ def _mib(n: int) -> str:
     return f"{n * 4 / 2**20:,.1f} MiB"
 
 
-def explain(*, B: int, H: int, Q: int, K: int, d: int, dv: int | None = None, Hkv: int | None = None,
-            D: int | None = None, lang: str = "en") -> str:
-    """The named shape of every step of multi-head attention, and the self-check lines."""
+# The worked example's sizes (``bhqk demo``, ``bhqk explain --html``): 4 tokens of width 3, 2 heads.
+WORKED = {"H": 2, "Q": 4, "d": 3}
+
+
+def explain(*, B: int = 1, H: int | None = None, Q: int | None = None, K: int | None = None, d: int | None = None,
+            dv: int | None = None, Hkv: int | None = None, D: int | None = None, lang: str = "en") -> str:
+    """The named shape of every step of multi-head attention, and the self-check lines. A size left
+    out is the worked example's (H=2, Q=4, d=3; K = Q, dv = d, Hkv = H, D = H·d)."""
     if lang not in _WORDS:
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}.")
+    worked = all(x is None for x in (H, Q, K, d, dv, Hkv, D))
+    H = WORKED["H"] if H is None else H
+    Q = WORKED["Q"] if Q is None else Q
+    K = Q if K is None else K
+    d = WORKED["d"] if d is None else d
     dv = d if dv is None else dv
     Hkv = H if Hkv is None else Hkv
     D = H * d if D is None else D
@@ -76,7 +88,7 @@ def explain(*, B: int, H: int, Q: int, K: int, d: int, dv: int | None = None, Hk
     g = H // Hkv
     sizes = dict(B=B, H=H, Hkv=Hkv, Q=Q, K=K, d=d, dv=dv, D=D)
     out = [f"{w['title']} ({', '.join(f'{k}={v}' for k, v in sizes.items())})",
-           w["self"] if Q == K else w["cross"], "", w["names"] + ":"]
+           *([w["worked"]] if worked else []), w["self"] if Q == K else w["cross"], "", w["names"] + ":"]
     for name in ("B", "H", "Hkv", "Q", "K", "d", "dv", "D"):
         dim = DIMS[name]
         out.append(f"  {name:<4}= {sizes[name]:<6} {dim.zh if lang == 'zh' else dim.meaning}")

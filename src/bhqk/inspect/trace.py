@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from .. import observe
-from ..text import named_shape, table
+from ..text import named_shape
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Call:
 
 
 class Trace:
+    """The calls recorded by :func:`trace`; ``print(t)`` (or a bare ``t`` in a notebook) shows them."""
+
     def __init__(self, model: nn.Module | None = None) -> None:
         self.calls: list[Call] = []
         self._names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else {}
@@ -60,14 +62,39 @@ class Trace:
         return len(self.calls)
 
     def __str__(self) -> str:
+        """One block per call, lines of at most WIDTH characters (a part longer than that, e.g. a long
+        mask's repr, gets a line of its own)."""
         if not self.calls:
             return "trace: no attention calls recorded"
-        rows = []
+        n = len(self.calls)
+        out = [f"trace: {n} attention call{'s' if n > 1 else ''}"]
         for c in self.calls:
-            steps = "  ".join(f"{k} {v}" for k, v in c.steps)
-            rows.append([c.index, c.module or "-", c.backend, c.shapes["q"], c.shapes["k"], c.shapes["v"],
-                         c.shapes["S, P"], c.shapes["out"], c.mask, steps])
-        return table(["#", "module", "backend", "q", "k", "v", "S, P (virtual)", "out", "mask", "module steps"], rows)
+            out += _pack([f"#{c.index} {c.module or '(no module)'}", f"backend {c.backend}", f"mask {c.mask}"], " · ", "", "   ")
+            out += _pack([f"{k} {c.shapes[k]}" for k in ("q", "k", "v")] + [f"S, P (virtual) {c.shapes['S, P']}",
+                                                                           f"out {c.shapes['out']}"], "   ", "   ", "   ")
+            if c.steps:
+                out += _pack([f"{k} {v}" for k, v in c.steps], " → ", "   module: ", "     → ")
+        return "\n".join(out)
+
+    __repr__ = __str__  # a bare ``t`` in a notebook shows the calls
+
+
+WIDTH = 100  # columns of ``str(trace)``
+
+
+def _pack(parts: list[str], sep: str, first: str, cont: str) -> list[str]:
+    """``parts`` joined by ``sep`` on as few lines of at most WIDTH characters as fit; the first line
+    starts with ``first``, the others with ``cont``."""
+    lines: list[str] = []
+    line, empty = first, True
+    for part in parts:
+        if not empty and len(line) + len(sep) + len(part) > WIDTH:
+            lines.append(line)
+            line = cont + part
+        else:
+            line += ("" if empty else sep) + part
+        empty = False
+    return lines + [line]
 
 
 @contextlib.contextmanager

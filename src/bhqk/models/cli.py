@@ -92,6 +92,13 @@ def sentence(text: str) -> str:
     return text
 
 
+def text(value: str) -> str:
+    """An argparse type: a text with at least one non-space character (``bhqk show``, ``bhqk trace``)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"the text is empty ({value!r}); give some words to read")
+    return value
+
+
 def output_file(*suffixes: str) -> Callable[[str], Path]:
     """An argparse type: a path whose suffix says the format (one of ``suffixes``)."""
 

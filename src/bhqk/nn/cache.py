@@ -1,9 +1,11 @@
 """KVCache: the keys and values of past positions, per layer, for incremental decoding.
 
-Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated once and written in place
-(no ``torch.cat`` per step). Under autograd (new keys that require grad, e.g. training through a
-prefill and decode steps) the cache never writes into a tensor a graph may hold: each step builds
-new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new
+Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated at the first call and written
+in place (no ``torch.cat`` per step). A sequence longer than ``capacity`` does not fail: the buffers are
+reallocated at twice the size (amortised O(1) copies per position) and ``repr`` says ``grown from N``;
+give the prompt plus the new tokens as ``capacity`` to allocate once. Under autograd (new keys that
+require grad, e.g. training through a prefill and decode steps) the cache never writes into a tensor
+a graph may hold: each step builds new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new
 positions; the queries are the *last* Q positions of the keys, so mask with
 ``causal(align="bottom_right")``::
 
@@ -33,6 +35,14 @@ class LayerCache:
         self.v: torch.Tensor | None = None  # [B, Hkv, capacity, dv]
         self.start = 0
         self.end = 0
+        self.allocated: int | None = None  # positions of the first allocation (None until the first call)
+        self.grown = 0  # reallocations to a larger size since then
+
+    @property
+    def planned(self) -> int:
+        """Positions the first call allocates room for (at least that call's own): ``capacity`` if
+        given, else twice the window, else 16."""
+        return self.capacity or (2 * self.window if self.window is not None else 16)
 
     @property
     def length(self) -> int:
@@ -154,10 +164,11 @@ class LayerCache:
         else:
             cap = 0
         if cap == 0:  # first allocation: as asked, else room to compact only every ~W steps
-            first = self.capacity or (2 * self.window if self.window is not None else 16)
-            capacity = max(first, kept + new)
+            capacity = max(self.planned, kept + new)
+            self.allocated, self.grown = capacity, 0
         else:
             capacity = max(kept + new, 2 * cap)  # doubling: amortised O(1) copies per position
+            self.grown += 1
         B, Hkv, _, d = k_new.shape
         k = k_new.new_empty(B, Hkv, capacity, d)  # [B, Hkv, capacity, d]
         v = v_new.new_empty(B, Hkv, capacity, v_new.shape[-1])  # [B, Hkv, capacity, dv]
@@ -168,17 +179,30 @@ class LayerCache:
         return k, v
 
     def state(self) -> dict:
+        """Length, stored shapes [B, Hkv, kept, ·], ``capacity`` (positions the buffers hold; before the
+        first call, what it will allocate) and ``grown_from`` (the first allocation, once outgrown)."""
         shape = None if self.k is None else [*self.k.shape[:2], self.kept, self.k.shape[3]]
         vshape = None if self.v is None else [*self.v.shape[:2], self.kept, self.v.shape[3]]
-        cap = 0 if self.k is None else self.k.shape[2]
-        return {"length": self.end, "kept": self.kept, "capacity": cap, "keys": shape, "values": vshape}
+        cap = self.planned if self.k is None else self.k.shape[2]
+        return {"length": self.end, "kept": self.kept, "capacity": cap, "keys": shape, "values": vshape,
+                "grown_from": self.allocated if self.grown and self.k is not None else None}
+
+    def __repr__(self) -> str:
+        return f"LayerCache(layer {self.index}, {_describe(self.state())})"
+
+
+def _describe(st: dict) -> str:
+    """``length=…, keys=…, values=…, capacity=…`` (+ ``grown from N`` once the buffers outgrew their first size)."""
+    grown = f", grown from {st['grown_from']}" if st["grown_from"] is not None else ""
+    return f"length={st['length']}, keys={st['keys']}, values={st['values']}, capacity={st['capacity']}{grown}"
 
 
 class KVCache:
     """Keys and values of past positions for ``num_layers`` attention layers.
 
-    ``capacity``: positions to preallocate (e.g. prompt + new tokens; grows by doubling when
-    exceeded). ``window``: keep only what ``sliding_window(window - 1, align="bottom_right")`` can
+    ``capacity``: positions the buffers hold, allocated at the first call (default 16; e.g. prompt +
+    new tokens). A longer sequence reallocates them at twice the size, and ``repr`` then says
+    ``grown from N``. ``window``: keep only what ``sliding_window(window - 1, align="bottom_right")`` can
     still see. Pass ``cache[i]`` to layer i: ``mha(x, mask=causal("bottom_right"), cache=cache[i])``.
     """
 
@@ -231,7 +255,6 @@ class KVCache:
         return {"length": self.length, "window": self.window, "layers": [layer.state() for layer in self.layers]}
 
     def __repr__(self) -> str:
-        first = self.layers[0].state()
         w = "" if self.window is None else f", window={self.window}"
-        return (f"KVCache(layers={len(self.layers)}, length={self.length}{w}, keys={first['keys']}, "
-                f"values={first['values']}, capacity={first['capacity']})")
+        first = _describe(self.layers[0].state()).removeprefix(f"length={self.length}, ")
+        return f"KVCache(layers={len(self.layers)}, length={self.length}{w}, {first})"

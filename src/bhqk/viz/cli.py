@@ -14,27 +14,32 @@ import torch
 
 from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
+from ..models.cli import text as text_arg
 
-SPECIAL = ("[CLS]", "[SEP]")
 DEFAULT_OUT = "bhqk-show"
 
 
 def pick_head(stats: Sequence[HeadStats]) -> HeadStats:
     """The most focused head (lowest entropy) among those that put under half their attention on
-    [CLS]/[SEP]: a head that looks at words, so the picture has something to say."""
+    special tokens ([CLS]/[SEP], where the tokenizer has them): a head that looks at words, so the
+    picture has something to say."""
     wordy = [s for s in stats if sum(s.special.values()) < 0.5] or list(stats)
     return min(wordy, key=lambda s: (s.entropy, s.index, s.head))
 
 
 def run_sentence(sentence: str, model: str | Path | None = None, backend: str = "auto", *,
-                 max_tokens: int | None = None, cut: list[int] | None = None) -> tuple[Capture, list[str]]:
+                 max_tokens: int | None = None, cut: list[int] | None = None,
+                 specials: list[str] | None = None) -> tuple[Capture, list[str]]:
     """Capture every layer and head of ``sentence``, cut to ``max_tokens`` tokens (special tokens
     included; default and upper bound: the model's limit, 256 at most). ``model``: None (the bundled
     MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or any other local Hugging Face
     folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
-    [tokens before the cut, tokens kept] is appended to it."""
+    [tokens before the cut, tokens kept] is appended to it; when ``specials`` is given, the special
+    tokens of the model's tokenizer that are among the kept tokens (none for GPT-2's text, [CLS] and
+    [SEP] for a BERT's). Blank text is refused (a ValueError) before any model is loaded."""
+    check_text(sentence)
     if model is not None and not _is_bert_folder(model):
-        return _run_hf(sentence, model, backend, max_tokens=max_tokens, cut=cut)
+        return _run_hf(sentence, model, backend, max_tokens=max_tokens, cut=cut, specials=specials)
     from ..models.bert import SentenceEncoder
 
     enc = SentenceEncoder.from_pretrained(model, backend=backend)
@@ -43,13 +48,22 @@ def run_sentence(sentence: str, model: str | Path | None = None, backend: str = 
     enc.tokenizer.no_truncation()
     whole = len(enc.tokenizer.encode(sentence).ids)
     enc.tokenizer.enable_truncation(limit)
-    tokens = enc.tokenizer.encode(sentence).tokens
+    encoding = enc.tokenizer.encode(sentence)
+    tokens = encoding.tokens
     if cut is not None:
         cut += [whole, len(tokens)]
+    if specials is not None:
+        specials += dict.fromkeys(t for t, m in zip(tokens, encoding.special_tokens_mask) if m)
     ids, attention_mask = enc.tokenize([sentence])  # [1, N], [1, N]
     with torch.no_grad(), capture(model=enc.model, what=("weights",)) as cap:
         enc.model(ids, attention_mask)
     return cap, list(tokens)
+
+
+def check_text(text: str) -> None:
+    """Refuse text with nothing to read ("" or only spaces): the model would see only its special tokens."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"the text is empty ({text!r}); give some words to read.")
 
 
 def _limit(max_tokens: int | None, limit: int) -> int:
@@ -68,7 +82,7 @@ def _is_bert_folder(folder: str | Path) -> bool:
 
 
 def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
-            cut: list[int] | None) -> tuple[Capture, list[str]]:
+            cut: list[int] | None, specials: list[str] | None) -> tuple[Capture, list[str]]:
     """``run_sentence`` for any local Hugging Face folder: transformers' AutoModel on bhqk."""
     from ..integrations.transformers import encode, load_folder
 
@@ -78,6 +92,9 @@ def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int 
     limit = _limit(max_tokens, limit)
     if cut is not None:
         cut += [len(tokens), min(len(tokens), limit)]
+    if specials is not None:
+        known = set(getattr(loaded.tokenizer, "all_special_tokens", None) or ())
+        specials += dict.fromkeys(t for t in tokens[:limit] if t in known)
     inputs = {k: v[:, :limit] for k, v in inputs.items()}  # [1, N] -> [1, ≤ limit]
     with torch.no_grad(), capture(model=loaded.model, what=("weights",)) as cap:
         loaded.model(**inputs)
@@ -100,21 +117,22 @@ def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path 
          report: list[str] | None = None) -> list[Path]:
     """Write ``attention.png`` (one head, tokens on both axes), ``attention_grid.png`` (layers ×
     heads) and ``attention.html`` (interactive) for ``sentence`` into ``out_dir``; return the paths.
-    ``layer``/``head`` default to the most focused head that is not parked on [CLS]/[SEP]; the text
+    ``layer``/``head`` default to the most focused head that is not parked on special tokens; the text
     is cut to ``max_tokens`` (see :func:`run_sentence`). Lines describing what was drawn (first, a
     notice when the text was cut) are appended to ``report`` when given."""
     from .heatmap import grid, heatmap
     from .html import html
 
     cut: list[int] = []
-    cap, tokens = run_sentence(sentence, model, backend, max_tokens=max_tokens, cut=cut)
+    specials: list[str] = []  # the tokenizer's special tokens in this text: their shares are reported
+    cap, tokens = run_sentence(sentence, model, backend, max_tokens=max_tokens, cut=cut, specials=specials)
     notice = cut_notice(cut[0], cut[1], max_tokens)
     H = cap.records[0].sizes["H"]
     if layer is not None and not 0 <= layer < len(cap):
         raise ValueError(f"--layer {layer} is out of range: the model has {len(cap)} layers (0 … {len(cap) - 1}).")
     if head is not None and not 0 <= head < H:
         raise ValueError(f"--head {head} is out of range: the model has H={H} heads (0 … {H - 1}).")
-    stats = cap.stats(tokens, special=SPECIAL)
+    stats = cap.stats(tokens, special=specials)
     if layer is None or head is None:
         best = pick_head([s for s in stats if (layer is None or s.index == layer) and (head is None or s.head == head)])
         layer, head = best.index, best.head
@@ -125,17 +143,20 @@ def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path 
     heatmap(cap, tokens, layer=layer, head=head, path=paths[0])
     grid(cap, path=paths[1])
     title = sentence if len(sentence) <= 80 else sentence[:79] + "…"
-    html(cap, tokens, paths[2], layer=layer, head=head, title=f"bhqk · attention · {title}", notice=notice)
+    html(cap, tokens, paths[2], layer=layer, head=head, title=f"bhqk · attention · {title}", notice=notice,
+         special=specials)
     if report is not None:
         if notice is not None:
             report.append(notice)
         st = next(s for s in stats if s.index == layer and s.head == head)
         s = rec.sizes
+        on = f", on {'/'.join(specials)} {sum(st.special.values()):.2f}" if specials else ""
         report += [
             f"{len(cap)} attention calls captured from backend {rec.backend!r}: weights [B={s['B']}, H={s['H']}, "
-            f"Q={s['Q']}, K={s['K']}] each; tokens: {' '.join(tokens)}",
-            f"attention.png shows layer {layer} ({rec.name}), head {head}: entropy {st.entropy:.2f} nats, "
-            f"mean distance {st.distance:.2f} tokens, on [CLS]/[SEP] {sum(st.special.values()):.2f}",
+            f"Q={s['Q']}, K={s['K']}] each",
+            f"tokens: {' '.join(tokens)}",
+            f"attention.png shows layer {layer} ({rec.name}), head {head}:",
+            f"  entropy {st.entropy:.2f} nats, mean distance {st.distance:.2f} tokens{on}",
         ]
     return paths
 
@@ -154,7 +175,8 @@ def add_show_parser(sub) -> argparse.ArgumentParser:
                                    "folder, encoder or decoder), capture every layer's attention "
                                    "weights [B, H, Q, K] and write attention.png, attention_grid.png and "
                                    "attention.html (rows = queries, columns = keys) into --out.")
-    s.add_argument("sentence", help='the text, e.g. "The cat sat on the mat." (longer than --max-tokens: cut, with a notice)')
+    s.add_argument("sentence", type=text_arg,
+                   help='the text, e.g. "The cat sat on the mat." (longer than --max-tokens: cut, with a notice)')
     s.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
                                                  "(default: the bundled all-MiniLM-L6-v2)")
     s.add_argument("--layer", type=int, default=None, help="layer (attention call index) for attention.png; default: picked")
@@ -172,6 +194,8 @@ def trace_text(text: str, model: str | Path | None = None, backend: str = "auto"
     bundled MiniLM by default, a BERT folder on bhqk's encoder, any other local folder through
     transformers on bhqk."""
     from ..inspect.trace import trace
+
+    check_text(text)
 
     if model is None or _is_bert_folder(model):
         from ..models.bert import SentenceEncoder
@@ -197,7 +221,7 @@ def add_trace_parser(sub) -> argparse.ArgumentParser:
                        description="Run one text through a model (the bundled MiniLM, or --model DIR: any local Hugging "
                                    "Face folder) and print, per attention call, its module path, backend and the named "
                                    "shapes of q, k, v, S/P and the output.")
-    t.add_argument("text", help='the text, e.g. "The cat sat on the mat."')
+    t.add_argument("text", type=text_arg, help='the text, e.g. "The cat sat on the mat."')
     t.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
                                                  "(default: the bundled all-MiniLM-L6-v2)")
     t.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")

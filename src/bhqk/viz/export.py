@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import ShapeError
+from .labels import check_tokens
+
 if TYPE_CHECKING:
     from ..inspect.capture import Capture
 
@@ -20,8 +23,9 @@ def to_bertviz(cap: Capture, tokens: Sequence[str], *, b: int = 0) -> tuple[list
         if rec.weights is None or len(rec.heads) != s["H"] or rec.rows is not None:
             raise ValueError(f"bertviz needs the weights of every head and row; call {rec.name!r} has "
                              f"{rec.shape('weights')}. Capture with heads=None, rows=None.")
-        if s["Q"] != s["K"] or s["K"] != len(tokens):
-            raise ValueError(f"bertviz's head_view takes self-attention over the tokens: call {rec.name!r} has "
-                             f"Q={s['Q']}, K={s['K']} but {len(tokens)} tokens were given.")
+        if s["Q"] != s["K"]:
+            raise ShapeError(f"bertviz's head_view takes self-attention over the tokens: call {rec.name!r} has "
+                             f"Q={s['Q']}, K={s['K']}.")
+        check_tokens("to_bertviz", tokens, s["K"], axis="K", call=rec.name)
         attention.append(rec.weights[b : b + 1].float().cpu())  # [B, H, Q, K] -> [1, H, L, L]
     return attention, list(tokens)

@@ -102,9 +102,11 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
             path: str | Path | None = None) -> Figure:
     """One head's weights P [Q, K] with token labels on both axes (queries = rows, keys = columns),
     a colour bar and the named shape in the title. ``src``: a Capture (``layer`` = call index or
-    name), a Record, or a tensor [Q, K] / [H, Q, K] / [B, H, Q, K]. Saved as PNG when ``path`` is given."""
+    name), a Record, or a tensor [Q, K] / [H, Q, K] / [B, H, Q, K]. ``tokens``: one per query of the call
+    (and per key, unless ``key_tokens`` is given), else a ShapeError. Saved as PNG when ``path`` is given."""
     P, rec = _select(src, layer, head, b)
     Q, K = P.shape
+    _check_labels(tokens, key_tokens, rec.sizes["Q"] if rec is not None else Q, K, rec.name if rec is not None else None)
     positions = rec.query_positions if rec is not None else None
     q_labels = _labels(tokens, Q, positions)
     k_labels = _labels(key_tokens if key_tokens is not None else tokens, K)
@@ -136,6 +138,19 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
     return fig
+
+
+def _check_labels(tokens: Sequence[str] | None, key_tokens: Sequence[str] | None, Q: int, K: int, call: str | None) -> None:
+    """One token per query of the call (Q, not only the captured rows) and one per key (``key_tokens``,
+    else ``tokens`` labels the keys too)."""
+    from .labels import check_tokens
+
+    check_tokens("heatmap", tokens, Q, axis="Q", call=call)
+    if key_tokens is not None:
+        check_tokens("heatmap", key_tokens, K, arg="key_tokens", axis="K", call=call)
+    else:
+        check_tokens("heatmap", tokens, K, axis="K", call=call, hint=" (tokens labels the keys too; pass key_tokens= "
+                                                                   "when they are not the queries)")
 
 
 def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None, path: str | Path | None = None,

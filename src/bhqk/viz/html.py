@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..text import named_shape
+from .labels import check_tokens
 from .template import asset, fill, script_json
 
 if TYPE_CHECKING:
@@ -59,15 +60,22 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
               b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]"), notice: str | None = None) -> dict:
     """What the page shows, as plain JSON-able data: tokens, and per layer its named shapes, its
     captured heads, their weights [r, K] (8 bits per cell, see :func:`encode_weights`) and head
-    statistics; ``notice`` is shown above the views (e.g. that the input was cut)."""
+    statistics (with the share on each ``special`` token that is among the keys); ``notice`` is shown
+    above the views (e.g. that the input was cut). ``tokens`` needs one token per query of every call
+    and, unless ``key_tokens`` is given, one per key too (else a ShapeError)."""
     from ..inspect.stats import head_stats
 
     if not cap.records:
         raise ValueError("html: the capture holds no records; run the model inside `with capture(...)`.")
     weights = [_weights(r) for r in cap.records]  # each [B, h, r, K]
     keys = key_tokens if key_tokens is not None else tokens
-    special = tuple(special)
-    stats = head_stats(cap, keys, b=b, special=special) if keys is not None and _same_k(cap, keys) else head_stats(cap, None, b=b)
+    for rec in cap.records:  # one token per query and per key of every call the page shows
+        check_tokens("html", tokens, rec.sizes["Q"], axis="Q", call=rec.name)
+        check_tokens("html", keys, rec.sizes["K"], arg="key_tokens" if key_tokens is not None else "tokens", axis="K",
+                     call=rec.name, hint="" if key_tokens is not None else " (tokens labels the keys too; pass "
+                                                                           "key_tokens= when they are not the queries)")
+    special = tuple(s for s in special if keys is not None and s in keys)  # shares only of tokens that are there
+    stats = head_stats(cap, keys, b=b, special=special)
     by = {(s.index, s.head): s for s in stats}
     layers: list[dict[str, Any]] = []
     for rec, weights_b in zip(cap.records, weights):
@@ -103,10 +111,6 @@ def _weights(rec: Record) -> torch.Tensor:
     if rec.weights is None:
         raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
     return rec.weights
-
-
-def _same_k(cap: Capture, keys: Sequence[str]) -> bool:
-    return all(r.sizes["K"] == len(keys) for r in cap.records)
 
 
 def render(data: dict, title: str = "bhqk · attention") -> str:

@@ -159,15 +159,18 @@ function paintLines() {
 }
 
 // ---- heatmap: P[b, h] on a canvas; labels thinned to every n-th token, the hovered one always shown --
-let HM = null;
+let HM = null, fitWidth = 0;
 function drawHeatmap() {
   const { L, H } = cur(), box = document.getElementById("heatmap-box"), svg = document.getElementById("heatmap-labels");
   clear(svg);
   const R = L.R, K = L.K;
   const qs = L.rows.map((_, r) => clip(qtok(L, r))), ks = [...Array(K).keys()].map(k => clip(ktok(k)));
   const left = measure(qs) + 10, top = Math.ceil(measure(ks) * 0.82) + 14, legendW = 64;
-  const avail = document.getElementById("views-col").clientWidth - 26 - left - legendW;
-  const c = Math.max(0.5, Math.min(36, avail / K, 760 / R)) * state.zoom;
+  // "fit": the whole grid inside #heatmap-scroll (max-height 100vh − 40 px), neither scrollbar needed
+  const col = document.getElementById("views-col").clientWidth, availW = col - 26 - left - legendW;
+  const availH = Math.min(760, window.innerHeight - 40 - top - 8);
+  const c = Math.max(0.5, Math.min(36, availW / K, availH / R)) * state.zoom;
+  fitWidth = col;
   const gw = K * c, gh = R * c, width = left + gw + legendW, height = top + gh + 8;
   box.style.width = width + "px"; box.style.height = height + "px";
   svg.setAttribute("width", width); svg.setAttribute("height", height);
@@ -321,8 +324,8 @@ function select(li, hi) {
   state.pinned = state.focus !== null;
   render();
 }
-function render() {
-  fillSelects(); drawShapes(); setView(state.view, false); drawHeatmap(); drawLines(); drawOverview(); drawStats(); paint();
+function render() {  // the overview and stats first: their column's width decides what is left for the heatmap
+  fillSelects(); drawShapes(); drawOverview(); drawStats(); setView(state.view, false); drawHeatmap(); drawLines(); paint();
 }
 function setView(v, redraw = true) {
   state.view = v;
@@ -354,6 +357,10 @@ document.addEventListener("keydown", e => {
 });
 let resizing = null;
 window.addEventListener("resize", () => { clearTimeout(resizing); resizing = setTimeout(() => { drawHeatmap(); paint(); }, 100); });
+// the views' column can narrow without a window resize (the overview's column widening): fit again
+new ResizeObserver(() => requestAnimationFrame(() => {
+  if (HM && document.getElementById("views-col").clientWidth !== fitWidth) { drawHeatmap(); paint(); }
+})).observe(document.getElementById("views-col"));
 
 (async () => {
   if (D.notice) { const n = document.getElementById("notice"); n.textContent = D.notice; n.classList.remove("hidden"); }

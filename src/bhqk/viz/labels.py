@@ -1,0 +1,20 @@
+"""Token labels of pictures and pages: one per query of a call and one per key, checked before
+anything is drawn (``cap.summary`` and ``viz.to_bertviz`` check the same)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import ShapeError
+
+
+def check_tokens(where: str, tokens: Sequence[str] | None, n: int, *, arg: str = "tokens", axis: str = "Q",
+                 call: str | None = None, hint: str = "") -> None:
+    """Refuse ``tokens`` unless it holds exactly ``n`` labels, one per query (``axis="Q"``) or key
+    (``axis="K"``) of ``call``: a ShapeError naming the argument, the expected count and the actual."""
+    if tokens is None or len(tokens) == n:
+        return
+    what, one = ("queries", "query") if axis == "Q" else ("keys", "key")
+    of = f"call {call!r} has" if call is not None else "the weights have"
+    raise ShapeError(f"{where}: {arg} has {len(tokens)} tokens but {of} {axis}={n} {what}; "
+                     f"pass one token per {one}{hint}.")
