@@ -82,6 +82,8 @@ class HFMask(torch.Tensor):
     a plain tensor. An in-place op on the mask, or on a view of its tensor, bumps the tensor's
     version: the attention function then uses the tensor, not the stale structure."""
 
+    _is_param = False  # torch.Tensor only annotates it (nn.Parameter's isinstance reads it): a value, so pdoc can place it
+
     structure: Mask
     _build: Callable[[], torch.Tensor]
     _tensor: torch.Tensor | None
