@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from bhqk import masks
 from bhqk.errors import MaskError, ShapeError
 from bhqk.nn import KVCache, MultiHeadAttention
+from tolerance import assert_models_close
 
 
 def make_mha(D=32, H=4, Hkv=None, seed=0):
@@ -33,7 +34,7 @@ def test_incremental_equals_full_recompute(Hkv):
     full = m(x, mask=masks.causal())
     cache = KVCache(1, capacity=23)
     inc = run_chunks(m, x, [9, 1, 1, 5, 1, 1, 1, 4], cache, lambda s, e: masks.causal("bottom_right"))
-    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+    assert_models_close(inc, full, width=32, layers=1)
     assert cache.length == 23
     assert cache.state()["layers"][0]["keys"] == [2, Hkv or 4, 23, 8]
 
@@ -50,7 +51,7 @@ def test_any_chunking_any_capacity(chunks, capacity, B):
     x = torch.randn(B, N, 16)
     full = m(x, mask=masks.causal())
     inc = run_chunks(m, x, chunks, KVCache(1, capacity=capacity), lambda s, e: masks.causal("bottom_right"))
-    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+    assert_models_close(inc, full, width=32, layers=1)
 
 
 @torch.no_grad()  # inference; under autograd each step builds new buffers (see the autograd test)
@@ -71,7 +72,7 @@ def test_grows_past_capacity_and_keeps_values():
     x = torch.randn(1, 30, 32)
     cache = KVCache(1, capacity=4)
     inc = run_chunks(m, x, [3] + [1] * 27, cache, lambda s, e: masks.causal("bottom_right"))
-    torch.testing.assert_close(inc, m(x, mask=masks.causal()), atol=1e-6, rtol=1e-5)
+    assert_models_close(inc, m(x, mask=masks.causal()), width=32, layers=1)
     assert cache[0].k.shape[2] >= 30
 
 
@@ -88,8 +89,8 @@ def test_key_padding_with_cache():
         return masks.causal("bottom_right") & masks.key_padding(valid[:, :e])
 
     inc = run_chunks(m, x, [5, 1, 2, 1, 3], cache, mask)
-    torch.testing.assert_close(inc[1, 3:], full[1, 3:], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(inc[0], full[0], atol=1e-6, rtol=1e-5)
+    assert_models_close(inc[1, 3:], full[1, 3:], width=32, layers=1)
+    assert_models_close(inc[0], full[0], width=32, layers=1)
 
 
 @pytest.mark.parametrize("W", [1, 3, 6])
@@ -101,7 +102,7 @@ def test_sliding_window_eviction_equals_windowed_recompute(W):
     cache = KVCache(1, window=W)
     chunks = [5, 1, 1, 7] + [1] * 26
     inc = run_chunks(m, x, chunks, cache, lambda s, e: window_mask)
-    torch.testing.assert_close(inc, full, atol=1e-6, rtol=1e-5)
+    assert_models_close(inc, full, width=32, layers=1)
     assert cache.length == 40
     assert cache[0].kept < 40 and cache[0].k.shape[2] <= max(2 * W, 16, 7 + W)
 
@@ -114,7 +115,7 @@ def test_window_decoding_needs_no_mask_after_eviction():
     full = m(x, mask=masks.sliding_window(W - 1))
     cache = KVCache(1, window=W)
     outs = [m(x[:, i : i + 1], cache=cache) for i in range(20)]
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-5)
+    assert_models_close(torch.cat(outs, 1), full, width=32, layers=1)
     assert cache.span(1) == (20 - (W - 1), 21)
 
 
@@ -140,7 +141,7 @@ def test_crop_rolls_back_and_recomputes_the_same():
     cache.crop(8)
     assert cache.length == 8
     out = m(x[:, 8:], mask=masks.causal("bottom_right"), cache=cache)
-    torch.testing.assert_close(out, m(x, mask=masks.causal())[:, 8:], atol=1e-6, rtol=1e-5)
+    assert_models_close(out, m(x, mask=masks.causal())[:, 8:], width=32, layers=1)
 
 
 def test_crop_errors():

@@ -20,6 +20,7 @@ from bhqk.functional.api import problem
 from bhqk.inspect import capture
 from bhqk.inspect.capture import recompute
 from conftest import concrete_backends, mask_kinds, qkv
+from tolerance import assert_models_close
 
 capmod = importlib.import_module("bhqk.inspect.capture")  # the module (bhqk.inspect.capture is the function)
 
@@ -273,7 +274,7 @@ def test_minilm_weights_equal_transformers_output_attentions(minilm, backend, mo
     assert backend == "auto" or {r.backend for r in cap} == {backend}
     for rec, want in zip(cap, ref):
         assert rec.name.startswith("layers.") and rec.weights.shape == want.shape == (2, 12, ids.shape[1], ids.shape[1])
-        torch.testing.assert_close(rec.weights, want, atol=2e-5, rtol=1e-4)
+        assert_models_close(rec.weights, want, width=1536, layers=6)
 
 
 def test_minilm_one_head_of_one_layer(minilm):
@@ -281,7 +282,7 @@ def test_minilm_one_head_of_one_layer(minilm):
     with torch.no_grad(), capture(layers=["layers.3.*"], heads=[7], rows=[0], model=model) as cap:
         model(ids, am)
     assert [r.name for r in cap] == ["layers.3.attn"]
-    torch.testing.assert_close(cap[3].weights, ref[3][:, [7]][:, :, [0]], atol=2e-5, rtol=1e-4)
+    assert_models_close(cap[3].weights, ref[3][:, [7]][:, :, [0]], width=1536, layers=6)
 
 
 # ---- head statistics ------------------------------------------------------------------------------
