@@ -217,3 +217,13 @@ def test_input_dtype_must_match_the_module():
 def test_bias_from_torch_mha_names_what_is_wrong(attn_mask, num_heads, match):
     with pytest.raises(MaskError, match=match):
         bhqk.bias.from_torch_mha(attn_mask, num_heads=num_heads)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "spans", "tiled"])
+def test_a_call_with_gradients_warns_nothing(backend):
+    """The finiteness checks read a sum of each input: of a detached view, so torch does not warn
+    ("Converting a tensor with requires_grad=True to a scalar") on every call with gradients."""
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bhqk.attention(q, q, q, masks.causal(), backend=backend).sum().backward()

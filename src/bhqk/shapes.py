@@ -142,7 +142,7 @@ def all_finite(*ts: torch.Tensor) -> bool:
         return True
     for t in ts:
         wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
-        if t.numel() and not math.isfinite(float(t.sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
+        if t.numel() and not math.isfinite(float(t.detach().sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
             return False
     return True
 
