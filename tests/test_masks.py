@@ -122,3 +122,16 @@ def test_bad_masks_are_errors():
         masks.key_padding(torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="bool tensor"):
         masks.predicate(lambda b, h, q, k: q - k).materialize(1, 1, 2, 2)
+
+
+def test_masks_render_in_jupyter_bounded_at_any_length():
+    """_repr_html_: the repr and the drawing of batch 0, head 0, at most HTML_MAX × HTML_MAX entries
+    (a large mask shows its corner, and only that block is evaluated)."""
+    def drawn(page):  # the ■ of the drawing (the legend has one too)
+        return page.split("<pre", 1)[1].count("■")
+
+    small = masks.sliding_window(2)._repr_html_()
+    assert "sliding_window(2" in small and drawn(small) == 8 * 3 - 3  # rows 0 and 1 see 1 and 2 keys
+    big = masks.dense(torch.ones(1, 1, 5000, 5000, dtype=torch.bool).tril())._repr_html_()
+    assert "the corner of 5000 × 5000" in big and drawn(big) == 48 * 49 // 2 and len(big) < 10_000
+    assert "cannot draw" in masks.causal()._repr_html_() or "■" in masks.causal()._repr_html_()

@@ -113,6 +113,28 @@ class Mask:
         except MaskError as e:  # e.g. a causal mask with Q ≠ K and no alignment
             return f"{self!r} (cannot draw: {e})"
 
+    HTML_MAX = 48  # the largest side drawn in a notebook; a larger mask shows its top-left corner
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the mask's repr and its drawing (batch 0, head 0) at its natural size, at most
+        ``HTML_MAX`` × ``HTML_MAX`` (the top-left corner of a larger one, said so; only that block is
+        evaluated): bounded at any length."""
+        import html
+
+        nat = self.natural_size() or (8, 8)
+        Q, K = min(nat[0], self.HTML_MAX), min(nat[1], self.HTML_MAX)
+        note = f"{Q} queries × {K} keys" + (f" (the corner of {nat[0]} × {nat[1]})" if (Q, K) != tuple(nat) else "")
+        try:
+            ext = Extent(1, 1, nat[0], nat[1])
+            self.check(ext)
+            tile = torch.as_tensor(self.block(ext, 0, Q, 0, K))  # broadcastable to [B, H, q, k]
+            tile = tile.reshape((1,) * (4 - tile.dim()) + tuple(tile.shape))  # [#B, #H, #q, #k]
+            body = grid(tile[0, 0].expand(Q, K).tolist())
+        except MaskError as e:  # e.g. a causal mask with Q ≠ K and no alignment
+            body, note = f"(cannot draw: {e})", ""
+        return (f"<div><code>{html.escape(repr(self))}</code> <small>{html.escape(note)}; ■ may attend, · masked</small>"
+                f"<pre style='line-height:1'>{html.escape(body)}</pre></div>")
+
     # ---- FlexAttention: the mask as a mask_mod and a BlockMask ------------------------------------
 
     def mask_mod(self, B: int, H: int, Q: int, K: int, device: torch.device | str | None = None) -> MaskMod:
