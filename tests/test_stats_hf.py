@@ -71,10 +71,8 @@ def _compare(rec, P, am_rows, K, Q, msg, rows=None):
     for name in ("entropy", "distance", "sink", "received"):
         got = torch.where(real, getattr(rec, name), 0.0) if name != "received" else rec.received
         mag = max(1.0, float(exp[name].abs().max()))
+        # 8·eps(fp32)·√K·mag: tighter than 1e-5 relative for these K, and derived, not picked
         assert_close(got, exp[name], dtype=torch.float32, n=K, magnitude=mag, msg=f"{msg} {name}")
-        if name != "received":
-            rel = ((got.double() - exp[name]).abs().max() / mag).item()
-            assert rel <= 1e-5, f"{msg} {name}: relative error {rel:.2g}"
     assert_close(torch.where(real, rec.offset(1), 0.0), exp["offset1"], dtype=torch.float32, n=K, msg=f"{msg} offset")
 
 
