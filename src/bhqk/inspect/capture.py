@@ -17,7 +17,6 @@ Outside a ``with capture`` block nothing is observed and nothing is computed.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, compute_dtype
 from .heads import HeadTable, head_table
+from .layers import selected, selectors
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -280,12 +280,7 @@ class Capture:
             "entropy" in wants, "distance" in wants, "sink" in wants, "received" in wants,
             self.offsets, window, topk)
         self.blocks = (block_q, block_k)
-        if layers is not None and isinstance(layers, (int, str)):
-            layers = [layers]
-        self.layers = None if layers is None else list(layers)
-        for sel in self.layers or []:
-            if isinstance(sel, bool) or not isinstance(sel, (int, str)) or (isinstance(sel, int) and sel < 0):
-                raise ValueError(f"capture: layers takes call indices >= 0 and module-path names, got {sel!r}.")
+        self.layers = selectors(layers, "capture")
         self.heads = None if heads is None else sorted({int(h) for h in heads})
         self.rows = None if rows is None else sorted({int(r) for r in rows})
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
@@ -294,9 +289,7 @@ class Capture:
 
     # ---- observer -------------------------------------------------------------------------
     def selected(self, index: int, name: str) -> bool:
-        if self.layers is None:
-            return True
-        return any(sel == index if isinstance(sel, int) else fnmatch.fnmatchcase(name, sel) for sel in self.layers)
+        return selected(self.layers, index, name)
 
     def on_event(self, event: str, data: dict[str, Any]) -> None:
         if event != "attention":

@@ -46,13 +46,7 @@ from ..functional.registry import resolve
 from ..masks import Mask, as_mask
 from ..shapes import Sizes, as_4d, compute_dtype
 from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
-
-
-def _selected(layers: list[int | str] | None, index: int, name: str) -> bool:
-    """capture's selection: call indices (order inside the block) or module-path globs."""
-    if layers is None:
-        return True
-    return any(sel == index if isinstance(sel, int) else fnmatch.fnmatchcase(name, sel) for sel in layers)
+from .layers import selected, selectors
 
 
 class Edit:
@@ -72,13 +66,9 @@ class Edit:
         weights: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
     ) -> None:
-        if layers is not None and isinstance(layers, (int, str)):
-            layers = [layers]
-        self.layers = None if layers is None else list(layers)
+        self.layers = selectors(layers, "edit")
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         for sel in self.layers or []:
-            if isinstance(sel, bool) or not isinstance(sel, (int, str)) or (isinstance(sel, int) and sel < 0):
-                raise ValueError(f"edit: layers takes call indices >= 0 and module-path names, got {sel!r}.")
             if isinstance(sel, str):
                 if model is None:
                     raise ValueError(f"edit: layer {sel!r} is a module path; pass model= so names can be matched.")
@@ -183,7 +173,7 @@ class Edit:
             ed.calls += 1
             name = ed._names.get(id(module), f"attention.{index}")
             ed._seen.add(name)
-            if not _selected(ed.layers, index, name):
+            if not selected(ed.layers, index, name):
                 continue
             heads = ed._heads(H, name)
             ed._check(p, name, len(heads))
@@ -328,8 +318,9 @@ def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[
             s = ed.scale
             if isinstance(s, torch.Tensor):
                 n = len(ed.heads) if ed.heads is not None else H
-                s = s.reshape(-1)
-                s = (s.index_select(0, torch.tensor(ps, device=s.device)) if s.numel() == n and n != 1 else s.expand(h))
+                s = s.reshape(-1)  # [] | [n] -> [1] | [n]
+                s = (s.index_select(0, torch.tensor(ps, device=s.device))  # [n] -> [h]: this call's edited heads
+                     if s.numel() == n and n != 1 else s.expand(h))  # [1] -> [h]
                 s = s.to(device=o.device)[None, :, None, None]  # [h] -> [1, h, 1, 1]
             o = o * s
     return o, lse, (mask_parts, bias_parts, zero_q)
