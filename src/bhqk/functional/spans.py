@@ -47,7 +47,7 @@ from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
 from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow, tensor_versions
 from ..shapes import all_finite
-from .merge import merge_
+from .merge import merge_, with_sinks
 from .problem import Problem
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -342,8 +342,8 @@ def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.T
     allowed = None
     if p.mask is not None:
         mod = p.mask.mask_mod(ext.B, ext.H, ext.Q, ext.K, dev)
-        b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
-        h = torch.arange(ext.H, device=dev).view(1, 1, ext.H, 1, 1)
+        b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)  # [B] -> [B, 1, 1, 1, 1] (axes B, n, H, rows, L)
+        h = torch.arange(ext.H, device=dev).view(1, 1, ext.H, 1, 1)  # [H] -> [1, 1, H, 1, 1]
         allowed = mod(b, h, qi.view(1, n, 1, g.rows, 1), ki.view(1, n, 1, 1, g.L))  # [#B, n, #H, rows, L]
         allowed = torch.as_tensor(allowed, device=dev).expand(-1, n, -1, g.rows, g.L)
     add = None
@@ -455,13 +455,6 @@ def _forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) -
     return acc.to(q.dtype), acc_lse
 
 
-def _sinked(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``merge.with_sinks`` without autograd: out·sigmoid(lse − sink), log(exp(lse) + exp(sink))."""
-    sink = sinks.to(lse.dtype)[None, :, None].expand_as(lse)  # [H] -> [B, H, Q]
-    w = torch.sigmoid(lse - sink)  # [B, H, Q]; 0 where lse = -inf
-    return (out.to(lse.dtype) * w[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
-
-
 def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, calls: list[Call] | None = None):
     """dq, dk, dv from the fused backward per span with the final out and lse (sinks included)."""
     B = p.ext.B
@@ -481,7 +474,8 @@ def _backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, cal
               for piece in _split(call, B, max(1, GRAD_ELEMS // (call[0].L * k.shape[1] * k.shape[-1]))))
     for g, add in pieces:
         qg, kg, vg = _q_view(q, g), _k_view(k, g), _k_view(v, g)
-        og, lg, gog = _q_view(out, g), _q_view(lse_b[..., None], g)[..., 0], _q_view(grad_out, g)
+        og, gog = _q_view(out, g), _q_view(grad_out, g)  # [B, H, Q, dv] -> the group's [B·n, H, rows, dv]
+        lg = _q_view(lse_b[..., None], g)[..., 0]  # [B, H, Q] -> [B, H, Q, 1] -> [B·n, H, rows]
         gq_, gk_, gv_ = _BWD(gog, qg, kg, vg, og, lg, 0.0, g.causal, attn_mask=add, scale=p.scale)
         if g_lse is not None:
             pk, lk = _FWD(qg, kg, kg, 0.0, g.causal, attn_mask=add, scale=p.scale)  # P_span·K / its own sum
@@ -531,7 +525,7 @@ class _SpanAttention(torch.autograd.Function):
         calls = list(_calls(p, plan))
         out, lse = _forward(p, plan, q, k, v, calls)
         if sinks is not None:
-            out, lse = _sinked(out, lse, sinks)
+            out, lse = with_sinks(out, lse, sinks)  # sinks join once, after every span is merged
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.p, ctx.plan, ctx.calls = p, plan, _kept(calls)
         return out, lse
@@ -569,7 +563,7 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     else:
         out, lse = _forward(p, plan, q, k, v)
         if p.sinks is not None:
-            out, lse = _sinked(out, lse, p.sinks)
+            out, lse = with_sinks(out, lse, p.sinks)
     if dv < d:
         out = out[..., :dv]
     return out, lse
