@@ -432,7 +432,7 @@ def _sinks(s_aux, sinks, H: int):
     if s.numel() != H:  # [H], or [1, H, 1, 1] (one query of one sequence: the same thing)
         raise MaskError(f"{name} must hold one logit per head, [H={H}]; got shape {list(s.shape)} "
                         f"(per-query sinks are not supported by bhqk).")
-    return s.reshape(H)
+    return s.reshape(H)  # [H] | [1, H, 1, 1] -> [H]
 
 
 def attention_forward(

@@ -127,9 +127,8 @@ class Mask:
         try:
             ext = Extent(1, 1, nat[0], nat[1])
             self.check(ext)
-            tile = torch.as_tensor(self.block(ext, 0, Q, 0, K))  # broadcastable to [B, H, q, k]
-            tile = tile.reshape((1,) * (4 - tile.dim()) + tuple(tile.shape))  # [#B, #H, #q, #k]
-            body = grid(tile[0, 0].expand(Q, K).tolist())
+            tile = as_4d(torch.as_tensor(self.block(ext, 0, Q, 0, K)))  # [.., #q, #k] -> [#B, #H, #q, #k]
+            body = grid(tile[0, 0].expand(Q, K).tolist())  # [#q, #k] -> [Q, K]
         except MaskError as e:  # e.g. a causal mask with Q ≠ K and no alignment
             body, note = f"(cannot draw: {e})", ""
         return (f"<div><code>{html.escape(repr(self))}</code> <small>{html.escape(note)}; ■ may attend, · masked</small>"
