@@ -138,6 +138,9 @@ def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: 
     """The mean of each captured per-row statistic over the real rows of every record of a layer
     (grouped by name), per head; ``offset o`` columns for captured offsets (``prev`` for o = 1);
     ``received@p`` for each key position p in ``positions``. ``rows``: only these rows of each record."""
+    if rows is not None and positions:
+        raise ValueError("head_table: received@p sums over every row of a record; it cannot be restricted to rows= "
+                         "(pass positions= without rows=, or rows= without positions=).")
     groups = _groups(records)
     H = max((r.sizes["H"] for rs in groups.values() for r in rs), default=0)
     L = len(groups)
