@@ -19,11 +19,10 @@ from bhqk.errors import MaskError, ShapeError
 from bhqk.integrations.transformers import register
 from bhqk.models.bert import BertConfig, BertEncoder
 from bhqk.models.gpt2 import GPT2, GPT2Config
-from tolerance import assert_close
+from tolerance import assert_close, assert_models_close, bound, magnitude_of
 
 register()
 V, N = 50, 9
-REL = 1e-5  # the issue's target: logits within 1e-5 relative of the hand-written intervention (fp32)
 
 
 # ---- the intervention by hand, on eager attention ------------------------------------------------------
@@ -136,8 +135,14 @@ def _block(Q, K, q0, q1, k0, k1):
 
 
 def _close(a, b):
-    err = (a - b).abs().max().item()
-    assert err <= REL * max(1.0, b.abs().max().item()), f"max |Δ| {err:.3g}"
+    """Two whole-model paths in fp32 (the edit on bhqk, the same edit by hand on eager): the models
+    here are two layers whose widest sum is at most 96 terms."""
+    assert_models_close(a, b, width=96, layers=2)
+
+
+def _changed(a, b, n=96):
+    """The edit moved the output by far more than two paths' rounding could (100× the bound)."""
+    return (a - b).abs().max().item() > 100 * bound(torch.float32, n, magnitude_of(b))
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2"])
@@ -164,7 +169,7 @@ def test_every_edit_equals_the_intervention_by_hand_on_hf_models(kind):
             SPEC.clear()
             assert ed.hits == [(1, LAYER[kind])], name
             _close(got[real], want[real])
-            assert (got - plain)[real].abs().max() > 1e-4, f"{name} changed nothing"
+            assert _changed(got[real], plain[real]), f"{name} changed nothing"
 
 
 def test_a_knockout_holds_at_every_decode_step_of_generate():
@@ -185,7 +190,7 @@ def test_a_knockout_holds_at_every_decode_step_of_generate():
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         _close(a, b)
-    assert max((a - b).abs().max().item() for a, b in zip(got.scores, plain.scores)) > 1e-4
+    assert any(_changed(a[torch.isfinite(a)], b[torch.isfinite(a)]) for a, b in zip(got.scores, plain.scores))
 
 
 def _bhqk_by_hand(module, spec, causal):
@@ -227,7 +232,7 @@ def test_every_edit_equals_the_intervention_by_hand_on_bhqk_models(kind):
             del target.attend
             real = am.bool()
             _close(got[real], want[real])
-            assert (got - plain)[real].abs().max() > 1e-4, f"{name} changed nothing"
+            assert _changed(got[real], plain[real]), f"{name} changed nothing"
 
 
 def test_multihead_attention_mask_and_bias_and_weights_under_gqa():
@@ -373,7 +378,7 @@ def test_patching_a_head_from_a_clean_run_into_a_corrupted_one():
         SPEC.update(module=target, heads=[2], output=rec.head_outputs)
         _close(by_output, ref(corrupt).logits)
         SPEC.clear()
-        assert (by_output - m(corrupt).logits).abs().max() > 1e-4
+        assert _changed(by_output, m(corrupt).logits)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------
@@ -436,7 +441,6 @@ def test_span_masks_by_hand_and_their_tiles(Q, K):
         for i in range(empty.shape[0]):
             for j in range(empty.shape[1]):
                 t = dense[2 * i: 2 * i + 2, 2 * j: 2 * j + 2]
-                assert bool(empty[i, j]) == (not bool(t.any())) or not empty[i, j]
                 assert not (empty[i, j] and t.any()) and not (full[i, j] and not t.all())
                 c = m.classify(ext, 2 * i, min(Q, 2 * i + 2), 2 * j, min(K, 2 * j + 2))
                 assert c.value == ("empty" if empty[i, j] else "full" if full[i, j] else "partial")
@@ -466,9 +470,9 @@ def test_minilm_sink_knockout_moves_the_mass_and_zeroing_keeps_it_out():
     before, after = cap[layer].weights, ko[layer].weights
     assert float(before[..., 0].mean()) > 0.3  # the sink: layer 2's heads put most of their weight on [CLS]
     assert float(after[..., 0].abs().max()) == 0.0
-    torch.testing.assert_close(after.sum(-1), torch.ones_like(after.sum(-1)))  # knocked out: renormalized
+    assert_close(after.sum(-1), torch.ones_like(after.sum(-1), dtype=torch.float64), n=ids.shape[1])  # knocked out: renormalized
     assert_close(zw[layer].weights, P.double(), n=ids.shape[1])  # zeroed: as given, rows sum to 1 − P[:, 0]
-    assert float((base - knocked).abs().max()) > 1e-2
+    assert _changed(knocked, base, n=1536)
 
 
 def test_return_lse_is_the_edited_heads_and_capture_reads_it():

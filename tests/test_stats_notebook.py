@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
-nbclient = pytest.importorskip("nbclient")
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("ipykernel")
+import ipykernel  # noqa: F401  # the kernel the notebook runs in (a dev dependency: missing is a failure, not a skip)
+import nbclient
+import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 
