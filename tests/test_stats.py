@@ -212,7 +212,7 @@ def test_head_table_means_over_real_rows_of_every_call_of_a_layer():
     assert "prev" in str(t) and "top sink" in repr(t) and "<table" in t._repr_html_()
     assert set(t.to_dict()["values"]) == set(t.columns)
     with pytest.raises(ValueError, match="received@p .* cannot be restricted to rows"):
-        bhqk.inspect.head_table(cap.records, positions=(0,), rows=slice(0, 2))  # received sums every row: it would be divided wrongly
+        bhqk.inspect.head_table(cap.records, positions=(0,), rows=slice(0, 2))  # received sums every row
 
 
 def test_reprs_are_bounded_at_any_length():
