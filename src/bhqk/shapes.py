@@ -128,9 +128,11 @@ def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def per_query_head(t: torch.Tensor, H: int) -> torch.Tensor:
+def per_query_head(t: torch.Tensor, H: int, heads: Sequence[int] | None = None) -> torch.Tensor:
     """[B, Hkv, K, x] -> [B, H, K, x]: query head h uses key/value head h // (H / Hkv) (GQA spelled
-    out, for the paths that need one K/V head per query head)."""
+    out, for the paths that need one K/V head per query head); with ``heads``, those query heads only: [B, h, K, x]."""
+    if heads is not None:
+        return t.index_select(1, torch.tensor(heads, device=t.device) // (H // t.shape[1]))  # [B, Hkv, K, x] -> [B, h, K, x]
     return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
 
 

@@ -29,9 +29,9 @@ from .. import masks, observe
 from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
-from ..shapes import Sizes, as_4d, compute_dtype
+from ..shapes import as_4d, compute_dtype
 from .heads import HeadTable, head_table
-from .layers import selected, selectors
+from .layers import heads_rows, selected, selectors, sub_call, value_heads
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -194,9 +194,7 @@ def _tile(get, rows: list[int] | None, Q: int, K: int, heads: list[int], H: int)
         t = as_4d(get(q0, q1))  # [#B, #H, #q, #K]
         parts.append(t.expand(*t.shape[:2], q1 - q0, K))  # [#B, #H, q, K]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [#B, #H, r, K]
-    if t.shape[1] == H and H != 1:
-        t = t[:, heads]  # [#B, H, r, K] -> [#B, h, r, K]
-    return t
+    return value_heads(t, heads, H)  # [#B, #H, r, K] -> [#B, #h, r, K]
 
 
 def narrow(p: Problem, heads: list[int], rows: list[int] | None) -> Problem:
@@ -204,20 +202,13 @@ def narrow(p: Problem, heads: list[int], rows: list[int] | None) -> Problem:
     q [B, h, r, d], k and v [B, h, K, ·] (the K/V head of each selected head), the mask and the bias
     as dense [#B, #h, r, K] tiles. Nothing of the other heads' [Q, K] is built."""
     ext, dev = p.ext, p.q.device
-    hi = torch.tensor(heads, device=dev)
-    q = p.q.index_select(1, hi)  # [B, H, Q, d] -> [B, h, Q, d]
-    if rows is not None:
-        q = q.index_select(2, torch.tensor(rows, device=dev))  # [B, h, Q, d] -> [B, h, r, d]
-    k, v = (t.index_select(1, hi // p.groups) for t in (p.k, p.v))  # [B, Hkv, K, ·] -> [B, h, K, ·]: head h reads K/V head h // G
     mask = bias = None
     if p.mask is not None:
         mask = masks.dense(_tile(lambda q0, q1: p.mask.block(ext, q0, q1, 0, ext.K, dev), rows, ext.Q, ext.K, heads, ext.H))
     if p.bias is not None:
         dt = compute_dtype(p.q)
         bias = bias_.dense(_tile(lambda q0, q1: p.bias.block(ext, q0, q1, 0, ext.K, dev, dt), rows, ext.Q, ext.K, heads, ext.H))
-    sizes = Sizes(B=ext.B, H=len(heads), Hkv=len(heads), Q=q.shape[2], K=ext.K, d=q.shape[3], dv=v.shape[3])
-    sinks = p.sinks[heads] if p.sinks is not None else None  # [H] -> [h]
-    return Problem(q, k, v, sizes, mask, bias, p.scale, p.softcap, sinks=sinks)
+    return sub_call(p, heads, mask, bias, rows)
 
 
 def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor | None = None):
@@ -230,9 +221,7 @@ def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
     S, _ = reference.scores(narrowed)  # [B, h, r, K]
     if lse is None:
         return (S, *reference.softmax_rows(S, narrowed.sinks))
-    lse_sel = lse.index_select(1, torch.tensor(heads, device=lse.device)).to(S.dtype)  # [B, H, Q] -> [B, h, Q]
-    if rows is not None:
-        lse_sel = lse_sel.index_select(2, torch.tensor(rows, device=lse.device))  # [B, h, r]
+    lse_sel = heads_rows(lse, heads, rows).to(S.dtype)  # [B, H, Q] -> [B, h, r]
     finite = torch.isfinite(lse_sel)[..., None]  # [B, h, r, 1]; -inf marks a fully masked row
     P = torch.where(finite, torch.exp(S - torch.where(finite, lse_sel[..., None], 0.0)), 0.0)
     return S, P, lse_sel
@@ -316,8 +305,7 @@ class Capture:
                 rec.weights = P.detach() if "weights" in self.what else None
                 rec.lse = lse.detach() if "lse" in self.what else None
             if "head_outputs" in self.what:
-                o = data["out"].detach()[:, heads]  # [B, H, Q, dv] -> [B, h, Q, dv]
-                rec.head_outputs = o if rows is None else o[:, :, rows]  # [B, h, r, dv]
+                rec.head_outputs = heads_rows(data["out"].detach(), heads, rows)  # [B, H, Q, dv] -> [B, h, r, dv]
             if self.want is not None:
                 self._statistics(rec, p, heads, rows, data.get("lse"))
         self.records.append(rec)

@@ -44,9 +44,9 @@ from ..errors import BackendError, MaskError, ShapeError
 from ..functional.problem import Problem
 from ..functional.registry import resolve
 from ..masks import Mask, as_mask
-from ..shapes import Sizes, as_4d, compute_dtype
+from ..shapes import as_4d, compute_dtype, per_query_head
 from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
-from .layers import selected, selectors
+from .layers import heads_rows, selected, selectors, sub_call, value_heads
 
 
 class Edit:
@@ -253,21 +253,12 @@ def _run(p: Problem, backend: str, need_lse: bool) -> tuple[torch.Tensor, torch.
         return resolve(backend, p, need_lse).run(p, need_lse)
 
 
-def _rows(t: torch.Tensor, ps: list[int], n: int) -> torch.Tensor:
-    """An edit's tensor [#B, #h, ...] (h = its n heads) on the positions ``ps`` of its heads."""
-    t = as_4d(t)
-    if t.shape[1] == n and n != 1:
-        t = t.index_select(1, torch.tensor(ps, device=t.device))  # [#B, n, ·, ·] -> [#B, h, ·, ·]
-    return t
-
-
 def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[int],
            edits: list[tuple[Edit, list[int]]], backend: str):
     """Heads ``hs`` touched by the same edits: (O [B, h, Q, dv], lse [B, h, Q] | None (when ``lse_in``,
     the call's [B, H, Q], is given), the parts observers see)."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     h, dv = len(hs), p.sizes["dv"]
-    hi = torch.tensor(hs, device=out.device)
     dt = compute_dtype(p.q)
     weights = next((ed for ed, _ in reversed(edits) if ed.weights is not None or ed.output is not None), None)
     mask: Mask | None = None
@@ -288,13 +279,13 @@ def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[
     lse = None
     if weights is not None and weights.output is not None:  # O_h given
         n = len(weights.heads) if weights.heads is not None else H
-        o = _rows(weights.output, next(ps for ed, ps in edits if ed is weights), n).expand(B, h, Q, dv)  # [B, h, Q, dv]
-        lse = None if lse_in is None else lse_in.index_select(1, hi)  # the pattern is unchanged: [B, H, Q] -> [B, h, Q]
+        o = value_heads(weights.output, next(ps for ed, ps in edits if ed is weights), n).expand(B, h, Q, dv)  # [B, h, Q, dv]
+        lse = None if lse_in is None else heads_rows(lse_in, hs)  # the pattern is unchanged: [B, H, Q] -> [B, h, Q]
     elif weights is not None:  # P given: O = P·V, no softmax
         n = len(weights.heads) if weights.heads is not None else H
-        P = _rows(weights.weights, next(ps for ed, ps in edits if ed is weights), n).to(dt)  # type: ignore[arg-type]
+        P = value_heads(weights.weights, next(ps for ed, ps in edits if ed is weights), n).to(dt)  # type: ignore[arg-type]
         P = P.expand(B, h, Q, K)  # [B, h, Q, K]
-        v = p.v.index_select(1, hi // p.groups).to(dt)  # [B, Hkv, K, dv] -> [B, h, K, dv]: head h reads K/V head h // G
+        v = per_query_head(p.v, H, hs).to(dt)  # [B, Hkv, K, dv] -> [B, h, K, dv]: head h reads K/V head h // G
         o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, h, Q, dv]
         logP = torch.log(P.detach())  # [B, h, Q, K]; -inf where P = 0
         lse = torch.where((P.detach() > 0).any(dim=-1), 0.0, float("-inf"))  # [B, h, Q]: P = exp(S − lse) with S = log P
@@ -309,8 +300,8 @@ def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[
         if bias is not None:
             bias_parts.append((hs, bias, False))
     else:  # zero / scale only: the fast path's own heads
-        o = out.index_select(1, hi)  # [B, H, Q, dv] -> [B, h, Q, dv]
-        lse = None if lse_in is None else lse_in.index_select(1, hi)  # [B, H, Q] -> [B, h, Q]
+        o = heads_rows(out, hs)  # [B, H, Q, dv] -> [B, h, Q, dv]
+        lse = None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
     for ed, ps in edits:
         if ed.zero:
             o = torch.zeros_like(o)
@@ -330,19 +321,13 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
     """The call on the query heads ``hs`` only (each with its K/V head), the extra mask ANDed and the
     extra bias added: a problem of h heads on the fast path."""
     H = p.ext.H
-    hi = torch.tensor(hs, device=p.q.device)
-    q = p.q.index_select(1, hi)  # [B, H, Q, d] -> [B, h, Q, d]
-    k, v = (t.index_select(1, hi // p.groups) for t in (p.k, p.v))  # [B, Hkv, K, ·] -> [B, h, K, ·]
     mask = mask_heads(p.mask, hs, H)
     if extra_mask is not None:
         mask = extra_mask if mask is None else mask & extra_mask
     bias = bias_heads(p.bias, hs, H)
     if extra_bias is not None:
         bias = extra_bias if bias is None else bias + extra_bias
-    s = p.sizes
-    sizes = Sizes(B=s["B"], H=len(hs), Hkv=len(hs), Q=s["Q"], K=s["K"], d=s["d"], dv=s["dv"])
-    sinks = p.sinks.index_select(0, hi) if p.sinks is not None else None  # [H] -> [h]
-    return Problem(q, k, v, sizes, mask, bias, p.scale, p.softcap, p.dropout_p, dict(p.options), sinks)
+    return sub_call(p, hs, mask, bias)
 
 
 @contextlib.contextmanager

@@ -18,18 +18,11 @@ from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
 from ..masks import Extent, Mask, Tile
 from ..shapes import as_4d
+from .layers import value_heads
 
 
 def _full(ext: Extent, H: int) -> Extent:
     return Extent(ext.B, H, ext.Q, ext.K)
-
-
-def _pick(t: torch.Tensor, heads: list[int], H: int) -> torch.Tensor:
-    """A tile [#B, #H, q, k] of a value of the H-head call -> the selected heads' [#B, #h, q, k]."""
-    t = as_4d(t)  # [#B, #H, #q, #k]
-    if t.shape[1] == H and H != 1:
-        t = t.index_select(1, torch.tensor(heads, device=t.device))  # [#B, H, q, k] -> [#B, h, q, k]
-    return t
 
 
 class HeadSubset(Mask):
@@ -42,7 +35,7 @@ class HeadSubset(Mask):
         self.base.check(_full(ext, self.H))
 
     def block(self, ext, q0, q1, k0, k1, device=None):
-        return _pick(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device), self.heads, self.H)  # [#B, #h, q, k]
+        return value_heads(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device), self.heads, self.H)  # [#B, #h, q, k]
 
     def classify(self, ext, q0, q1, k0, k1):  # over every head of the call: never wrong for a subset
         return self.base.classify(_full(ext, self.H), q0, q1, k0, k1)
@@ -69,7 +62,7 @@ def mask_heads(m: Mask | None, heads: list[int], H: int) -> Mask | None:
     if m is None or (len(heads) == H and heads == list(range(H))):
         return m
     if isinstance(m, masks.Dense):
-        return masks.dense(_pick(m.tensor, heads, H))  # [#B, #h, #Q, #K]
+        return masks.dense(value_heads(m.tensor, heads, H))  # [#B, #h, #Q, #K]
     if isinstance(m, (masks.And, masks.Or)):
         a, b = mask_heads(m.a, heads, H), mask_heads(m.b, heads, H)
         assert a is not None and b is not None
@@ -90,7 +83,7 @@ class _BiasSubset(Bias):
         self.base.check(_full(ext, self.H))
 
     def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
-        return _pick(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device, dtype), self.heads, self.H)
+        return value_heads(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device, dtype), self.heads, self.H)
 
     def __repr__(self) -> str:
         return f"{self.base!r}[heads {self.heads}]"
@@ -102,7 +95,7 @@ def bias_heads(b: Bias | None, heads: list[int], H: int) -> Bias | None:
     if b is None or (len(heads) == H and heads == list(range(H))):
         return b
     if isinstance(b, DenseBias):
-        return DenseBias(_pick(b.tensor, heads, H))  # [#B, #h, #Q, #K]
+        return DenseBias(value_heads(b.tensor, heads, H))  # [#B, #h, #Q, #K]
     if isinstance(b, BiasSum):
         a, c = bias_heads(b.a, heads, H), bias_heads(b.b, heads, H)
         assert a is not None and c is not None

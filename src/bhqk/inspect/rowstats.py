@@ -30,7 +30,8 @@ import torch
 
 from ..functional.problem import Problem
 from ..masks import Tile
-from ..shapes import as_4d, compute_dtype
+from ..shapes import as_4d, compute_dtype, per_query_head
+from .layers import heads_rows, value_heads
 
 TILE_ENTRIES = 1 << 22  # entries of one [B, h, bq, bk] score tile (16 MiB in float32)
 NARROW = 32  # a window up to this wide is summed from its diagonals, not from a [bq, bk] band mask
@@ -66,15 +67,12 @@ class _Call:
         self.dev = p.q.device
         self.heads, self.h = heads, len(heads)
         self.c = K - Q  # query i sits at key position i + c
-        G = p.groups
         self.all_heads = heads == list(range(H))
-        hi = torch.tensor(heads, device=self.dev)
-        q = p.q if self.all_heads else p.q.index_select(1, hi)  # [B, H, Q, d] -> [B, h, Q, d]
-        self.q = q
+        self.q = p.q if self.all_heads else heads_rows(p.q, heads)  # [B, H, Q, d] -> [B, h, Q, d]
         if self.all_heads:
-            self.G, self.k = G, p.k  # grouped: the G query heads of a K/V head share its k tile
+            self.G, self.k = p.groups, p.k  # grouped: the G query heads of a K/V head share its k tile
         else:
-            self.G, self.k = 1, p.k.index_select(1, hi // G)  # [B, Hkv, K, d] -> [B, h, K, d]
+            self.G, self.k = 1, per_query_head(p.k, H, heads)  # [B, Hkv, K, d] -> [B, h, K, d]
         self.sinks = None if p.sinks is None else p.sinks[heads].to(self.dt)  # [h]
         self.fast = p.softcap is None and p.bias is None  # entropy linear in k: through a matmul
         self.buffers: dict = {}
@@ -83,9 +81,7 @@ class _Call:
 
     def sel(self, t: torch.Tensor) -> torch.Tensor:
         """A mask or bias tile [#B, #H, q, k] with the selected heads: [#B, #h, q, k]."""
-        if t.dim() == 4 and t.shape[1] == self.ext.H and self.ext.H != 1 and not self.all_heads:
-            return t[:, self.heads]
-        return t
+        return t if self.all_heads else value_heads(t, self.heads, self.ext.H)
 
     def q_tile(self, i0: int, i1: int, lse: torch.Tensor | None) -> torch.Tensor:
         """[B, h, bq, d + 2]: q·scale, then −lse (0 where not folded) and 0; pairs with :meth:`k_tile`."""
@@ -197,14 +193,11 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     if (op is None or p.q.device.type != "cpu" or p.softcap is not None or not structure_free(p)
             or p.q.dtype not in (torch.float32, torch.float64) or p.ext.Q == 0 or p.ext.K == 0):
         return None
-    H, G = p.ext.H, p.groups
-    hi = torch.tensor(heads)
-    q = p.q if len(heads) == H else p.q.index_select(1, hi)  # [B, h, Q, d]
-    if rows is not None:
-        q = q.index_select(2, torch.tensor(rows))  # [B, h, r, d]
-        if p.mask is not None:
-            return None  # the causal offset of a row subset is not SDPA's top-left
-    k = p.k.index_select(1, hi // G)  # [B, Hkv, K, d] -> [B, h, K, d]: head h reads K/V head h // G
+    H = p.ext.H
+    if rows is not None and p.mask is not None:
+        return None  # the causal offset of a row subset is not SDPA's top-left
+    q = p.q if rows is None and len(heads) == H else heads_rows(p.q, heads, rows)  # [B, H, Q, d] -> [B, h, r, d]
+    k = per_query_head(p.k, H, heads)  # [B, Hkv, K, d] -> [B, h, K, d]: head h reads K/V head h // G
     try:
         lse = op(q, k, k, 0.0, isinstance(p.mask, Causal), scale=p.scale)[1]  # [B, h, r]; v = k: only the lse is kept
     except RuntimeError:  # a shape or dtype the kernel refuses: the online pass computes it
@@ -261,11 +254,7 @@ def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
     if lse is None:
         lse_sel = row_lse(p, heads, rows, block_q=block_q, block_k=block_k)  # [B, h, r]
     else:
-        dev = lse.device
-        lse_sel = lse.index_select(1, torch.tensor(heads, device=dev))  # [B, H, Q] -> [B, h, Q]
-        if rows is not None:
-            lse_sel = lse_sel.index_select(2, torch.tensor(rows, device=dev))  # [B, h, r]
-        lse_sel = lse_sel.to(compute_dtype(p.q))
+        lse_sel = heads_rows(lse, heads, rows).to(compute_dtype(p.q))  # [B, H, Q] -> [B, h, r]
     out = _pass(p, heads, rows, lse_sel, want, None, block_q, block_k)
     K, Q = p.ext.K, p.ext.Q
     rows_t = torch.arange(Q) if rows is None else torch.tensor(rows)
