@@ -30,7 +30,7 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
-from .heads import HeadTable, head_table
+from .heads import HeadTable, head_table, record_sums
 from .layers import heads_rows, selected, selectors, sub_call, value_heads
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
@@ -146,16 +146,8 @@ class Record:
         """Each captured per-row statistic averaged over the real rows of every batch element: [h]."""
         if self.real is None:
             return {}
-        real = self.real.double()  # [B, h, r]
-        n = real.sum((0, 2)).clamp(min=1)  # [h]
-        out = {}
-        for name in ("entropy", "distance", "sink", "local"):
-            t = getattr(self, name)
-            if t is not None:
-                out[name] = (t.double() * real).sum((0, 2)) / n
-        for o, t in sorted((self.offsets or {}).items()):
-            out["prev" if o == 1 else f"offset {o}"] = (t.double() * real).sum((0, 2)) / n
-        return out
+        count, sums = record_sums(self)  # [h], {column: [h]}: as in head_table
+        return {c: s / count.clamp(min=1) for c, s in sums.items()}
 
     def _repr_html_(self) -> str:
         """Jupyter: the call, its named shapes, per-head means and the received curve (bounded size:

@@ -134,6 +134,23 @@ def _groups(records: Iterable[_Record]) -> dict[str, list[_Record]]:
     return out
 
 
+def record_sums(r: _Record, rows: slice | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One record's real rows counted per head, and each captured per-row statistic summed over them
+    (float64 [h] each; ``offset o`` named ``prev`` for o = 1). ``rows``: only these rows."""
+    if r.real is None:
+        raise KeyError(f"record {r.name!r} holds no statistics: capture(what=('entropy', ...)).")
+    sl = slice(None) if rows is None else rows
+    real = r.real[:, :, sl].double()  # [B, h, r]
+    sums = {}
+    for col in ROW_STATS:
+        t = getattr(r, col, None)
+        if t is not None:
+            sums[col] = (t[:, :, sl].double() * real).sum((0, 2))  # [B, h, r] -> [h]
+    for o, t in sorted((r.offsets or {}).items()):
+        sums["prev" if o == 1 else f"offset {o}"] = (t[:, :, sl].double() * real).sum((0, 2))  # [B, h, r] -> [h]
+    return real.sum((0, 2)), sums
+
+
 def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: slice | None = None) -> HeadTable:
     """The mean of each captured per-row statistic over the real rows of every record of a layer
     (grouped by name), per head; ``offset o`` columns for captured offsets (``prev`` for o = 1);
@@ -153,17 +170,10 @@ def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: 
 
     for li, rs in enumerate(groups.values()):
         for r in rs:
-            if r.real is None:
-                raise KeyError(f"record {r.name!r} holds no statistics: capture(what=('entropy', ...)).")
-            sl = slice(None) if rows is None else rows
-            real = r.real[:, :, sl].double()  # [B, h, r]
-            counts[li, r.heads] += real.sum((0, 2))
-            for col in ROW_STATS:
-                t = getattr(r, col, None)
-                if t is not None:
-                    add(col, li, r.heads, (t[:, :, sl].double() * real).sum((0, 2)))
-            for o, t in sorted((r.offsets or {}).items()):
-                add("prev" if o == 1 else f"offset {o}", li, r.heads, (t[:, :, sl].double() * real).sum((0, 2)))
+            count, row_sums = record_sums(r, rows)
+            counts[li, r.heads] += count
+            for col, v in row_sums.items():
+                add(col, li, r.heads, v)
             for pos in positions:
                 if r.received is not None and 0 <= pos < r.received.shape[-1]:
                     add(f"received@{pos}", li, r.heads, r.received[..., pos].double().sum(0))
@@ -172,4 +182,4 @@ def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: 
     return HeadTable(list(groups), H, values)
 
 
-__all__ = ["HeadTable", "head_table", "ROLE_THRESHOLDS"]
+__all__ = ["HeadTable", "head_table", "record_sums", "ROLE_THRESHOLDS"]
