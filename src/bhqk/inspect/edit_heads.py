@@ -10,6 +10,9 @@ edited call. Nothing here builds a [B, H, Q, K] tensor.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+
 import torch
 
 from .. import masks
@@ -108,6 +111,19 @@ def bias_heads(b: Bias | None, heads: list[int], H: int) -> Bias | None:
 Part = tuple[list[int], object, bool]  # (heads, value of an h-head call, replace: True = instead of the base)
 
 
+def _stitch(base: torch.Tensor, tiles: list[torch.Tensor], parts: list[Part], H: int, q: int, k: int,
+            combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The call's tile ``base`` [#B, #H, #q, #k] with each part's heads combined (``combine``) with, or
+    replaced by, the part's tile [#B, #h, #q, #k]: [B?, H, q, k]."""
+    B = max([base.shape[0]] + [t.shape[0] for t in tiles])
+    out = base.expand(B, H, q, k).clone()  # [B?, H, q, k]
+    for (heads, _, replace), t in zip(parts, tiles):
+        idx = torch.tensor(heads, device=out.device)
+        new = t.expand(B, len(heads), q, k)  # [B?, h, q, k]
+        out[:, idx] = new if replace else combine(out[:, idx], new)
+    return out
+
+
 class Edited(Mask):
     """The call's mask with each part's heads ANDed with (or, ``replace``, replaced by) its mask."""
 
@@ -122,17 +138,10 @@ class Edited(Mask):
             m.check(_full(ext, len(heads)))
 
     def block(self, ext, q0, q1, k0, k1, device=None):
-        q, k = q1 - q0, k1 - k0
         base = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if self.base is None else \
             as_4d(self.base.block(ext, q0, q1, k0, k1, device))  # [#B, #H, #q, #k]
         tiles = [as_4d(m.block(_full(ext, len(h)), q0, q1, k0, k1, device)) for h, m, _ in self.parts]  # type: ignore[union-attr]
-        B = max([base.shape[0]] + [t.shape[0] for t in tiles])
-        out = base.expand(B, self.H, q, k).clone()  # [B?, H, q, k]
-        for (heads, _, replace), t in zip(self.parts, tiles):
-            idx = torch.tensor(heads, device=out.device)
-            new = t.expand(B, len(heads), q, k)  # [B?, h, q, k]
-            out[:, idx] = new if replace else out[:, idx] & new
-        return out
+        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, operator.and_)  # [B?, H, q, k]
 
     def classify(self, ext, q0, q1, k0, k1):
         if self.base is not None and not any(r for _, _, r in self.parts) and \
@@ -166,17 +175,10 @@ class EditedBias(Bias):
             b.check(_full(ext, len(heads)))
 
     def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
-        q, k = q1 - q0, k1 - k0
         base = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device) if self.base is None else \
             as_4d(self.base.block(ext, q0, q1, k0, k1, device, dtype))  # [#B, #H, #q, #k]
         tiles = [as_4d(b.block(_full(ext, len(h)), q0, q1, k0, k1, device, dtype)) for h, b, _ in self.parts]  # type: ignore[union-attr]
-        B = max([base.shape[0]] + [t.shape[0] for t in tiles])
-        out = base.expand(B, self.H, q, k).clone()  # [B?, H, q, k]
-        for (heads, _, replace), t in zip(self.parts, tiles):
-            idx = torch.tensor(heads, device=out.device)
-            new = t.expand(B, len(heads), q, k)  # [B?, h, q, k]
-            out[:, idx] = new if replace else out[:, idx] + new
-        return out
+        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, operator.add)  # [B?, H, q, k]
 
     def __repr__(self) -> str:
         return f"edited({self.base!r}, " + ", ".join(f"heads {h}: {'=' if r else '+'} {b!r}" for h, b, r in self.parts) + ")"
