@@ -154,7 +154,7 @@ class Record:
         at most 64 heads listed and a 240-point curve, at any Q and K)."""
         import html
 
-        from ..viz.stats_page import sparkline
+        from ..viz.stats_page import received_curve, sparkline
 
         s = self.sizes
         sizes = ", ".join(f"{k}={v}" for k, v in s.items())
@@ -171,7 +171,7 @@ class Record:
             more = f"<div>… {len(self.heads) - 64} more heads</div>" if len(self.heads) > 64 else ""
             parts.append(f"<table style='font-size:12px'><tr>{head}</tr>{body}</table>{more}")
         if self.received is not None and self.real is not None:
-            curve = self.received.double().sum((0, 1)) / max(1.0, float(self.real.sum()))  # [K]
+            curve = received_curve(self)  # [K]
             parts.append(f"<div style='font-size:12px'>attention received per key (log scale, K={curve.numel()})</div>"
                          + sparkline(curve))
         parts.append("</div>")

@@ -32,11 +32,15 @@ def received_curves(records: Sequence, points: int = POINTS) -> tuple[list[str],
     for r in records:
         if r.name in seen or r.received is None or r.real is None:
             continue
-        n = max(1.0, float(r.real.sum()))  # real rows × heads × batch
-        curve = r.received.double().sum((0, 1)) / n  # [K]
+        curve = received_curve(r)  # [K]
         K = max(K, curve.numel())
         seen[r.name] = bin_mean(curve, points)
     return list(seen), list(seen.values()), K
+
+
+def received_curve(r) -> torch.Tensor:
+    """A record's attention received by each key per real row and head: [K] (float64)."""
+    return r.received.double().sum((0, 1)) / max(1.0, float(r.real.sum()))  # [B, h, K] -> [K]; real rows × heads × batch
 
 
 def bin_mean(x: torch.Tensor, points: int) -> torch.Tensor:
@@ -52,11 +56,7 @@ def bin_mean(x: torch.Tensor, points: int) -> torch.Tensor:
 
 def overview_png(table: HeadTable, path: str | Path, columns: Sequence[str] = OVERVIEW) -> Path:
     """One heatmap per column (layers down, heads across) in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     cols = [c for c in columns if c in table.values]
     L, H = len(table.layers), table.num_heads
     fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(1.2 + 3.2 * max(1, len(cols)), 1.2 + min(8.0, 0.25 * L + 1)),
@@ -69,20 +69,12 @@ def overview_png(table: HeadTable, path: str | Path, columns: Sequence[str] = OV
         ax.set_xticks(range(0, H, max(1, H // 8)))
         ax.set_yticks(range(0, L, max(1, L // 12)))
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def received_png(records: Sequence, path: str | Path, points: int = POINTS) -> Path:
     """The received curve of every layer in one PNG (log scale: sinks tower over the rest)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     names, curves, K = received_curves(records, points)
     fig, ax = plt.subplots(figsize=(9, 3.6))
     cmap = plt.get_cmap("viridis")
@@ -95,10 +87,25 @@ def received_png(records: Sequence, path: str | Path, points: int = POINTS) -> P
     ax.set_title(f"attention received by each key ({K} keys, {len(names)} layers)")
     if 0 < len(names) <= 8:
         ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _pyplot():
+    """matplotlib.pyplot drawing to files only (the Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    """``fig`` laid out, written to ``path`` as a PNG and closed."""
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
