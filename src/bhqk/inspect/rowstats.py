@@ -76,12 +76,29 @@ class _Call:
         self.sinks = None if p.sinks is None else p.sinks[heads].to(self.dt)  # [h]
         self.fast = p.softcap is None and p.bias is None  # entropy linear in k: through a matmul
         self.buffers: dict = {}
+        self.kts: dict[tuple[int, int], torch.Tensor] = {}  # key tiles, built once per call
         self.causal = _only_past(p.mask, self.ext)  # no key after pos(i) is allowed: |pos − j| = pos − j
         self.plain_causal = self.causal and type(p.mask).__name__ == "Causal" and p.bias is None
 
     def sel(self, t: torch.Tensor) -> torch.Tensor:
         """A mask or bias tile [#B, #H, q, k] with the selected heads: [#B, #h, q, k]."""
         return t if self.all_heads else value_heads(t, self.heads, self.ext.H)
+
+    def q_blocks(self, rows: list[int] | None, bq: int):
+        """(i0, i1, a, b): blocks [i0, i1) of at most ``bq`` consecutive selected rows, and the output
+        rows [a, b) they fill."""
+        for s0, s1, o in _spans(rows, self.ext.Q):
+            for i0 in range(s0, s1, bq):
+                i1 = min(s1, i0 + bq)
+                yield i0, i1, o + i0 - s0, o + i1 - s0
+
+    def k_tiles(self, bk: int):
+        """(k0, k1, :meth:`k_tile` [B, h/G, bk, d + 2]) of each key block of ``bk`` keys, each tile built once."""
+        for k0 in range(0, self.ext.K, bk):
+            k1 = min(self.ext.K, k0 + bk)
+            if (k0, k1) not in self.kts:
+                self.kts[k0, k1] = self.k_tile(k0, k1)
+            yield k0, k1, self.kts[k0, k1]
 
     def q_tile(self, i0: int, i1: int, lse: torch.Tensor | None) -> torch.Tensor:
         """[B, h, bq, d + 2]: q·scale, then −lse (0 where not folded) and 0; pairs with :meth:`k_tile`."""
@@ -139,6 +156,15 @@ class _Call:
         if allowed is not None:
             S = S.masked_fill_(~allowed, float("-inf"))
         return S, allowed, diagonal
+
+
+def _add_diagonal(acc: torch.Tensor, P: torch.Tensor, delta: int, a: int) -> None:
+    """acc [B, h, r] += the diagonal ``delta`` of the tile P [B, h, bq, bk] (row x's entry at column
+    x + delta, if the tile has it), the tile's rows being the output rows from ``a``."""
+    if -P.shape[-2] < delta < P.shape[-1]:
+        diag = P.diagonal(delta, -2, -1)  # [B, h, n]
+        x0 = max(0, -delta)
+        acc[:, :, a + x0:a + x0 + diag.shape[-1]] += diag
 
 
 def _only_past(mask, ext) -> bool:
@@ -220,28 +246,21 @@ def row_lse(p: Problem, heads: list[int], rows: list[int] | None, *, block_q: in
     r = call.ext.Q if rows is None else len(rows)
     bq, bk = _blocks(B, call.h, r, K, block_q, block_k)
     out = torch.full((B, call.h, r), float("-inf"), dtype=call.dt, device=call.dev)
-    kts = {}
-    for s0, s1, o in _spans(rows, call.ext.Q):
-        for i0 in range(s0, s1, bq):
-            i1 = min(s1, i0 + bq)
-            qa = call.q_tile(i0, i1, None)  # [B, h, bq, d+2]
-            m = torch.full((B, call.h, i1 - i0), float("-inf"), dtype=call.dt, device=call.dev)  # running max
-            l = torch.zeros_like(m)  # running Σ exp(S − m)
-            for k0 in range(0, K, bk):
-                k1 = min(K, k0 + bk)
-                if k0 not in kts:
-                    kts[k0] = call.k_tile(k0, k1)
-                got = call.scores(qa, kts[k0], i0, i1, k0, k1, None, False)
-                if got is None:
-                    continue
-                S = got[0]  # [B, h, bq, bk]
-                m_new = torch.maximum(m, S.amax(-1))  # [B, h, bq]
-                m_use = torch.where(torch.isfinite(m_new), m_new, 0.0)
-                l = l * torch.exp(torch.where(torch.isfinite(m), m - m_use, float("-inf"))) \
-                    + torch.exp(S.sub_(m_use[..., None])).sum(-1)
-                m = m_new
-            out[:, :, o + i0 - s0:o + i1 - s0] = torch.where(l > 0, torch.log(l) + torch.where(torch.isfinite(m), m, 0.0),
-                                                              float("-inf"))
+    for i0, i1, a, b in call.q_blocks(rows, bq):
+        qa = call.q_tile(i0, i1, None)  # [B, h, bq, d+2]
+        m = torch.full((B, call.h, i1 - i0), float("-inf"), dtype=call.dt, device=call.dev)  # running max
+        l = torch.zeros_like(m)  # running Σ exp(S − m)
+        for k0, k1, ka in call.k_tiles(bk):
+            got = call.scores(qa, ka, i0, i1, k0, k1, None, False)
+            if got is None:
+                continue
+            S = got[0]  # [B, h, bq, bk]
+            m_new = torch.maximum(m, S.amax(-1))  # [B, h, bq]
+            m_use = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            l = l * torch.exp(torch.where(torch.isfinite(m), m - m_use, float("-inf"))) \
+                + torch.exp(S.sub_(m_use[..., None])).sum(-1)
+            m = m_new
+        out[:, :, a:b] = torch.where(l > 0, torch.log(l) + torch.where(torch.isfinite(m), m, 0.0), float("-inf"))
     if call.sinks is not None:
         out = torch.logaddexp(out, call.sinks[None, :, None])  # [B, h, r] with [1, h, 1]
     return out
@@ -308,84 +327,68 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
     if t:
         top_p = torch.full((B, h, r, t), -1.0, dtype=dt, device=dev)
         top_k = torch.zeros(B, h, r, t, dtype=torch.long, device=dev)
-    kts: dict[int, torch.Tensor] = {}
-    for s0, s1, o in _spans(rows, Q):
-        for i0 in range(s0, s1, bq):
-            i1 = min(s1, i0 + bq)
-            a, b_ = o + i0 - s0, o + i1 - s0  # output rows of this q block
-            L = lse_use[:, :, a:b_]  # [B, h, bq]
-            qa = call.q_tile(i0, i1, L if call.fast else None)  # [B, h, bq, d+2]
-            pos = torch.arange(i0, i1, dtype=dt, device=dev) + call.c  # [bq] key position of each row
-            pk = torch.zeros(B, h, i1 - i0, d, dtype=dt, device=dev) if (want.entropy and call.fast) else None  # Σ_j P k_j
-            w = None if row_weight is None else row_weight[:, :, a:b_, None]  # [B, h, bq, 1]
-            for k0 in range(0, K, bk):
-                k1 = min(K, k0 + bk)
-                if k0 not in kts:
-                    kts[k0] = call.k_tile(k0, k1)
-                ka = kts[k0]  # [B, h/G, bk, d+2]
-                got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
-                if got is None:
-                    continue
-                P, _, diagonal = got
-                P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
-                if diagonal is not None:
-                    P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
-                if w is None:
-                    res["colsum"][:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
-                else:
-                    res["received"][:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
-                if row_weight is not None and not (want.entropy or want.distance or want.sink or offs or t
-                                                   or want.window is not None):
-                    continue
-                PK = call.matmul(P, ka, "PK")  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
-                sP, sPj = PK[..., d], PK[..., d + 1]  # Σ_j P and Σ_j P·(j − k0): [B, h, bq]
-                res["mass"][:, :, a:b_] += sP
-                if pk is not None:
-                    pk += PK[..., :d]
-                elif want.entropy:
-                    res["entropy"][:, :, a:b_] -= torch.special.xlogy(P, P).sum(-1)
-                if want.distance:
-                    lo, hi = i0 + call.c, i1 - 1 + call.c  # positions of the block's first and last rows
-                    if k1 - 1 <= lo or call.causal:  # every (allowed) key at or before the row's position: pos − j
-                        res["distance"][:, :, a:b_] += (pos - k0) * sP - sPj
-                    elif k0 >= hi:  # every key at or after: j − pos
-                        res["distance"][:, :, a:b_] += sPj - (pos - k0) * sP
-                    else:
-                        D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
-                        res["distance"][:, :, a:b_] += (P * D).sum(-1)
-                if want.sink and k0 == 0:
-                    res["sink"][:, :, a:b_] = P[..., 0]
-                for off, acc in offs.items():
-                    delta = i0 + call.c - off - k0  # row x's key sits at column x + delta of this tile
-                    if -(i1 - i0) < delta < k1 - k0:
-                        diag = P.diagonal(delta, -2, -1)  # [B, h, n]
-                        x0 = max(0, -delta)
-                        acc[:, :, a + x0:a + x0 + diag.shape[-1]] = diag
-                if want.window is not None:
-                    W, lo, hi = want.window, i0 + call.c, i1 - 1 + call.c
-                    if k0 > hi - W and k1 - 1 < lo + W:  # the whole tile is inside every row's window
-                        res["local"][:, :, a:b_] += sP
-                    elif W <= NARROW and k0 < hi + W and k1 - 1 > lo - W:  # a narrow band: its diagonals
-                        for off in range(0 if call.causal else -(W - 1), W):  # key pos − off
-                            delta = i0 + call.c - off - k0
-                            if -(i1 - i0) < delta < k1 - k0:
-                                diag = P.diagonal(delta, -2, -1)  # [B, h, n]
-                                x0 = max(0, -delta)
-                                res["local"][:, :, a + x0:a + x0 + diag.shape[-1]] += diag
-                    elif k0 < hi + W and k1 - 1 > lo - W:  # the band crosses the tile
-                        D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
-                        res["local"][:, :, a:b_] += (P * (D < W)).sum(-1)
-                if t:
-                    n = min(t, k1 - k0)
-                    v_, i_ = P.topk(n, dim=-1)  # [B, h, bq, n]
-                    vals = torch.cat([top_p[:, :, a:b_], v_], -1)  # [B, h, bq, t + n]
-                    keys = torch.cat([top_k[:, :, a:b_], i_ + k0], -1)
-                    v2, j2 = vals.topk(t, dim=-1)  # [B, h, bq, t]
-                    top_p[:, :, a:b_], top_k[:, :, a:b_] = v2, keys.gather(-1, j2)
+    for i0, i1, a, b_ in call.q_blocks(rows, bq):  # b_: output rows [a, b_) of this q block
+        L = lse_use[:, :, a:b_]  # [B, h, bq]
+        qa = call.q_tile(i0, i1, L if call.fast else None)  # [B, h, bq, d+2]
+        pos = torch.arange(i0, i1, dtype=dt, device=dev) + call.c  # [bq] key position of each row
+        pk = torch.zeros(B, h, i1 - i0, d, dtype=dt, device=dev) if (want.entropy and call.fast) else None  # Σ_j P k_j
+        w = None if row_weight is None else row_weight[:, :, a:b_, None]  # [B, h, bq, 1]
+        for k0, k1, ka in call.k_tiles(bk):  # ka [B, h/G, bk, d+2]
+            got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
+            if got is None:
+                continue
+            P, _, diagonal = got
+            P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
+            if diagonal is not None:
+                P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
+            if w is None:
+                res["colsum"][:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
+            else:
+                res["received"][:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
+            if row_weight is not None and not (want.entropy or want.distance or want.sink or offs or t
+                                               or want.window is not None):
+                continue
+            PK = call.matmul(P, ka, "PK")  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
+            sP, sPj = PK[..., d], PK[..., d + 1]  # Σ_j P and Σ_j P·(j − k0): [B, h, bq]
+            res["mass"][:, :, a:b_] += sP
             if pk is not None:
-                # −Σ_j P (S_j − lse) = lse·ΣP − (q·scale)·Σ_j P k_j
-                qs = qa[..., :d]  # [B, h, bq, d]
-                res["entropy"][:, :, a:b_] = L * res["mass"][:, :, a:b_] - (qs * pk).sum(-1)
+                pk += PK[..., :d]
+            elif want.entropy:
+                res["entropy"][:, :, a:b_] -= torch.special.xlogy(P, P).sum(-1)
+            if want.distance:
+                lo, hi = i0 + call.c, i1 - 1 + call.c  # positions of the block's first and last rows
+                if k1 - 1 <= lo or call.causal:  # every (allowed) key at or before the row's position: pos − j
+                    res["distance"][:, :, a:b_] += (pos - k0) * sP - sPj
+                elif k0 >= hi:  # every key at or after: j − pos
+                    res["distance"][:, :, a:b_] += sPj - (pos - k0) * sP
+                else:
+                    D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
+                    res["distance"][:, :, a:b_] += (P * D).sum(-1)
+            if want.sink and k0 == 0:
+                res["sink"][:, :, a:b_] = P[..., 0]
+            for off, acc in offs.items():
+                _add_diagonal(acc, P, i0 + call.c - off - k0, a)  # row x's key pos(x) − off: column x + delta
+            if want.window is not None:
+                W, lo, hi = want.window, i0 + call.c, i1 - 1 + call.c
+                if k0 > hi - W and k1 - 1 < lo + W:  # the whole tile is inside every row's window
+                    res["local"][:, :, a:b_] += sP
+                elif W <= NARROW and k0 < hi + W and k1 - 1 > lo - W:  # a narrow band: its diagonals
+                    for off in range(0 if call.causal else -(W - 1), W):  # key pos − off
+                        _add_diagonal(res["local"], P, i0 + call.c - off - k0, a)
+                elif k0 < hi + W and k1 - 1 > lo - W:  # the band crosses the tile
+                    D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
+                    res["local"][:, :, a:b_] += (P * (D < W)).sum(-1)
+            if t:
+                n = min(t, k1 - k0)
+                v_, i_ = P.topk(n, dim=-1)  # [B, h, bq, n]
+                vals = torch.cat([top_p[:, :, a:b_], v_], -1)  # [B, h, bq, t + n]
+                keys = torch.cat([top_k[:, :, a:b_], i_ + k0], -1)
+                v2, j2 = vals.topk(t, dim=-1)  # [B, h, bq, t]
+                top_p[:, :, a:b_], top_k[:, :, a:b_] = v2, keys.gather(-1, j2)
+        if pk is not None:
+            # −Σ_j P (S_j − lse) = lse·ΣP − (q·scale)·Σ_j P k_j
+            qs = qa[..., :d]  # [B, h, bq, d]
+            res["entropy"][:, :, a:b_] = L * res["mass"][:, :, a:b_] - (qs * pk).sum(-1)
     if offs:
         res["offset"] = offs
     if t:
