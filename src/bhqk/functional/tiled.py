@@ -310,6 +310,7 @@ def _per_query_head(p: Problem) -> Problem:
 #
 # Algorithm 1 (Dao 2023), per query block Q_i (here a row group of the plan), for each key block K_j, V_j:
 #     5   O = 0, l = 0, m = -inf
+#     6-7 for each key block j = 1 … T_c: load K_j, V_j
 #     8   S = Q_i K_jᵀ
 #     9   m_new = max(m, rowmax S);  P̃ = exp(S - m_new);  l = exp(m - m_new)·l + rowsum P̃
 #     10  O = diag(exp(m - m_new))·O + P̃ V_j;  m = m_new
@@ -491,8 +492,8 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _Running, S: torch.Tensor, a:
     P̃ may reach 2^TAU, far from overflow. It saves the rescale of O, which costs a pass over [rows, dv].
 
     The CPU path reads the device twice (``host_reads``): it tracks ``has_max`` only until every row
-    is settled, and skips the rescale ops when no row is raised. The device path never reads it: the
-    rows not raised get raise_by = 0, alpha = 1, so the rescale ops run always and leave them as they were."""
+    is settled, and skips the rescale ops when no row is raised (most tiles). The device path reads
+    nothing: rows not raised get raise_by = 0, alpha = 1, so the rescale ops always run and leave them as they were."""
     host_reads = not kn.on_device
     R = st.O.shape[1]
     tile_max = torch.amax(S, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]: rowmax(S) - m
