@@ -544,7 +544,17 @@ def _finish_group(kn: _Kernel, st: _Running, group: RowGroup, out5: torch.Tensor
         dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))
 
 
-# ---- backward --------------------------------------------------------------------------------------
+# ---- backward: FlashAttention-2, Algorithm 2 ---------------------------------------------------------
+#
+# Algorithm 2 (Dao 2023): D = rowsum(dO ∘ O) once (here ``delta``, minus lse's own gradient); for each
+# key block K_j, V_j (here a key span of the plan, ``_backward_part``), dK_j = dV_j = 0, and for each
+# query block Q_i that meets it (a rectangle, ``_backward_rect``):
+#     S = Q_i K_jᵀ;  P = exp(S - L_i);  dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ;  dS = P ∘ (dP - D_i)
+#     dQ_i += dS K_j;  dK_j += dSᵀ Q_i
+# The deltas are the forward's: base 2 and -L folded into the Q·Kᵀ matmul (``[q·scale, -lse2]``), -D
+# folded likewise into dO·Vᵀ (``[dO, -delta] · [v, 1]ᵀ = dP - D``, without dropout); with dropout Z =
+# keep/(1 - p), dV_j += (Z ∘ P)ᵀ dO_i and dS = P ∘ (Z ∘ dP - D); softcap's tanh' applied to dS; the
+# dense bias gradients are dS itself, summed over its broadcast axes.
 
 
 def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
