@@ -4,6 +4,9 @@ contract (given lse/out); its tile plans; and the ``auto`` policy that chooses i
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,10 +19,22 @@ from bhqk import masks
 from bhqk.errors import BackendError
 from bhqk.functional import prepare, tiled
 from bhqk.functional.merge import merge
-from bhqk.functional.tiled_plan import BLOCK_K, TILE_ELEMS, _pow2_floor, classify_leaves, make_plan, plan_for, split, workers
+from bhqk.functional.tiled_plan import (
+    BLOCK_K,
+    TILE_ELEMS,
+    Rect,
+    RowGroup,
+    _pow2_floor,
+    classify_leaves,
+    device_mode,
+    make_plan,
+    plan_for,
+    split,
+    workers,
+)
 from bhqk.masks import Tile
 from conftest import mask_kinds, qkv
-from tolerance import assert_close, assert_low_precision_close, assert_paths_close
+from tolerance import assert_close, assert_low_precision_close, assert_paths_close, bound
 
 NEG_INF = float("-inf")
 
@@ -397,6 +412,40 @@ def test_forward_returns_dtypes_and_no_graph():
     outb, lseb = tiled.forward(prepare(*(t.detach().bfloat16() for t in (q, k, v))))
     assert outb.dtype == torch.bfloat16 and lseb.dtype == torch.float32
 
+
+
+@pytest.mark.parametrize("device_path", [False, True])  # the device path: no optimistic exponent, no host reads
+@pytest.mark.parametrize("shift", [0.0, 5.0, 30.0])  # added to the scores of keys 3:8 (natural log)
+def test_online_softmax_step_keeps_the_softmax_of_the_keys_so_far(shift, device_path):
+    """FlashAttention-2's Algorithm 1 invariant, after each ``_step``: O / l is the softmax over the
+    keys fed so far times their values, m + log l their logsumexp (float64), and m stays within
+    [max - 24, max] of their max (base 2), which keeps every P̃ entry below 2^24. The shifts make the
+    later key blocks' max grow by nothing, by less than TAU (lazy: m may stay) and by far more than 24
+    (the optimistic exponent's redo on the CPU path); the last rectangle covers only rows 2:4."""
+    Q, K, d = 4, 8, 8
+    q, k, v = qkv(1, 1, None, Q, K, d=d, dtype=torch.float64, seed=3)
+    t = torch.zeros(1, 1, Q, K, dtype=torch.float64)
+    t[..., 3:] = shift
+    rects = [Rect(0, Q, 0, 3, False), Rect(0, Q, 3, 6, False), Rect(2, Q, 6, K, False)]
+    group = RowGroup(0, Q, rects)
+    S = (q @ k.transpose(-1, -2) * d**-0.5 + t)[0, 0]  # [Q, K], natural log
+    seen = torch.zeros(Q, dtype=torch.long)  # keys fed so far, per row
+    with device_mode() if device_path else contextlib.nullcontext():
+        p = prepare(q, k, v, bias=bhqk.bias.dense(t))
+        kn = tiled._Kernel.of(p, (slice(None), slice(None)), finite=True)
+        work = tiled._ForwardWork(kn, [group], d, d, nonfinite_v=False)
+        st = tiled._start_group(kn, work, group, tiled._grouped(p.q, kn))
+        for rect in rects:
+            tiled._step(kn, work, st, 0, rect, p.k, p.v, None)
+            seen[rect.r0:rect.r1] = rect.k1
+            for r in range(Q):
+                keys = slice(0, int(seen[r]))
+                m, l, O = st.m[0, r], st.l[0, r], st.O[0, r]  # base 2; n = 1, G = 1: rows (q g) are q
+                assert_close(O / l, torch.softmax(S[r, keys], -1) @ v[0, 0, keys], n=keys.stop, msg=f"O/l row {r}")
+                assert_close((m + torch.log2(l)) * math.log(2.0), torch.logsumexp(S[r, keys], -1), n=keys.stop, msg="m + log l")
+                top = S[r, keys].max() / math.log(2.0)  # the max in base 2
+                slack = bound(torch.float64, d, float(top.abs()) + 1.0)
+                assert top - 24 - slack <= m <= top + slack, (r, float(m), float(top))
 
 # ---- tile plans: skipping is exact and proportional ----------------------------------------------
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import bhqk
 from bhqk import masks
-from bhqk.functional import prepare, reference, tiled, tiled_plan
+from bhqk.functional import prepare, reference, tiled, tiled_plan, tiled_threads
 from bhqk.functional.tiled_plan import CPU_MODEL, CUDA_MODEL, device_mode, on_device, plan_for, split, workers
 from conftest import mask_kinds, qkv
 
@@ -36,13 +36,13 @@ class Reads:
             monkeypatch.setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
         for name in ("_forward_part", "_backward_part"):
             monkeypatch.setattr(tiled, name, self._loop(getattr(tiled, name)))
-        pool = tiled._pool
+        pool = tiled_threads.pool
 
         def counted_pool(n):
             self.pool_calls += 1
             return pool(n)
 
-        monkeypatch.setattr(tiled, "_pool", counted_pool)
+        monkeypatch.setattr(tiled_threads, "pool", counted_pool)
 
     def _counted(self, name, method):
         def read(t, *args, **kw):

@@ -1,33 +1,50 @@
 """The "tiled" backend: FlashAttention-2's online softmax in plain PyTorch, forward and backward,
 never building a tensor whose size grows with Q·K.
 
-Mirrors FlashAttention-2 (Dao, 2023) and the Triton fused-attention tutorial, in PyTorch ops that
-are batched over B and H. Inside, query heads are grouped by the key/value head they share
-(G = H / Hkv) and the rows of a row group are (query, group) pairs, ``"b (hkv g) q d -> (b hkv)
-(q g) d"``, so one ``bmm`` per tile serves all G heads of a K/V head: GQA without copying K and V.
-``tiled_plan`` decides which rectangles ``[r0:r1, k0:k1]`` of the score grid are computed: tall
-ones where the mask is full, single blocks where it is partial, none where it is empty.
+The forward is Algorithm 1 of FlashAttention-2 (Dao, 2023): per query block Q_i a running max m,
+a running sum l and an unnormalized output O; per key block K_j, V_j one step, ``_step``:
 
-What keeps it close to PyTorch's fused kernel (on the CPU every pass over the score tile costs
-about as much as a pass of the matmuls; fresh allocations cost page faults):
+    S = Q_i K_jᵀ;  m_new = max(m, rowmax S);  P̃ = exp(S - m_new)
+    l = exp(m - m_new)·l + rowsum P̃;  O = exp(m - m_new)·O + P̃ V_j;  m = m_new
 
-- every buffer is allocated once per call and filled with ``out=`` / in-place ops;
-- the scale is folded into the queries once, and the row offset (the running max m in the
-  forward, lse in the backward) is folded into the Q·Kᵀ matmul as one extra column:
-  ``[q·scale, -m] · [k, 1]ᵀ = S - m``; in the backward ``[dO, -delta] · [v, 1]ᵀ = dP - delta``
-  (delta = rowsum(dO ∘ O));
-- scores are kept in base 2 (log2(e) folded into the scale) and exponentiated with ``exp2``, as
-  FlashAttention does; here it also matters because ``torch.exp`` on the CPU takes a slow path
-  for -inf (masked) and underflowing inputs, up to 90× slower than ``exp2``;
-- the running max is raised only when a tile's row max exceeds it by more than ``TAU`` ("lazy
-  rescaling"), and once every row of a row group has a real max, tiles skip the max pass: exp2
-  runs first, and a tile whose row sums exceed 2^24 (a max that grew) is redone with it. Entries
-  of 2^(S - m) stay below 2^24 and m never exceeds the true max, so the result is exact to
-  rounding (the max only keeps exp2 from overflowing);
-- empty tiles of a structured mask are skipped, full tiles never evaluate the mask (``tiled_plan``);
-- on the CPU, the (batch, key/value head) slices are shared out among ``torch.get_num_threads()``
-  worker threads running single-threaded ops (see ``_in_parallel``); on any other device the whole
-  call is one slice, queued from the calling thread (the device path, below), never the pool.
+and at the end of the block O / l and L = m + log l (``_finish_group``). The backward is its
+Algorithm 2: P = exp(S - L) recomputed per tile from the saved out and lse. Both are written in
+PyTorch ops batched over B and H. Query heads are grouped by the key/value head they share
+(G = H / Hkv) and the rows of a query block ("row group") are (query, group) pairs,
+``"b (hkv g) q d -> (b hkv) (q g) d"``, so one ``bmm`` per tile serves all G heads of a K/V head:
+GQA without copying K and V. ``tiled_plan`` chooses the blocks: which rectangles ``[r0:r1, k0:k1]``
+of the score grid are computed (tall ones where the mask is full, single blocks where it is
+partial, none where it is empty).
+
+Deltas from Algorithm 1, each marked "Δ from Alg. 1" next to the code that makes it. On the CPU
+every pass over a score tile costs about as much as a pass of the matmuls, so they save passes:
+
+- base 2: log2(e) and the scale are folded into Q_i once, and ``exp2`` replaces exp (as
+  FlashAttention does; here also because ``torch.exp`` on the CPU takes a slow path for -inf and
+  underflowing inputs, up to 90× slower);
+- folding: -m rides in the Q·Kᵀ matmul as an extra column, ``[q·scale, -m] · [k, 1]ᵀ = S - m``
+  (in the backward ``[q·scale, -lse]`` and ``[dO, -delta] · [v, 1]ᵀ = dP - delta``);
+- m starts at a stand-in 0, not -inf (the folded column must stay finite);
+- lazy rescaling: m is raised only where a tile's row max exceeds it by more than ``TAU`` (base 2)
+  or at a row's first finite score (``_max_pass``, the one max pass of both paths);
+- the optimistic exponent: once every row of a group has a real m (``settled``), a rectangle is
+  exponentiated with the old m, skipping the max pass; if a row sum exceeds 2^24 (a max that grew
+  by more than 24), its scores are recomputed and it takes the max pass after all. Accepted tiles
+  hold entries 2^(S - m) < 2^24, so the result is exact to rounding (CPU path only);
+- the plan skips empty key blocks, joins full ones into tall rectangles (never evaluating the
+  mask on them), and a rectangle may cover only some rows of its group;
+- fully masked rows (l = 0) give out 0 and lse -inf; sinks add exp(sink[h]) to each row's
+  denominator at the end (the returned lse includes it, so the backward's P = exp(S - lse) and
+  delta = rowsum(dO ∘ O) are unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta,
+  :func:`sinks_grad`); dropout zeroes P̃'s entries after its row sums (lse has no dropout) by a
+  keep-mask each tile regenerates from the call's seed and its (b, h, q, k), never stored
+  (``tiled_dropout``).
+
+Around the algorithm: every buffer is allocated once per call and filled with ``out=`` / in-place
+ops (fresh allocations cost page faults); on the CPU the (batch, key/value head) slices, or the
+row groups of a single slice, are shared out among worker threads running single-threaded ops
+(``tiled_threads``); on any other device the whole call is one slice, queued from the calling
+thread (the device path, below), never the pool.
 
 Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
 path; float64 stays float64.
@@ -36,12 +53,6 @@ Non-finite input (the slow paths, taken only when a check over k and v finds NaN
 applied with masked_fill, key rows no row of a tile may attend are zeroed, and NaN/inf in v are
 replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
 those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
-
-Sinks: each row's denominator also counts exp(sink[h]) (added when a row group finishes, in base 2);
-the returned lse includes it, so the backward's P = exp(S - lse) and delta = rowsum(dO ∘ O) are
-unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta (:func:`sinks_grad`).
-Dropout: P's entries are dropped after the row sums (lse has no dropout), by a keep-mask that each
-tile regenerates from the call's seed and its (b, h, q, k) (see "dropout" below); never stored.
 
 Axes. The call keeps the names of docs/design.md §1: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
 G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
@@ -54,22 +65,17 @@ G = H / Hkv query heads per key/value head. A worker's slice has its own names, 
 
 Score tiles are [n, rows, kw]; queries carry a folded column, [n, rows, d+1]; keys a column of ones, [n, kw, d+1].
 
-The optimistic protocol (forward): a row group's offset m starts as a stand-in 0. Until every row of
-the group has seen a finite score (``settled``), each rectangle takes the max pass (amax, raise m
-where needed, rescale). Once settled, a rectangle is exponentiated first; if some row's sum exceeds
-2^24 its max grew by more than 24 (base 2), so the rectangle's scores are recomputed and it takes
-the max pass after all ("redo"). Accepted rectangles are exact to rounding: 2^(S - m) < 2^24.
-
 The device path (tensors on any non-CPU device, e.g. CUDA; CPU tensors too inside
 ``device_mode()``, a test tool from ``tiled_plan``): the CPU path above decides per rectangle on the
 host (the optimistic check, ``settled``, whether any row needs rescaling, whether every key row of
 a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
 those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
 inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
-rectangle takes the max pass); the lazy rescaling decided with tensor ops (``torch.where``: rows
-not raised get alpha = 1, m still moves only when a row's max grew by more than TAU or it sees its
-first finite score); unreachable key rows always masked on the non-finite path; the mask's and
-bias's tensors moved to the device once per pass (``_staged``), so no tile copies between devices.
+rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_max_pass`` without
+its host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only when a row's max
+grew by more than TAU or it sees its first finite score); unreachable key rows always masked on the
+non-finite path; the mask's and bias's tensors moved to the device once per pass (``_staged``), so
+no tile copies between devices.
 The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
 Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
 (``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
@@ -88,10 +94,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -105,7 +107,9 @@ from ..masks import Mask
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, per_query_head, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
+from .tiled_dropout import KeepBits, drop_, dropout_keep, dropout_seed, seeded
 from .tiled_plan import Plan, Rect, RowGroup, device_mode, on_device, plan_for, split, workers
+from .tiled_threads import balance, in_parallel
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 TAU = 12.0  # rescale only when a row's max grows by more than this, in base 2 (2^12 = 4096)
@@ -302,198 +306,25 @@ def _per_query_head(p: Problem) -> Problem:
     return dataclasses.replace(p, k=k, v=v, sizes=sizes)
 
 
-# ---- dropout: a keep-mask regenerated per tile from (seed, b, h, q, k) ----------------------------
+# ---- forward: FlashAttention-2, Algorithm 1 ----------------------------------------------------------
 #
-# Never stored: each tile recomputes its entries from a per-row key (a 64-bit hash of seed, b, h, q,
-# made once per call, [B·H·Q]) and a per-key key (of seed, k, [K]), combined per entry with int32
-# ops: x = row ^ col; x *= M1; x ^= x >> 16; x *= M2; keep where (x >> 1) < (1 - p)·2^31 - 2^30.
-# The comparison is made with integer arithmetic, ((x >> 1) - T) >> 31 = -1 (keep) or 0 (drop), and
-# applied to P by a bitwise AND of its bits (comparisons and bool masks are several times slower on
-# the CPU). The same function serves forward, backward and :func:`dropout_keep`, so both passes drop
-# the same entries whatever their tiles are.
-
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
-_MIX = (-4658895280553007687, -7723592293110705685)  # splitmix64's multipliers, signed
-_M1, _M2 = -1640531535, -2048144789  # 0x9E3779B1, 0x85EBCA6B as signed int32
-
-
-def dropout_seed() -> int:
-    """A dropout seed drawn from torch's default generator (one per call: ``torch.manual_seed``
-    makes the tiled backend's dropout reproducible)."""
-    return int(torch.randint(-(2**62), 2**62, (), dtype=torch.int64))
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 (logical shifts by masking), then the top 32 bits as int32."""
-    for s_, m in zip((30, 27), _MIX):
-        x = (x ^ ((x >> s_) & ((1 << (64 - s_)) - 1))) * m
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    return (((x >> 32) & 0xFFFFFFFF) - (1 << 31)).to(torch.int32)  # [.., ] in [-2^31, 2^31)
-
-
-def _row_keys(seed: int, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, H: int, Q: int) -> torch.Tensor:
-    """int32 keys of the rows (b, h, q), broadcast from the index tensors given."""
-    return _mix64((((b * H + h) * Q + q) + 1) * _GOLDEN + seed)
-
-
-def _col_keys(seed: int, K: int, device) -> torch.Tensor:
-    """int32 keys of the keys 0…K-1, [K]."""
-    return _mix64((torch.arange(K, device=device, dtype=torch.int64) - 1) * _GOLDEN + (seed ^ 0x5BD1E995))
-
-
-def _threshold(p: float) -> int:
-    return round((1.0 - p) * 2.0**31) - 2**30
-
-
-def _keep_bits(rows: torch.Tensor, cols: torch.Tensor, threshold: int, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """Into ``x`` [.., r, c] (int32): -1 where the entry (row, col) is kept, 0 where dropped.
-    ``rows`` [.., r, 1] and ``cols`` [.., 1, c] are int32 keys; ``tmp`` is scratch of x's shape."""
-    torch.bitwise_xor(rows, cols, out=x)
-    x.mul_(_M1)
-    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
-    x.mul_(_M2)
-    torch.bitwise_right_shift(x, 1, out=x)
-    x.sub_(threshold)
-    return torch.bitwise_right_shift(x, 31, out=x)
-
-
-def _drop_(t: torch.Tensor, keep: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Zero the entries of ``t`` (float32/64) where ``keep`` (int32, -1 / 0) is 0, by ANDing bits."""
-    bits = t.view(torch.int32 if t.element_size() == 4 else torch.int64)  # same shape, the float's bits as integers
-    k = keep if bits.dtype == torch.int32 else keep.to(torch.int64)  # -1 stays all ones
-    dest = bits if out is None else out.view(bits.dtype)
-    torch.bitwise_and(bits, k, out=dest)
-    return t if out is None else out
-
-
-def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=None) -> torch.Tensor:
-    """The keep-mask bool [B, H, Q, K] the tiled backend uses for a call with this seed and
-    ``dropout_p = p`` (for tests and tools: the backend itself never builds it)."""
-    def ar(n: int) -> torch.Tensor:
-        return torch.arange(n, device=device, dtype=torch.int64)
-
-    rows = _row_keys(seed, ar(B)[:, None, None], ar(H)[None, :, None], ar(Q)[None, None, :], H, Q)  # [B, H, Q]
-    cols = _col_keys(seed, K, device)  # [K]
-    x = torch.empty(B, H, Q, K, dtype=torch.int32, device=device)
-    # rows [B, H, Q] -> [B, H, Q, 1] x cols [K] -> keep [B, H, Q, K]
-    return _keep_bits(rows[..., None], cols, _threshold(p), x, torch.empty_like(x)) != 0
-
-
-def _slice_row_keys(kn: _Kernel, seed: int) -> torch.Tensor:
-    """The row keys of a worker's slice, [n, (Q G)] in its row order."""
-    B, H, Q = kn.p.q.shape[0], kn.p.q.shape[1], kn.p.q.shape[2]
-    def ar(n: int) -> torch.Tensor:
-        return torch.arange(n, device=kn.device, dtype=torch.int64)
-
-    b = ar(B)[kn.b].view(kn.Bw, 1, 1, 1)  # [Bw] -> [Bw, 1, 1, 1]
-    h = ar(H)[kn.hq].view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]: query head hkv·G + g
-    q = ar(Q).view(1, 1, Q, 1)  # [Q] -> [1, 1, Q, 1]
-    return _row_keys(seed, b, h, q, H, Q).reshape(kn.n, Q * kn.G)  # [Bw, Hkvw, Q, G] -> [n, (Q G)]
-
-
-@dataclass
-class _Dropout:
-    """One worker's dropout: its rows' keys [n, (Q G)], every key's [K], the threshold, scratch."""
-
-    rows: torch.Tensor
-    cols: torch.Tensor
-    threshold: int
-    keep: _Buffer  # int32 [n, rows, kw]
-    tmp: _Buffer
-
-    @classmethod
-    def of(cls, kn: _Kernel, elems: int) -> _Dropout | None:
-        if kn.p.dropout_p == 0:
-            return None
-        seed = kn.p.options["dropout_seed"]
-        return cls(_slice_row_keys(kn, seed), _col_keys(seed, kn.p.k.shape[2], kn.device), _threshold(kn.p.dropout_p),
-                   _Buffer(elems, torch.int32, kn.device), _Buffer(elems, torch.int32, kn.device))
-
-    def bits(self, r0: int, r1: int, k0: int, k1: int) -> torch.Tensor:
-        """-1 / 0 (keep / drop) for the slice's rows (q g) r0:r1 and keys k0:k1, [n, rows, kw]."""
-        n = self.rows.shape[0]
-        x, tmp = self.keep.take(n, r1 - r0, k1 - k0), self.tmp.take(n, r1 - r0, k1 - k0)
-        # rows [n, (q G)] -> [n, rows, 1] x cols [kw] -> [n, rows, kw]
-        return _keep_bits(self.rows[:, r0:r1, None], self.cols[k0:k1], self.threshold, x, tmp)
-
-
-def _seeded(p: Problem) -> Problem:
-    """``p`` with a dropout seed in its options (drawn here if it has none) when it has dropout."""
-    if p.dropout_p == 0 or "dropout_seed" in p.options:
-        return p
-    return dataclasses.replace(p, options={**p.options, "dropout_seed": dropout_seed()})
-
-
-# ---- worker threads --------------------------------------------------------------------------------
-
-_POOL: tuple[ThreadPoolExecutor, int] | None = None  # (pool, its number of threads)
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """A process-wide pool of at least ``n`` worker threads, kept between calls: a fresh thread
-    pays for its first matmuls (MKL sets up per thread), about 10 ms per call here."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[1] < n:
-            old, _POOL = _POOL, (ThreadPoolExecutor(max_workers=n, thread_name_prefix="bhqk-tiled"), n)
-            if old is not None:
-                old[0].shutdown(wait=False)
-        return _POOL[0]
-
-
-def _forget_pool() -> None:  # a forked child has none of the parent's threads
-    global _POOL
-    _POOL = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _in_parallel(jobs: list[Callable[[], object]]) -> list:
-    """Run ``jobs``: inline when there is one (always on the device path; on the CPU, PyTorch's
-    intra-op threads then split each op); otherwise on worker threads, each running
-    single-threaded ops, so that no op waits at an OpenMP barrier for a thread the OS has
-    descheduled (on a shared machine that wait made the many small ops of a tile loop up to ten
-    times slower)."""
-    if len(jobs) == 1:
-        return [jobs[0]()]
-    threads = torch.get_num_threads()
-    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: carried over by hand
-
-    def work(job):
-        torch.set_num_threads(1)  # this thread's OpenMP and MKL setting (and the default for new threads)
-        try:
-            with torch.inference_mode() if inference else torch.no_grad():
-                return job()
-        finally:
-            torch.set_num_threads(threads)
-
-    pool = _pool(len(jobs))
-    futures = [pool.submit(work, job) for job in jobs]
-    return [f.result() for f in futures]
-
-
-def _balance(rows: list[RowGroup], n: int) -> list[list[RowGroup]]:
-    """Row groups dealt to ``n`` workers, each getting about the same number of rectangles."""
-    load = [0] * n
-    groups: list[list[RowGroup]] = [[] for _ in range(n)]
-    for group in sorted((g for g in rows if g.rects), key=lambda g: -len(g.rects)):
-        w = load.index(min(load))
-        groups[w].append(group)
-        load[w] += len(group.rects) + 1
-    return [g for g in groups if g]
-
-
-# ---- forward ---------------------------------------------------------------------------------------
+# Algorithm 1 (Dao 2023), per query block Q_i (here a row group of the plan), for each key block K_j, V_j:
+#     5   O = 0, l = 0, m = -inf
+#     6-7 for each key block j = 1 … T_c: load K_j, V_j
+#     8   S = Q_i K_jᵀ
+#     9   m_new = max(m, rowmax S);  P̃ = exp(S - m_new);  l = exp(m - m_new)·l + rowsum P̃
+#     10  O = diag(exp(m - m_new))·O + P̃ V_j;  m = m_new
+#     12  O_i = diag(l)⁻¹ O
+#     13  L_i = m + log l
+# ``_start_group`` is line 5, ``_step`` lines 7-10 for one rectangle of the plan, ``_finish_group``
+# lines 12-15. The deltas from Alg. 1 are marked "Δ from Alg. 1" where the code makes them.
 
 
 def forward(p: Problem, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, H, Q, dv] in the input dtype and lse [B, H, Q] (float32; float64 for float64
     input; -inf for fully masked rows, whose output is 0). No autograd graph is built."""
     with torch.no_grad():
-        return _forward(_seeded(p), plan if plan is not None else plan_for(p))
+        return _forward(seeded(p), plan if plan is not None else plan_for(p))
 
 
 def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -517,8 +348,8 @@ def _forward(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) > 1 or n_workers == 1 or len(plan.rows) == 1:
         shares = [(part, plan.rows) for part in parts]
     else:  # one batch element and one K/V head: the workers share out the row groups instead
-        shares = [(parts[0], rows) for rows in _balance(plan.rows, n_workers)]
-    _in_parallel([partial(_forward_part, _Kernel.of(p, part, finite), rows, v, flags, out, lse) for part, rows in shares])
+        shares = [(parts[0], rows) for rows in balance(plan.rows, n_workers)]
+    in_parallel([partial(_forward_part, _Kernel.of(p, part, finite), rows, v, flags, out, lse) for part, rows in shares])
     return out, lse
 
 
@@ -532,33 +363,34 @@ class _ForwardWork:
         R = G * max(group.q1 - group.q0 for group in rows if group.rects)  # most rows (q g) of a group
         self.keys = _Buffer(n * span * (d + 1), dt, dev)  # [n, kw, d+1]: k and a column of ones
         self.values = _Buffer(n * span * dv, dt, dev)  # [n, kw, dv] where v cannot be viewed
-        self.scores = _Buffer(n * G * max(rect.elems for rect in rects), dt, dev)  # [n, rows, kw]
+        self.scores = _Buffer(n * G * max(rect.elems for rect in rects), dt, dev)  # S, then P̃, [n, rows, kw]
         self.queries = _Buffer(n * R * (d + 1), dt, dev)  # [n, R, d+1]: q·scale and the folded column -m
-        self.acc = _Buffer(n * R * dv, dt, dev)  # [n, R, dv]: Σ 2^(S - m)·v
-        self.row_sum, self.offset = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # l and m, [n, R]
-        self.tile_max, self.tile_sum = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # one rectangle's, [n, R]
+        self.O = _Buffer(n * R * dv, dt, dev)  # [n, R, dv]
+        self.l, self.m = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # [n, R]
+        self.tile_max, self.rowsum = _Buffer(n * R, dt, dev), _Buffer(n * R, dt, dev)  # one rectangle's, [n, R]
         self.rescale, self.has_max = _Buffer(n * R, torch.bool, dev), _Buffer(n * R, torch.bool, dev)  # [n, R]
-        self.pv = _Buffer(n * R * dv, dt, dev)  # scratch for P·V of a rectangle that covers part of a group
+        self.pv = _Buffer(n * R * dv, dt, dev)  # scratch for P̃·V of a rectangle that covers part of a group
         self.hits = _Buffer(n * R * 3 * dv, dt, dev) if nonfinite_v else None  # [n, R, 3·dv]: NaN/inf values reached
-        self.dropout = _Dropout.of(kn, n * G * max(rect.elems for rect in rects))  # the keep bits of a rectangle
+        self.dropout = KeepBits.of(kn.p, kn.b, kn.hq, kn.Hkvw, G, n * G * max(rect.elems for rect in rects))
 
 
 @dataclass
-class _GroupState:
-    """One row group's online-softmax state, [n, R, ·] views into the workspace."""
+class _Running:
+    """Algorithm 1's running state of one row group Q_i: m, l and O as the paper names them, in
+    base 2, [n, R, ·] views into the workspace (R = the group's rows (q g)); and what the deltas keep."""
 
-    queries: torch.Tensor  # [n, R, d+1]: q·scale and -m (the folded column)
-    acc: torch.Tensor  # [n, R, dv]
-    row_sum: torch.Tensor  # l, [n, R]
-    offset: torch.Tensor  # m, [n, R]: a stand-in 0 until the row has seen a finite score
-    has_max: torch.Tensor  # [n, R]: the row has seen a finite score
-    hits: torch.Tensor | None  # [n, R, 3·dv]
-    settled: bool = False  # every row has a real offset: rectangles may skip the max pass (CPU path only)
+    m: torch.Tensor  # [n, R]: the running max. Δ: a stand-in 0 until the row has seen a finite score
+    l: torch.Tensor  # [n, R]: the running sum Σ rowsum P̃, relative to m
+    O: torch.Tensor  # [n, R, dv]: Σ P̃ V, relative to m, not yet divided by l
+    queries: torch.Tensor  # [n, R, d+1]: Q_i·scale·log2(e) and the folded column -m
+    has_max: torch.Tensor  # [n, R]: the row has seen a finite score (m is real)
+    hits: torch.Tensor | None  # [n, R, 3·dv]: NaN/inf values the row attends (non-finite v only)
+    settled: bool = False  # every row's m is real: rectangles may skip the max pass (CPU path only)
 
 
 def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The row groups ``rows`` of one worker's slice, written into out and lse."""
+    """The row groups ``rows`` of one worker's slice (Alg. 1's outer loop, line 3), written into out and lse."""
     if not any(group.rects for group in rows):
         return  # every query of these groups is fully masked: out stays 0, lse -inf
     p = kn.p
@@ -568,147 +400,161 @@ def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: tor
     out5, lse5 = _grouped(out, kn), _grouped(lse, kn)  # [Bw, Hkvw, G, Q, dv], [Bw, Hkvw, G, Q]
     work = _ForwardWork(kn, rows, k.shape[-1], v.shape[-1], flags is not None)
     for group in rows:
-        if group.rects:  # otherwise every key is masked: out stays 0, lse -inf
-            state = _start_group(kn, work, group, q5)
-            for rect in group.rects:
-                _forward_rect(kn, work, state, group.q0, rect, k, v, flags)
-            _finish_group(kn, state, group, out5, lse5)
+        # Δ from Alg. 1: the plan skips the key blocks a mask leaves empty (a group with none keeps out 0, lse -inf)
+        # and joins full ones into tall rectangles (tiled_plan)
+        if group.rects:
+            st = _start_group(kn, work, group, q5)
+            for rect in group.rects:  # line 6
+                _step(kn, work, st, group.q0, rect, k, v, flags)
+            _finish_group(kn, st, group, out5, lse5)
 
 
-def _start_group(kn: _Kernel, work: _ForwardWork, group: RowGroup, q5: torch.Tensor) -> _GroupState:
-    """Fill the group's queries [q·scale, -m = 0] and zero its accumulators."""
+def _start_group(kn: _Kernel, work: _ForwardWork, group: RowGroup, q5: torch.Tensor) -> _Running:
+    """Alg. 1, lines 4-5: load Q_i (as q·scale·log2(e) and the folded column -m) and set O = 0, l = 0, m = 0.
+    Δ from Alg. 1: m starts at a stand-in 0, not -inf, so that the folded column -m stays finite; a
+    row's m becomes real at its first finite score (``has_max``; the max pass raises it then)."""
     n, bq, d, dv = kn.n, group.q1 - group.q0, q5.shape[-1], kn.p.v.shape[-1]
     R = bq * kn.G
     queries = work.queries.take(n, R, d + 1)
     qv = queries.view(kn.Bw, kn.Hkvw, bq, kn.G, d + 1)[..., :d]  # [n, (q G), d+1] as [Bw, Hkvw, q, G, d]
     qv.copy_(q5[:, :, :, group.q0:group.q1].transpose(2, 3))  # [Bw, Hkvw, G, q, d] -> [Bw, Hkvw, q, G, d]
-    qv.mul_(kn.qscale)
+    qv.mul_(kn.qscale)  # Δ from Alg. 1: the softmax scale and log2(e) folded into Q_i once: base 2, exp2
     queries[..., d] = 0.0
     hits = work.hits.take(n, R, 3 * dv).zero_() if work.hits is not None else None
-    return _GroupState(queries, work.acc.take(n, R, dv).zero_(), work.row_sum.take(n, R).zero_(),
-                       work.offset.take(n, R).zero_(), work.has_max.take(n, R).zero_(), hits)
+    return _Running(work.m.take(n, R).zero_(), work.l.take(n, R).zero_(), work.O.take(n, R, dv).zero_(),
+                    queries, work.has_max.take(n, R).zero_(), hits)
 
 
-def _scores(kn: _Kernel, s: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, offset: torch.Tensor,
-            rect: Rect) -> None:
-    """(S - m) in base 2 for one rectangle, biased and masked, into ``s`` [n, rows, kw]."""
-    torch.bmm(queries, keys.transpose(1, 2), out=s)  # [n, rows, kw]  (S - m; S/c with softcap)
+def _scores(kn: _Kernel, S: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, m: torch.Tensor, rect: Rect) -> None:
+    """Alg. 1, line 8, held as S - m in base 2 (the rows' current m), biased and masked, into ``S`` [n, rows, kw].
+    Δ from Alg. 1: -m rides in the matmul as an extra column, [Q·scale, -m]·[K, 1]ᵀ = S - m, which
+    saves a pass over the tile (with softcap m is subtracted after c·tanh(S/c) instead)."""
+    torch.bmm(queries, keys.transpose(1, 2), out=S)  # [n, rows, kw]  (S - m; S/c with softcap)
     if not kn.fold:
-        s.tanh_().mul_(kn.cap * LOG2E).sub_(offset[..., None])  # offset m [n, rows] -> [n, rows, 1]
-    _bias_and_mask_(s, kn, rect)
+        S.tanh_().mul_(kn.cap * LOG2E).sub_(m[..., None])  # m [n, rows] -> [n, rows, 1]
+    _bias_and_mask_(S, kn, rect)
 
 
-def _forward_rect(kn: _Kernel, work: _ForwardWork, st: _GroupState, q0: int, rect: Rect,
-                  k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
-    """Fold one rectangle into its group's state, by the optimistic protocol on the CPU path, by
-    the max pass always on the device path (file docstring)."""
+def _step(kn: _Kernel, work: _ForwardWork, st: _Running, q0: int, rect: Rect,
+          k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
+    """One online-softmax step, Alg. 1 lines 7-10, for one rectangle of the group (its rows a:b, keys k0:k1):
+    S = Q_i K_jᵀ; m_new = max(m, rowmax S); P̃ = exp(S - m_new); l = exp(m - m_new)·l + rowsum P̃;
+    O = exp(m - m_new)·O + P̃ V_j. Base 2 throughout (exp2, log2(e) folded into Q_i)."""
     a, b, kw = kn.G * (rect.r0 - q0), kn.G * (rect.r1 - q0), rect.k1 - rect.k0  # its rows (q g) of the group
-    R = st.acc.shape[1]
-    queries, acc, row_sum, offset = st.queries[:, a:b], st.acc[:, a:b], st.row_sum[:, a:b], st.offset[:, a:b]
-    keys, values = _key_span(kn, k, v, rect.k0, rect.k1, work.keys, work.values, ones_v=False)  # [n, kw, d+1], [n, kw, dv]
-    s = work.scores.take(kn.n, b - a, kw)
-    _scores(kn, s, queries, keys, offset, rect)
-    if flags is not None and st.hits is not None:  # NaN/inf values reach the rows that may attend their key
-        reach = (s > _NEG_INF).to(s.dtype)  # [n, rows, kw]
+    R = st.O.shape[1]
+    # Δ from Alg. 1: a rectangle may cover only some of the group's rows (the diagonal blocks of a
+    # causal mask, say), so the step updates the rows a:b of m, l and O
+    m, l, O, queries = st.m[:, a:b], st.l[:, a:b], st.O[:, a:b], st.queries[:, a:b]
+    K_j, V_j = _key_span(kn, k, v, rect.k0, rect.k1, work.keys, work.values, ones_v=False)  # line 7: [n, kw, d+1], [n, kw, dv]
+    S = work.scores.take(kn.n, b - a, kw)
+    _scores(kn, S, queries, K_j, m, rect)  # line 8, as S - m (the m before this step)
+    if flags is not None and st.hits is not None:
+        # Δ from Alg. 1: NaN/inf in v (replaced by 0 in V_j) are counted per row that may attend
+        # their key, and put back into O at the end (nonfinite.poison), so they reach exactly those rows
+        reach = (S > _NEG_INF).to(S.dtype)  # [n, rows, kw]
         st.hits[:, a:b] += torch.bmm(reach, flags[:, :, rect.k0:rect.k1].reshape(kn.n, kw, -1))  # [n, rows, 3·dv]
-    tile_sum = work.tile_sum.take(kn.n, R)[:, a:b]
-    if st.settled:  # optimistic: exp2 without a max pass
-        s.exp2_()
-        torch.sum(s, dim=-1, out=tile_sum)
-        if not bool((tile_sum > _SUM_LIMIT).any()):  # no row's max grew by more than 24: accept
-            row_sum.add_(tile_sum)
-            _add_mm(acc, _dropped(work, s, q0, rect), values, work.pv)  # [n, rows, dv]
-            return
-        _scores(kn, s, queries, keys, offset, rect)  # redo: some row's max grew
-    _max_pass(kn, work, st, s, a, b)
-    s.exp2_()  # P·l (unnormalized)
-    torch.sum(s, dim=-1, out=tile_sum)
-    row_sum.add_(tile_sum)
-    _add_mm(acc, _dropped(work, s, q0, rect), values, work.pv)  # [n, rows, dv]
+    rowsum = work.rowsum.take(kn.n, R)[:, a:b]
+    accepted = False
+    if st.settled:
+        # Δ from Alg. 1, the optimistic exponent (CPU path): once every row's m is real, skip the max
+        # pass and exponentiate with the old m (m_new = m), because the max pass costs about as much
+        # as the exp2 pass and the max rarely grows much. Accepted while every row sum stays <= 2^24:
+        # then no entry 2^(S - m) exceeded 2^24, far from overflow, and the result is exact to rounding.
+        P = S.exp2_()
+        torch.sum(P, dim=-1, out=rowsum)
+        accepted = not bool((rowsum > _SUM_LIMIT).any())  # a host read
+        if not accepted:  # some row's max grew by more than 24: recompute S (P overwrote it), take the max pass
+            _scores(kn, S, queries, K_j, m, rect)
+    if not accepted:
+        _max_pass(kn, work, st, S, a, b)  # line 9: m_new = max(m, rowmax S), O and l rescaled by exp(m - m_new)
+        P = S.exp2_()  # line 9: P̃ = exp(S - m_new)
+        torch.sum(P, dim=-1, out=rowsum)
+    l.add_(rowsum)  # line 9: l += rowsum P̃ (l was rescaled in the max pass)
+    # line 10: O += P̃ V_j (O was rescaled in the max pass). Δ from Alg. 1: with dropout, P̃'s dropped
+    # entries are zeroed here, after its row sum: l, and so lse, has no dropout
+    _add_mm(O, _dropped(work, P, q0, rect), V_j, work.pv)  # [n, rows, kw] x [n, kw, dv] -> [n, rows, dv]
 
 
-def _dropped(work: _ForwardWork, s: torch.Tensor, q0: int, rect: Rect) -> torch.Tensor:
-    """The tile with dropout's entries zeroed (after its row sums: l is computed without dropout;
-    the 1/(1 - p) is applied once, in ``_finish_group``)."""
+def _dropped(work: _ForwardWork, P: torch.Tensor, q0: int, rect: Rect) -> torch.Tensor:
+    """P̃ with dropout's entries zeroed in place (the 1/(1 - p) is applied once, in ``_finish_group``)."""
     if work.dropout is None:
-        return s
-    G = s.shape[1] // (rect.r1 - rect.r0)
-    return _drop_(s, work.dropout.bits(G * rect.r0, G * rect.r1, rect.k0, rect.k1))
+        return P
+    G = P.shape[1] // (rect.r1 - rect.r0)
+    return drop_(P, work.dropout.bits(G * rect.r0, G * rect.r1, rect.k0, rect.k1))
 
 
-def _max_pass(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
-    """Raise the offset m of rows a:b whose tile max exceeds it by more than TAU (or that see their
-    first finite score), rescaling what they have accumulated; ``s`` is shifted to match."""
-    if kn.on_device:
-        _max_pass_on_device(kn, work, st, s, a, b)
-        return
-    R = st.acc.shape[1]
-    tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
+def _max_pass(kn: _Kernel, work: _ForwardWork, st: _Running, S: torch.Tensor, a: int, b: int) -> None:
+    """Alg. 1, line 9's m_new = max(m, rowmax S) and the rescale of l and O by exp(m - m_new) (line 10)
+    for the rows a:b; ``S`` (held as S - m) is shifted to S - m_new to match.
+
+    Δ from Alg. 1, lazy rescaling: a row's m is raised only when the tile's row max exceeds it by
+    more than TAU (2^12), or at the row's first finite score; otherwise m_new = m, and entries of
+    P̃ may reach 2^TAU, far from overflow. It saves the rescale of O, which costs a pass over [rows, dv].
+
+    The CPU path reads the device twice (``host_reads``): it tracks ``has_max`` only until every row
+    is settled, and skips the rescale ops when no row is raised (most tiles). The device path reads
+    nothing: rows not raised get raise_by = 0, alpha = 1, so the rescale ops always run and leave them as they were."""
+    host_reads = not kn.on_device
+    R = st.O.shape[1]
+    tile_max = torch.amax(S, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]: rowmax(S) - m
     rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
-    if not st.settled:
+    if not st.settled:  # always, on the device path
         seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
         has_max = st.has_max[:, a:b]
         rescale |= seen & ~has_max
         has_max |= seen
-        st.settled = bool(st.has_max.all())
-    if bool(rescale.any()):
-        raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
-        s.sub_(raise_by[..., None])  # [n, rows] -> [n, rows, 1]
-        alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # rows with nothing accumulated may get any value
-        st.acc[:, a:b].mul_(alpha[..., None])  # alpha [n, rows] -> [n, rows, 1]; acc [n, rows, dv]
-        st.row_sum[:, a:b].mul_(alpha)
-        st.offset[:, a:b].add_(raise_by)
-        if kn.fold:
-            st.queries[:, a:b, -1].sub_(raise_by)
-
-
-def _max_pass_on_device(kn: _Kernel, work: _ForwardWork, st: _GroupState, s: torch.Tensor, a: int, b: int) -> None:
-    """``_max_pass`` without reading the device: the same rows are raised (lazy rescaling: the max
-    grew by more than TAU, or a first finite score), chosen by ``torch.where``; rows not raised get
-    raise_by = 0, alpha = 1, so the rescale ops run unconditionally and leave them as they were."""
-    R = st.acc.shape[1]
-    tile_max = torch.amax(s, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]
-    rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
-    seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
-    has_max = st.has_max[:, a:b]
-    rescale |= seen & ~has_max
-    has_max |= seen
-    raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]
-    s.sub_(raise_by[..., None])  # [n, rows] -> [n, rows, 1]
-    alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # 1 where not raised; rows with nothing accumulated may get any value
-    st.acc[:, a:b].mul_(alpha[..., None])  # alpha [n, rows] -> [n, rows, 1]; acc [n, rows, dv]
-    st.row_sum[:, a:b].mul_(alpha)
-    st.offset[:, a:b].add_(raise_by)
+        if host_reads:
+            st.settled = bool(st.has_max.all())
+    if host_reads and not bool(rescale.any()):
+        return
+    raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]: m_new - m
+    S.sub_(raise_by[..., None])  # S - m_new; raise_by [n, rows] -> [n, rows, 1]
+    alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # exp(m - m_new); rows with nothing accumulated may get any value
+    st.O[:, a:b].mul_(alpha[..., None])  # alpha [n, rows] -> [n, rows, 1]; O [n, rows, dv]
+    st.l[:, a:b].mul_(alpha)
+    st.m[:, a:b].add_(raise_by)
     if kn.fold:
-        st.queries[:, a:b, -1].sub_(raise_by)
+        st.queries[:, a:b, -1].sub_(raise_by)  # the folded column: -m_new
 
 
-def _finish_group(kn: _Kernel, st: _GroupState, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
-    """out = acc / l and lse = (m + log2 l)·ln 2 for the group's rows, into the [Bw, Hkvw, G, Q, ·] views.
-    With sinks the denominator is l + 2^(sink - m): lse2 = log2(2^(m + log2 l) + 2^sink) (base 2) and
-    out = acc · 2^(m - lse2) (0 for a row that saw no key: acc = 0)."""
-    bq, dv = group.q1 - group.q0, st.acc.shape[-1]
-    lse2 = st.offset + torch.log2(st.row_sum)  # [n, R], base 2, over the keys
+def _finish_group(kn: _Kernel, st: _Running, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
+    """Alg. 1, lines 12-15: O_i = diag(l)⁻¹ O and L_i = m + log l for the group's rows, written into the
+    [Bw, Hkvw, G, Q, ·] views of out and lse (L in natural log: (m + log2 l)·ln 2).
+    Δ from Alg. 1: a row that saw no key (l = 0) gets out 0 and lse -inf; with sinks the denominator is
+    l + 2^(sink - m) (lse includes the sink: lse2 = log2(2^(m + log2 l) + 2^sink)); with dropout the
+    kept entries count 1/(1 - p)."""
+    bq, dv = group.q1 - group.q0, st.O.shape[-1]
+    lse2 = st.m + torch.log2(st.l)  # [n, R], base 2, over the keys: line 13
     if kn.p.sinks is not None:
         sink2 = (kn.p.sinks[kn.hq].to(kn.dt) * LOG2E).view(1, kn.Hkvw, 1, kn.G)  # [Hw] -> [1, Hkvw, 1, G]
         # [n, (q G)] -> [Bw, Hkvw, q, G] (+ sink2) -> [n, (q G)]
         lse2 = torch.logaddexp2(lse2.view(kn.Bw, kn.Hkvw, bq, kn.G), sink2).view(kn.n, -1)
-        l_safe = torch.where(st.row_sum > 0, torch.exp2(lse2 - st.offset), 1.0)  # the whole denominator relative to m
+        l_safe = torch.where(st.l > 0, torch.exp2(lse2 - st.m), 1.0)  # the whole denominator relative to m
     else:
-        l_safe = torch.where(st.row_sum > 0, st.row_sum, 1.0)  # fully masked rows: acc = 0, out = 0
+        l_safe = torch.where(st.l > 0, st.l, 1.0)  # fully masked rows: O = 0, out = 0
     if kn.p.dropout_p > 0:
         l_safe = l_safe * (1.0 - kn.p.dropout_p)  # kept entries count 1/(1 - p)
     # rows (q g) -> [Bw, Hkvw, G, q]
     lse5[:, :, :, group.q0:group.q1] = (lse2 * LN2).view(kn.Bw, kn.Hkvw, bq, kn.G).transpose(2, 3)
     dest = out5[:, :, :, group.q0:group.q1].transpose(2, 3)  # [Bw, Hkvw, G, q, dv] as [Bw, Hkvw, q, G, dv]
-    # rows (q g) -> [Bw, Hkvw, q, G, ·]
-    torch.div(st.acc.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
+    # line 12, O / l; rows (q g) -> [Bw, Hkvw, q, G, ·]
+    torch.div(st.O.view(kn.Bw, kn.Hkvw, bq, kn.G, dv), l_safe.view(kn.Bw, kn.Hkvw, bq, kn.G, 1), out=dest)
     if st.hits is not None:
         # [n, (q G), 3·dv] -> [Bw, Hkvw, q, G, 3·dv]: NaN/inf where the row attends them
         dest += poison(st.hits.view(kn.Bw, kn.Hkvw, bq, kn.G, 3 * dv))
 
 
-# ---- backward --------------------------------------------------------------------------------------
+# ---- backward: FlashAttention-2, Algorithm 2 ---------------------------------------------------------
+#
+# Algorithm 2 (Dao 2023): D = rowsum(dO ∘ O) once (here ``delta``, minus lse's own gradient); for each
+# key block K_j, V_j (here a key span of the plan, ``_backward_part``), dK_j = dV_j = 0, and for each
+# query block Q_i that meets it (a rectangle, ``_backward_rect``):
+#     S = Q_i K_jᵀ;  P = exp(S - L_i);  dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ;  dS = P ∘ (dP - D_i)
+#     dQ_i += dS K_j;  dK_j += dSᵀ Q_i
+# The deltas are the forward's: base 2 and -L folded into the Q·Kᵀ matmul (``[q·scale, -lse2]``), -D
+# folded likewise into dO·Vᵀ (``[dO, -delta] · [v, 1]ᵀ = dP - D``, without dropout); with dropout Z =
+# keep/(1 - p), dV_j += (Z ∘ P)ᵀ dO_i and dS = P ∘ (Z ∘ dP - D); softcap's tanh' applied to dS; the
+# dense bias gradients are dS itself, summed over its broadcast axes.
 
 
 def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
@@ -747,7 +593,7 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     finite_v = finite
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
     parts = split(B, Hkv, workers(p.q.device))  # one part on the device path: run inline
-    shares = _in_parallel([partial(_backward_part, _Kernel.of(p, part, finite), plan, out, lse, grad_out, grad_lse,
+    shares = in_parallel([partial(_backward_part, _Kernel.of(p, part, finite), plan, out, lse, grad_out, grad_lse,
                                    grads, biases, finite_v) for part in parts])
     for (bs, hs), share in zip(parts, shares):
         hq = _query_heads(hs, G)
@@ -797,7 +643,7 @@ class _BackwardWork:
         self.keys, self.values = _Buffer(n * span * (d + 1), dt, dev), _Buffer(n * span * (dv + 1), dt, dev)
         self.grad_k, self.grad_v = _Buffer(n * span * d, dt, dev), _Buffer(n * span * dv, dt, dev)  # one key span's
         self.grad_q = _Buffer(n * rows * d, dt, dev)  # scratch for dS·K into a row slice of grad_q
-        self.dropout = _Dropout.of(kn, n * rect_elems)  # the keep bits of a rectangle
+        self.dropout = KeepBits.of(kn.p, kn.b, kn.hq, kn.Hkvw, G, n * rect_elems)  # the keep bits of a rectangle
         self.kept = _Buffer(n * rect_elems, dt, dev) if self.dropout is not None else None  # P with dropout's zeros
 
 
@@ -872,7 +718,7 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
         torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP - delta  [n, rows, kw]
         ds.mul_(s)  # dS = P ∘ (dP - delta)
     else:  # with Z = keep/(1 - p): dV += (Z ∘ P)ᵀ·dO, dS = P ∘ (Z ∘ dP - delta)
-        kept = _drop_(s, drop.bits(a, b, k0, k1), out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
+        kept = drop_(s, drop.bits(a, b, k0, k1), out=work.kept.take(n, b - a, kw))  # P with the dropped entries 0
         grad_v.baddbmm_(kept.transpose(1, 2), gout[..., :dv])  # dV += (Z ∘ P)ᵀ·dO   [n, kw, dv]
         torch.bmm(gout, vt.transpose(1, 2), out=ds)  # dP/(1 - p)  [n, rows, kw]
         # (P ∘ keep) ∘ dP/(1 - p) - P ∘ delta; delta [n, rows] -> [n, rows, 1]
@@ -955,7 +801,7 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     the inputs require grad. ``plan``: one made for this call already (``auto`` makes one to
     estimate the cost), else planned here."""
     plan = plan if plan is not None else plan_for(p)
-    p = _seeded(p)  # dropout: one seed per call, saved with p for the backward
+    p = seeded(p)  # dropout: one seed per call, saved with p for the backward
     dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
     inputs = (p.q, p.k, p.v) + ((p.sinks,) if p.sinks is not None else ())
     if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in inputs)):

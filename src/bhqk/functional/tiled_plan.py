@@ -13,6 +13,14 @@ Full regions are computed as tall rectangles (up to a worker's ``tile_elems`` sc
 blocks one by one: causal attention then runs its full part with the big matmuls of the unmasked
 case and only its diagonal with small tiles.
 
+In the terms of FlashAttention-2's Algorithm 1 (``tiled.py``): a row group is a query block Q_i
+(its ``group_q`` queries times the G query heads of a key/value head), and each of its rectangles is
+one online-softmax step over a key block K_j. Three deltas come from here: the key blocks a mask
+leaves empty are never visited, adjacent full blocks are joined into one wider or taller rectangle
+(fewer, larger matmuls), and a rectangle may cover only some of its group's rows (the diagonal
+blocks of a causal mask are as tall as ``block_q``, the group's full part as tall as the group).
+A fourth: the steps run in the order of :func:`_diagonal_first`, not j = 1 … T_c.
+
 Costs and tile sizes come from a cost model per device type (:class:`Model`): ``CPU_MODEL`` was
 fitted on the 2-core reference CPU, where worker threads share a call; ``CUDA_MODEL`` is a guess,
 not measured (no GPU was available), that makes the plan prefer few large rectangles where every
@@ -354,7 +362,8 @@ def _merged_full(pieces: list[Rect]) -> list[Rect]:
 
 def _diagonal_first(tiles: list[Rect], ext: Extent) -> list[Rect]:
     """Processing order in a row group: partial rectangles nearest the diagonal (either alignment)
-    first, then the full ones. The online softmax takes keys in any order, but needs a max pass
+    first, then the full ones. Δ from Alg. 1 (key blocks in order j = 1 … T_c), because of the
+    optimistic exponent (``tiled._step``). The online softmax takes keys in any order, but needs a max pass
     until every row has a max; the diagonal blocks are small and, for causal, window, document and
     padding masks, give every row some key, so the large full rectangles skip the max pass."""
     def distance(t: Rect) -> tuple[bool, float, int]:
