@@ -318,3 +318,14 @@ def test_a_gqa_decode_step_runs_the_query_heads_of_a_kv_head_as_one_call_and_equ
         assert out.shape == (B, H, 1, 5)
         assert_close(out, expected, n=K)
         assert seen == [((B, Hkv, H // Hkv, 8), False)]  # [B, Hkv, G, d]: each K/V head read once
+
+
+def test_claims_keep_being_kept_past_their_bound(reference_costs, no_span_path, monkeypatch):
+    monkeypatch.setattr(registry, "_CLAIMED", {})
+    monkeypatch.setattr(registry, "_CLAIMED_MAX", 3)
+    step = masks.causal("bottom_right")
+    for K in range(1, 8):  # a generation: a new K, so a new structure, per decode step
+        q, k, v = qkv(1, 2, None, 1, K, d=8, dtype=torch.float32)
+        assert bhqk.choose_backend(q, k, v, step).name == "torch"
+        assert len(registry._CLAIMED) <= 3
+        assert any(key[4] == k.shape for key in registry._CLAIMED)  # this step's claim is kept (key[4]: k's shape)

@@ -167,7 +167,9 @@ def all_finite(*ts: torch.Tensor) -> bool:
         return True
     for t in ts:
         wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
-        if t.numel() and not math.isfinite(float(t.detach().sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
+        if t.requires_grad:
+            t = t.detach()  # the check is no part of the graph
+        if t.numel() and not math.isfinite(float(t.sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
             return False
     return True
 
