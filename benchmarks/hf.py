@@ -12,6 +12,8 @@
    2048, vocab 32000; random weights, built from its config) generating 64 tokens greedily after a
    512-token prompt on ``"sdpa"``, ``"bhqk"`` and ``"eager"``, and the prompt's prefill alone; the
    implementations interleaved repeat by repeat; the per-token decode time is (generate − prefill) / 63.
+   Then single decode steps (the model called on one token with its cache), the implementations in
+   turn step by step, paired at equal cache length: the per-step ratio with its interquartile range.
 
 Times: median over repeats, implementations interleaved run by run (the machine is shared); peak
 extra resident memory of one call in a fresh process (model and inputs excluded). ``eager`` is
@@ -266,6 +268,31 @@ def prefill_once(model, ids: torch.Tensor) -> None:
         model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
 
 
+def decode_steps(models: dict, ids: torch.Tensor, g: dict) -> dict[str, list[float]]:
+    """Seconds of each decode step (one token through the model with its cache), the implementations
+    stepped in turn so that step i of each sees the same cache length: ``repeat`` prompts × new_tokens steps."""
+    from transformers import DynamicCache
+
+    out: dict[str, list[float]] = {impl: [] for impl in models}
+    with torch.no_grad():
+        for _ in range(g["repeat"]):
+            caches, nxt = {}, {}
+            for impl, m in models.items():
+                caches[impl] = DynamicCache(config=m.config)
+                logits = m(ids, attention_mask=torch.ones_like(ids), cache=caches[impl], use_cache=True,
+                           logits_to_keep=1).logits  # [1, 1, V]
+                nxt[impl] = logits[:, -1:].argmax(-1)  # [1, 1]
+            seen = torch.ones_like(ids)  # [1, K]: every token real
+            for _ in range(g["new_tokens"]):
+                seen = torch.cat([seen, seen[:, :1]], dim=1)  # [1, K + 1]
+                for impl, m in models.items():
+                    t0 = time.perf_counter()
+                    logits = m(nxt[impl], attention_mask=seen, cache=caches[impl], use_cache=True).logits
+                    out[impl].append(time.perf_counter() - t0)
+                    nxt[impl] = logits[:, -1:].argmax(-1)  # [1, 1]
+    return out
+
+
 def bench_generate(g: dict, impls: list[str]) -> list[dict]:
     """generate() and its prefill per implementation, interleaved repeat by repeat; ratios paired to sdpa."""
     ids = torch.randint(0, g["vocab"], (1, g["prompt"]), generator=torch.Generator().manual_seed(1))  # [B=1, N]
@@ -282,6 +309,7 @@ def bench_generate(g: dict, impls: list[str]) -> list[dict]:
             t2 = time.perf_counter()
             res[impl]["prefill_s"].append(t1 - t0)
             res[impl]["generate_s"].append(t2 - t1)
+    step_s = decode_steps(models, ids, g)
     rows = []
     steps = max(1, g["new_tokens"] - 1)  # the first new token comes from the prefill
     for impl in impls:
@@ -295,6 +323,12 @@ def bench_generate(g: dict, impls: list[str]) -> list[dict]:
                 row[f"{key}_over_sdpa"] = statistics.median(a / b for a, b in zip(r[key], res["sdpa"][key]))
                 row[f"{key}_over_sdpa_range"] = [min(a / b for a, b in zip(r[key], res["sdpa"][key])),
                                                  max(a / b for a, b in zip(r[key], res["sdpa"][key]))]
+        row["step_ms"] = [1e3 * t for t in step_s[impl]]
+        row["step_ms_median"] = statistics.median(row["step_ms"])
+        if "sdpa" in step_s:  # paired step by step: the same cache length, back to back
+            pairs = sorted(a / b for a, b in zip(step_s[impl], step_s["sdpa"]))
+            row["step_over_sdpa"] = statistics.median(pairs)
+            row["step_over_sdpa_iqr"] = [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]]
         if "sdpa" in tokens:
             row["tokens_equal_sdpa"] = float((tokens[impl] == tokens["sdpa"]).float().mean())
         rows.append(row)
@@ -303,7 +337,8 @@ def bench_generate(g: dict, impls: list[str]) -> list[dict]:
 
 def generate_table(rows: list[dict]) -> str:
     out = ["| impl | generate (median, range) | this / sdpa (paired: median, range) | prefill | prefill / sdpa "
-           "| decode ms/token | decode / sdpa | tokens = sdpa's |", "|---|---|---|---|---|---|---|---|"]
+           "| decode ms/token | decode / sdpa | one decode step | step / sdpa (paired: median, IQR) | tokens = sdpa's |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(r, key):
         if f"{key}_over_sdpa" not in r:
@@ -311,11 +346,18 @@ def generate_table(rows: list[dict]) -> str:
         lo, hi = r[f"{key}_over_sdpa_range"]
         return f"{r[f'{key}_over_sdpa']:.3f}× ({lo:.3f}–{hi:.3f})"
 
+    def step(r):
+        if "step_over_sdpa" not in r:
+            return "—"
+        lo, hi = r["step_over_sdpa_iqr"]
+        return f"{r['step_over_sdpa']:.3f}× ({lo:.3f}–{hi:.3f})"
+
     for r in rows:
         lo, hi = r["generate_s_range"]
         out.append(f"| {r['impl']} | {r['generate_s_median']:.2f} s ({lo:.2f}–{hi:.2f}) | {ratio(r, 'generate_s')} "
                    f"| {r['prefill_s_median']:.3f} s | {ratio(r, 'prefill_s')} | {r['decode_ms_per_token_median']:.1f} "
-                   f"| {ratio(r, 'decode_ms_per_token')} | {r.get('tokens_equal_sdpa', float('nan')):.0%} |")
+                   f"| {ratio(r, 'decode_ms_per_token')} | {r['step_ms_median']:.1f} ms | {step(r)} "
+                   f"| {r.get('tokens_equal_sdpa', float('nan')):.0%} |")
     return "\n".join(out)
 
 
