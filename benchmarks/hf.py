@@ -8,6 +8,12 @@
    function that returns q and costs nothing: the floor no attention backend can beat).
 4. Capture of one head of one layer (``bhqk.capture(model=..., layers=[...], heads=[5])``) at
    N=16384 against a plain forward, and against ``eager`` with ``output_attentions``.
+5. ``generate()`` (``--parts generate``): a Llama-shaped model (12 layers, D=768, H=12, Hkv=4, MLP
+   2048, vocab 32000; random weights, built from its config) generating 64 tokens greedily after a
+   512-token prompt on ``"sdpa"``, ``"bhqk"`` and ``"eager"``, and the prompt's prefill alone; the
+   implementations interleaved repeat by repeat; the per-token decode time is (generate − prefill) / 63.
+   Then single decode steps (the model called on one token with its cache), the implementations in
+   turn step by step, paired at equal cache length: the per-step ratio with its interquartile range.
 
 Times: median over repeats, implementations interleaved run by run (the machine is shared); peak
 extra resident memory of one call in a fresh process (model and inputs excluded). ``eager`` is
@@ -17,6 +23,7 @@ skipped where its [B, H, N, N] tensors would exceed ``--mem-limit-gib``; the tab
     python benchmarks/hf.py --quick         # small widths and N, no memory runs: a smoke run (about a minute)
     python benchmarks/hf.py --out results/x.json
     python benchmarks/hf.py --parts layer   # issue #19's layer: bhqk:spans vs sdpa vs free attention
+    python benchmarks/hf.py --parts generate --repeat 5   # generate(): bhqk vs sdpa vs eager (~3 min)
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ LAYER = {"layers": 1, "intermediate": 1024}  # the layer part's model: one Mistr
 
 FULL = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 4096, "layers": 2,
         "vocab": 1000, "window": 256, "N": 4096, "capture_N": 16384, "capture_layers": 1, "repeat": 3}
+GENERATE = {"hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64, "intermediate": 2048, "layers": 12,
+            "vocab": 32000, "prompt": 512, "new_tokens": 64, "repeat": 5}  # part 5: generate()
+GENERATE_QUICK = {**GENERATE, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 512, "layers": 2,
+                  "vocab": 1000, "prompt": 128, "new_tokens": 16, "repeat": 2}
 QUICK = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 512, "layers": 2,
          "vocab": 1000, "window": 64, "N": 512, "capture_N": 1024, "capture_layers": 1, "repeat": 2}
 
@@ -226,6 +237,130 @@ def bench_capture(c: dict, limit: float, mem: bool, timeout: float) -> list[dict
     return rows
 
 
+# ---- generate(): a Llama-shaped model decoding ----------------------------------------------------
+
+
+def build_generate(impl: str, g: dict):
+    """The generate part's Llama-shaped model with random weights (the same for every ``impl``)."""
+    import transformers
+
+    from bhqk.integrations.transformers import register
+
+    register()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
+                                      num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
+                                      num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"],
+                                      max_position_embeddings=g["prompt"] + g["new_tokens"], attn_implementation=impl)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def generate_once(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens after ``ids`` [1, N] → [1, N + new_tokens]."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+
+def prefill_once(model, ids: torch.Tensor) -> None:
+    """The prompt's forward as ``generate`` runs it: a fresh cache, the last position's logits."""
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+
+
+def decode_steps(models: dict, ids: torch.Tensor, g: dict) -> dict[str, list[float]]:
+    """Seconds of each decode step (one token through the model with its cache), the implementations
+    stepped in turn so that step i of each sees the same cache length: ``repeat`` prompts × new_tokens steps."""
+    from transformers import DynamicCache
+
+    out: dict[str, list[float]] = {impl: [] for impl in models}
+    with torch.no_grad():
+        for _ in range(g["repeat"]):
+            caches, nxt = {}, {}
+            for impl, m in models.items():
+                caches[impl] = DynamicCache(config=m.config)
+                logits = m(ids, attention_mask=torch.ones_like(ids), cache=caches[impl], use_cache=True,
+                           logits_to_keep=1).logits  # [1, 1, V]
+                nxt[impl] = logits[:, -1:].argmax(-1)  # [1, 1]
+            seen = torch.ones_like(ids)  # [1, K]: every token real
+            for _ in range(g["new_tokens"]):
+                seen = torch.cat([seen, seen[:, :1]], dim=1)  # [1, K + 1]
+                for impl, m in models.items():
+                    t0 = time.perf_counter()
+                    logits = m(nxt[impl], attention_mask=seen, cache=caches[impl], use_cache=True).logits
+                    out[impl].append(time.perf_counter() - t0)
+                    nxt[impl] = logits[:, -1:].argmax(-1)  # [1, 1]
+    return out
+
+
+def bench_generate(g: dict, impls: list[str]) -> list[dict]:
+    """generate() and its prefill per implementation, interleaved repeat by repeat; ratios paired to sdpa."""
+    ids = torch.randint(0, g["vocab"], (1, g["prompt"]), generator=torch.Generator().manual_seed(1))  # [B=1, N]
+    models = {impl: build_generate(impl, g) for impl in impls}
+    log(f"generate: {impls}, prompt {g['prompt']}, {g['new_tokens']} new tokens, {g['repeat']} repeats")
+    tokens = {impl: generate_once(m, ids, 4) for impl, m in models.items()}  # warm-up: threads, allocator, caches
+    res = {impl: {"generate_s": [], "prefill_s": []} for impl in impls}
+    for _ in range(g["repeat"]):
+        for impl, m in models.items():
+            t0 = time.perf_counter()
+            prefill_once(m, ids)
+            t1 = time.perf_counter()
+            tokens[impl] = generate_once(m, ids, g["new_tokens"])
+            t2 = time.perf_counter()
+            res[impl]["prefill_s"].append(t1 - t0)
+            res[impl]["generate_s"].append(t2 - t1)
+    step_s = decode_steps(models, ids, g)
+    rows = []
+    steps = max(1, g["new_tokens"] - 1)  # the first new token comes from the prefill
+    for impl in impls:
+        r = res[impl]
+        r["decode_ms_per_token"] = [1e3 * (a - b) / steps for a, b in zip(r["generate_s"], r["prefill_s"])]
+        row: dict = {"model": "llama-generate", "impl": impl, "prompt": g["prompt"], "new_tokens": g["new_tokens"], **r}
+        for key in ("generate_s", "prefill_s", "decode_ms_per_token"):
+            row[f"{key}_median"] = statistics.median(r[key])
+            row[f"{key}_range"] = [min(r[key]), max(r[key])]
+            if "sdpa" in res:  # paired: this repeat's time over sdpa's in the same repeat
+                row[f"{key}_over_sdpa"] = statistics.median(a / b for a, b in zip(r[key], res["sdpa"][key]))
+                row[f"{key}_over_sdpa_range"] = [min(a / b for a, b in zip(r[key], res["sdpa"][key])),
+                                                 max(a / b for a, b in zip(r[key], res["sdpa"][key]))]
+        row["step_ms"] = [1e3 * t for t in step_s[impl]]
+        row["step_ms_median"] = statistics.median(row["step_ms"])
+        if "sdpa" in step_s:  # paired step by step: the same cache length, back to back
+            pairs = sorted(a / b for a, b in zip(step_s[impl], step_s["sdpa"]))
+            row["step_over_sdpa"] = statistics.median(pairs)
+            row["step_over_sdpa_iqr"] = [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]]
+        if "sdpa" in tokens:
+            row["tokens_equal_sdpa"] = float((tokens[impl] == tokens["sdpa"]).float().mean())
+        rows.append(row)
+    return rows
+
+
+def generate_table(rows: list[dict]) -> str:
+    out = ["| impl | generate (median, range) | this / sdpa (paired: median, range) | prefill | prefill / sdpa "
+           "| decode ms/token | decode / sdpa | one decode step | step / sdpa (paired: median, IQR) | tokens = sdpa's |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r, key):
+        if f"{key}_over_sdpa" not in r:
+            return "—"
+        lo, hi = r[f"{key}_over_sdpa_range"]
+        return f"{r[f'{key}_over_sdpa']:.3f}× ({lo:.3f}–{hi:.3f})"
+
+    def step(r):
+        if "step_over_sdpa" not in r:
+            return "—"
+        lo, hi = r["step_over_sdpa_iqr"]
+        return f"{r['step_over_sdpa']:.3f}× ({lo:.3f}–{hi:.3f})"
+
+    for r in rows:
+        lo, hi = r["generate_s_range"]
+        out.append(f"| {r['impl']} | {r['generate_s_median']:.2f} s ({lo:.2f}–{hi:.2f}) | {ratio(r, 'generate_s')} "
+                   f"| {r['prefill_s_median']:.3f} s | {ratio(r, 'prefill_s')} | {r['decode_ms_per_token_median']:.1f} "
+                   f"| {ratio(r, 'decode_ms_per_token')} | {r['step_ms_median']:.1f} ms | {step(r)} "
+                   f"| {r.get('tokens_equal_sdpa', float('nan')):.0%} |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | N | mode | impl | median time | sdpa time / this (paired) | this / free (paired) | peak extra MiB | note |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -251,10 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--intermediate", type=int, help="MLP width (the attention widths stay real)")
     ap.add_argument("--repeat", type=int)
-    ap.add_argument("--parts", nargs="+", default=["window", "dense", "capture"], choices=["window", "dense", "capture", "layer"])
+    ap.add_argument("--parts", nargs="+", default=["window", "dense", "capture"],
+                    choices=["window", "dense", "capture", "layer", "generate"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--impls", nargs="+", choices=list(IMPLS),
-                    help="default: bhqk, sdpa, eager; the layer part: bhqk_spans, sdpa, free")
+                    help="default: bhqk, sdpa, eager; the layer part: bhqk_spans, sdpa, free; generate: sdpa, bhqk, eager")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip eager above this estimated peak")
     ap.add_argument("--memory", choices=["on", "off"], help="fresh-process memory runs (default: on; off with --quick)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per memory run")
@@ -285,6 +421,12 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_model("layer", lc, a.impls or ["bhqk_spans", "sdpa", "free"], a.modes, a.mem_limit_gib, mem, a.timeout)
     if "capture" in a.parts:
         rows += bench_capture(c, a.mem_limit_gib, mem, a.timeout)
+    gen_rows: list[dict] = []
+    if "generate" in a.parts:
+        g = dict(GENERATE_QUICK if a.quick else GENERATE)
+        g.update({key: val for key, val in (("layers", a.layers), ("repeat", a.repeat)) if val is not None})
+        meta["generate_config"] = g
+        gen_rows = bench_generate(g, [i for i in (a.impls or ["sdpa", "bhqk", "eager"]) if i in ("sdpa", "bhqk", "eager")])
     meta["loadavg_end"] = os.getloadavg()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads, "
@@ -293,11 +435,20 @@ def main(argv: list[str] | None = None) -> None:
           f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}; "
           f"layer: {a.layers or LAYER['layers']} layer, MLP {a.intermediate or LAYER['intermediate']}), "
           f"window {c['window']}, fp32, B=1.\n")
-    print(table(rows))
-    if not mem:
+    if rows:
+        print(table(rows))
+    if gen_rows:
+        g = meta["generate_config"]
+        print(f"\ngenerate(): Llama-shaped, {g['layers']} layers, D={g['hidden']}, H={g['heads']}, Hkv={g['kv_heads']}, "
+              f"d={g['head_dim']}, MLP {g['intermediate']}, vocab {g['vocab']}; prompt {g['prompt']}, "
+              f"{g['new_tokens']} new tokens (greedy), fp32, B=1, {g['repeat']} repeats.\n")
+        print(generate_table(gen_rows))
+    if not mem and rows:
         print("\nPeak memory not measured (--memory off; --quick turns it off).")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if gen_rows and not a.out and a.parts == ["generate"]:
+        out = HERE / "results" / ("hf-generate-quick.json" if a.quick else "hf-generate.json")
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "generate": gen_rows}, indent=1))
     print(f"\nwrote {out}")
 
 

@@ -290,3 +290,42 @@ def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(ref
     assert bhqk.choose_backend(q, k, v, step, return_lse=True).name == "tiled"  # another structure
     top = bhqk.choose_backend(q, k, v, masks.causal("top_left"))  # the same sizes, another alignment: not the kept claim
     assert top.name == "torch" and "2% of the scores" in top.reason
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("B,H,Hkv,K", [(2, 6, 2, 9), (1, 6, 3, 1), (3, 4, 1, 7), (0, 6, 2, 5), (2, 6, 2, 0)])
+def test_a_gqa_decode_step_runs_the_query_heads_of_a_kv_head_as_one_call_and_equals_the_reference(
+        B, H, Hkv, K, layout, monkeypatch):
+    import torch.nn.functional as F
+
+    from bhqk.functional import reference
+
+    q, k, v = qkv(B, H, Hkv, 1, K, d=8, dv=5, dtype=torch.float32)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, *a, **kw):
+        seen.append((tuple(q_.shape), kw.get("enable_gqa", False)))
+        return sdpa(q_, k_, v_, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for mask in (None, masks.causal("bottom_right")):  # a decode step: the one query sees every key
+        seen.clear()
+        args = [t.transpose(1, 2) for t in (q, k, v)] if layout == "bnhd" else [q, k, v]  # [B, N, H, x] in bnhd
+        out = bhqk.attention(*args, mask, backend="torch", layout=layout)
+        out = out.transpose(1, 2) if layout == "bnhd" else out  # [B, H, 1, dv]
+        expected, _ = reference.run(prepare(q.double(), k.double(), v.double(), mask))
+        assert out.shape == (B, H, 1, 5)
+        assert_close(out, expected, n=K)
+        assert seen == [((B, Hkv, H // Hkv, 8), False)]  # [B, Hkv, G, d]: each K/V head read once
+
+
+def test_claims_keep_being_kept_past_their_bound(reference_costs, no_span_path, monkeypatch):
+    monkeypatch.setattr(registry, "_CLAIMED", {})
+    monkeypatch.setattr(registry, "_CLAIMED_MAX", 3)
+    step = masks.causal("bottom_right")
+    for K in range(1, 8):  # a generation: a new K, so a new structure, per decode step
+        q, k, v = qkv(1, 2, None, 1, K, d=8, dtype=torch.float32)
+        assert bhqk.choose_backend(q, k, v, step).name == "torch"
+        assert len(registry._CLAIMED) <= 3
+        assert any(key[4] == k.shape for key in registry._CLAIMED)  # this step's claim is kept (key[4]: k's shape)

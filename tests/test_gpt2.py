@@ -243,3 +243,16 @@ def test_cli_generate_needs_a_prompt_or_ids(folder, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(LoadError, match="tokenizer.json"):
         generate_cli(["generate", "--model", str(tmp_path), "hello"])
+
+
+def test_weights_are_stored_input_major_and_loading_keeps_them_so(model, hf):
+    """Every block linear and the tied head [out, in] sit in memory as [in, out] (a decode step's
+    matrix-vector products stream them faster); loading copies into them, so the layout survives
+    and the values are the checkpoint's."""
+    weights = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)] + [model.tokens.weight]
+    assert len(weights) == 6 * len(model.blocks) + 1
+    for w in weights:
+        assert w.stride() == (1, w.shape[0])  # [out, in] viewed from [in, out] storage
+    torch.testing.assert_close(model.tokens.weight, hf.transformer.wte.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.blocks[0].attn.q_proj.weight, hf.transformer.h[0].attn.c_attn.weight[:, :64].t(),
+                               rtol=0, atol=0)

@@ -35,6 +35,11 @@ def active() -> tuple[Observer, ...]:
     return _ACTIVE.get()
 
 
+def quiet() -> bool:
+    """Nobody listens or edits anywhere (two integer tests): :func:`scope` would do nothing."""
+    return not (_LISTENING or _EDITING)
+
+
 def emit(event: str, **data: Any) -> None:
     """Hand one event to every active observer; ``module`` is the attention module running, if any."""
     data.setdefault("module", _MODULE.get())

@@ -29,6 +29,12 @@ class Sizes:
         self.bound_by: dict[str, str] = {n: "given" for n in known}
         self.seen: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
 
+    def copy(self) -> Sizes:
+        """An independent copy (binding more names into it leaves this one as it is)."""
+        new = Sizes.__new__(Sizes)
+        new.size, new.bound_by, new.seen = dict(self.size), dict(self.bound_by), list(self.seen)
+        return new
+
     def __getitem__(self, name: str) -> int:
         return self.size[name]
 
@@ -89,13 +95,32 @@ def _bind_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) ->
     return sizes
 
 
+_CHECKED: dict[tuple, Sizes] = {}  # calls that passed check_qkv, by shapes, dtypes, devices and layout -> their sizes
+_CHECKED_MAX = 256  # distinct call signatures kept (a model's decode steps repeat a few); cleared when full
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhnd") -> Sizes:
-    """Bind B, H, Hkv, Q, K, d, dv from q, k, v and check dtype, device and the head grouping."""
+    """Bind B, H, Hkv, Q, K, d, dv from q, k, v and check dtype, device and the head grouping.
+    A call whose shapes, dtypes, devices and layout passed before gets a copy of its sizes (the
+    checks read nothing else); errors are never cached."""
     if layout not in LAYOUTS:
         raise ShapeError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}.")
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}.")
+    if torch.compiler.is_compiling():  # traced once per graph: no cache to guard on
+        return _check_qkv(q, k, v, layout)
+    key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+    if (hit := _CHECKED.get(key)) is not None:
+        return hit.copy()
+    sizes = _check_qkv(q, k, v, layout)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = sizes.copy()
+    return sizes
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> Sizes:
     try:
         sizes = _bind_qkv(q, k, v, layout)
     except ShapeError as e:
@@ -144,7 +169,9 @@ def all_finite(*ts: torch.Tensor) -> bool:
         return True
     for t in ts:
         wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
-        if t.numel() and not math.isfinite(float(t.detach().sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
+        if t.requires_grad:
+            t = t.detach()  # the check is no part of the graph
+        if t.numel() and not math.isfinite(float(t.sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
             return False
     return True
 

@@ -47,7 +47,8 @@ def attention(
     however negative; scale, softcap and bias must be finite (bias may hold -inf) or a ShapeError /
     MaskError names them; B, Q or K = 0 gives out of shape [B, H, Q, dv] filled with 0 (lse -inf).
     """
-    options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
+    options = None if block_q is None and block_k is None else \
+        {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
     choice = resolve(backend, p, return_lse)
     try:

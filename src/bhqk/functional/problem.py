@@ -28,11 +28,10 @@ class Problem:
     dropout_p: float = 0.0
     options: dict = field(default_factory=dict)  # backend tuning, e.g. block_q / block_k for "tiled"
     sinks: torch.Tensor | None = None  # [H]: per-head logits in each row's softmax denominator, no value
+    ext: Extent = field(init=False, repr=False, compare=False)  # [B, H, Q, K] from sizes, bound once per problem
 
-    @property
-    def ext(self) -> Extent:
-        s = self.sizes
-        return Extent(s["B"], s["H"], s["Q"], s["K"])
+    def __post_init__(self) -> None:
+        self.ext = extent(self.sizes)
 
     @property
     def needs_grad(self) -> bool:
@@ -43,6 +42,19 @@ class Problem:
     def groups(self) -> int:
         """Query heads per key/value head (1 = plain multi-head, H = multi-query)."""
         return self.sizes["H"] // self.sizes["Hkv"]
+
+
+_EXTENTS: dict[tuple[int, int, int, int], Extent] = {}  # Extent is frozen: one shared per (B, H, Q, K)
+
+
+def extent(sizes: Sizes) -> Extent:
+    """The Extent [B, H, Q, K] of ``sizes`` (shared: building a frozen dataclass costs a microsecond)."""
+    key = (sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
+    if (e := _EXTENTS.get(key)) is None:
+        if len(_EXTENTS) >= 1024:
+            _EXTENTS.clear()
+        e = _EXTENTS[key] = Extent(*key)
+    return e
 
 
 def prepare(
@@ -64,18 +76,21 @@ def prepare(
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, H, d] -> [B, H, N, d] (a view)
     mask = as_mask(mask)
     bias = as_bias(bias)
-    ext = Extent(sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
-    for value in (mask, bias):
-        if value is not None:
-            try:
-                value.check(ext)
-            except MaskError as e:
-                raise MaskError(f"{e}\n{sizes.table()}") from None
+    if mask is not None or bias is not None:
+        ext = extent(sizes)
+        for value in (mask, bias):
+            if value is not None:
+                try:
+                    value.check(ext)
+                except MaskError as e:
+                    raise MaskError(f"{e}\n{sizes.table()}") from None
     scale, softcap = check_scalars(sizes, scale, softcap)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}.")
-    sinks = check_sinks(sizes, sinks, q.device)
-    return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options or {}), sinks)
+    if type(dropout_p) is not float or dropout_p != 0.0:  # the default 0.0 needs no look
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}.")
+    if sinks is not None:
+        sinks = check_sinks(sizes, sinks, q.device)
+    return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options) if options else {}, sinks)
 
 
 def check_sinks(sizes: Sizes, sinks, device: torch.device) -> torch.Tensor | None:
@@ -99,8 +114,9 @@ def check_scalars(sizes: Sizes, scale, softcap) -> tuple[float, float | None]:
     """``scale`` (default 1/√d) must be a finite number, ``softcap`` None or a finite positive number:
     a NaN or infinite one would turn every score into NaN or ±inf."""
     if scale is None:
-        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0
-    scale = _number("scale", scale, "the factor on Q·Kᵀ, default 1/√d")
+        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0  # a finite float: nothing to check
+    else:
+        scale = _number("scale", scale, "the factor on Q·Kᵀ, default 1/√d")
     if softcap is not None:
         softcap = _number("softcap", softcap, "scores become softcap·tanh(S/softcap)")
         if not softcap > 0:

@@ -126,7 +126,9 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         (share, _, be), *others = sorted(claims, key=lambda c: c[:2])
         why = f"{be.name}: PyTorch's fused kernel computes this call exactly, {share:.0%} of the scores"
         why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o in others) + _nots(refused)
-        if key is not None and len(_CLAIMED) < 1024:
+        if key is not None:
+            if len(_CLAIMED) >= _CLAIMED_MAX:  # a long generation makes a new K per step: start afresh, keep caching
+                _CLAIMED.clear()
             _CLAIMED[key] = Choice(be, why, {}, by_auto=True)
         return _handed_off(Choice(be, why, {}, by_auto=True), p)
     grad, found = p.needs_grad, {}
@@ -148,6 +150,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
 
 
 _CLAIMED: dict[tuple, Choice] = {}  # claims by call structure where they read no data (a model's decode steps)
+_CLAIMED_MAX = 1024  # structures kept; cleared when full (each decode step of a generation has its own K)
 
 
 def _structure(p: Problem, need_lse: bool) -> tuple | None:

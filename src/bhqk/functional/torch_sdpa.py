@@ -109,19 +109,28 @@ def hands_off(p: Problem) -> tuple[str, str] | None:
 def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA on a call it computes right (finite inputs: see :func:`hands_off`): out [B, H, Q, dv], no lse."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
-    kw = to_sdpa(None if all_allowed(p) else p.mask, B, H, Q, K, device=p.q.device)
-    attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
-    if is_causal and p.bias is not None and p.mask is not None:
-        attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # SDPA takes no is_causal with a mask
-    if p.bias is not None:
-        bias = _bias(p, p.bias)
-        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+    allowed = all_allowed(p)
+    if p.bias is None and allowed:  # every query sees every key (a decode step): no mask to build
+        attn_mask, is_causal = None, False
+    else:
+        kw = to_sdpa(None if allowed else p.mask, B, H, Q, K, device=p.q.device)
+        attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
+        if is_causal and p.bias is not None and p.mask is not None:
+            attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # SDPA takes no is_causal with a mask
+        if p.bias is not None:
+            bias = _bias(p, p.bias)
+            attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
     k, v = p.k, p.v
-    gqa = k.shape[1] != H
-    if gqa and not HAS_GQA:
+    Hkv = k.shape[1]
+    if Q == 1 and Hkv != H and attn_mask is None and not is_causal:  # one query, nothing masked: the G query heads
+        G = H // Hkv  # of a K/V head become G queries of one call, which reads each K/V head once (not G times)
+        q = p.q.reshape(B, Hkv, G, p.q.shape[-1])  # [B, H, 1, d] -> [B, Hkv, G, d]
+        out = F.scaled_dot_product_attention(q, k, v, None, p.dropout_p, False, scale=p.scale)  # [B, Hkv, G, dv]
+        return out.reshape(B, H, 1, v.shape[-1]), None  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]
+    if Hkv == H:
+        return F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale), None  # [B, H, Q, dv]
+    if not HAS_GQA:
         k, v = per_query_head(k, H), per_query_head(v, H)  # [B, Hkv, K, x] -> [B, H, K, x]
-    extra = {"enable_gqa": True} if gqa and HAS_GQA else {}
-    out = F.scaled_dot_product_attention(
-        p.q, k, v, attn_mask=attn_mask, dropout_p=p.dropout_p, is_causal=is_causal, scale=p.scale, **extra
-    )  # [B, H, Q, dv]
-    return out, None
+        return F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale), None
+    out = F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale, enable_gqa=True)
+    return out, None  # [B, H, Q, dv]

@@ -471,8 +471,8 @@ def attention_forward(
     already projected, any argument set to None) are ignored; any other raises a ``TypeError`` naming
     it. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names it by the
     module's path."""
-    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None)  # None asks for nothing
-    if unknown:
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None) if kwargs.keys() - IGNORED else ()
+    if unknown:  # an argument set to None asks for nothing
         raise TypeError(f"bhqk attention ({type(module).__name__}): keyword argument(s) {', '.join(map(repr, unknown))} "
                         f"not handled; bhqk would compute something else than the model asks for. Handled: dropout, "
                         f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
@@ -490,9 +490,13 @@ def attention_forward(
         bias = extra if bias is None else bias + extra
     sink = _sinks(s_aux, sinks, H)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
-    with observe.scope(module):  # capture and trace name the call by this module's path
+    if observe.quiet():  # nobody to name the module to (the scope would do nothing): no context manager per call
         out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink,
                         dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
+    else:
+        with observe.scope(module):  # capture and trace name the call by this module's path
+            out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink,
+                            dropout_p=dropout_p, backend=backend)  # [B, H, Q, dv]
     weights = None
     if output_attentions:
         weights = attention_weights(query, key, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink)  # [B, H, Q, K]
