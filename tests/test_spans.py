@@ -70,6 +70,26 @@ def test_a_window_is_one_batched_call_and_skips_what_it_cannot_see():
     assert spans.share(p) == pytest.approx((8 * 8 + 7 * 8 * 16) / N**2)
 
 
+@pytest.mark.parametrize("make", [lambda N: masks.sliding_window(191),  # w = 192 (key tiles of 64): 48 -> 32 rows
+                                  lambda N: masks.sliding_window(300) & masks.causal(),  # w = 320: 80 -> 64 rows
+                                  lambda N: masks.dense(masks.sliding_window(191).materialize(1, 1, N, N))],  # as HF passes it
+                         ids=["window", "window&causal", "dense_window"])
+def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width(make):
+    N = 640
+    q, k, v = qkv(1, 2, 1, N, N, 8, requires_grad=True)
+    m = make(N)
+    plan = spans.plan_for(problem(q, k, v, m))
+    band = max(plan.groups, key=lambda g: g.entries)
+    default = spans.plan_for(problem(q, k, v, m, options={"block_q": spans.BLOCK_Q}))  # the band at the default blocks
+    mid = max(default.groups, key=lambda g: g.entries)
+    w = sum(g.L for g in default.groups if g.r0 <= mid.r0 + mid.rows < g.r0 + g.n * g.rows) - mid.rows
+    assert band.kstep == band.rows and band.n > 1, "the band is one batched call"
+    assert band.rows % spans.KERNEL_TILE == 0 and band.rows <= max(spans.KERNEL_TILE, w // 4)
+    assert band.rows < spans.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
+    assert len(plan.groups) <= len(default.groups) + 6  # key tiles divide the block: one chain, not one call per block
+    _compare(q, k, v, m, blocks={})
+
+
 def test_no_mask_and_causal_are_single_kernel_calls(monkeypatch):
     calls = []
     real = spans._FWD

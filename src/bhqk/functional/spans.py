@@ -35,6 +35,7 @@ wants one head size; zero columns change neither the scores nor the output).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,8 +54,10 @@ from .problem import Problem
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-BLOCK_Q = 128  # query rows per block (a window of W keys costs (block_q + W)/W of its entries)
+BLOCK_Q = 128  # query rows per block where the mask is no band (a band's block: see _band_rows)
 BLOCK_K = 64  # key tile of the classification: spans start and end on these edges
+KERNEL_TILE = 32  # the kernel's query tile below 192 query rows (64 below 768, 256 above): a band's block is a multiple
+BAND_OVER = 4  # a band's block of R rows computes (R + w)/w of its entries: R ≤ w/4 keeps that ≤ 1.25
 ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
 SMALL_MASK = 1 << 16  # a causal call with Q·K up to this many entries is one masked call, not two calls merged
@@ -153,9 +156,27 @@ def share(p: Problem) -> float:
 # ---- the plan ---------------------------------------------------------------------------------------
 
 def _blocks(p: Problem) -> tuple[int, int]:
-    bq = int(p.options.get("block_q") or BLOCK_Q)
-    bk = int(p.options.get("block_k") or BLOCK_K)
-    return max(1, bq), max(1, bk)
+    """(block_q, block_k): the caller's, or 0 for "chosen by the plan" (the defaults, and a band's rows)."""
+    return max(0, int(p.options.get("block_q") or 0)), max(0, int(p.options.get("block_k") or 0))
+
+
+def _band_rows(plan: Plan) -> int | None:
+    """Rows per block for a band (a sliding window; the same in a dense mask), from the plan at the
+    default blocks: its largest group of blocks whose keys advance with their rows is the band, and
+    a block in its middle spans w + rows keys (w: the band's width, rounded up to key tiles).
+
+    A block of R rows computes R + w keys per row, so small blocks skip more; but PyTorch's CPU
+    kernel splits a call's queries into tiles of 32 rows below 192 query rows, 64 below 768 and 256
+    above (keys in tiles of 512; aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), and its cost
+    per entry falls as that tile grows. So R is a whole number of 32-row tiles, at most w/4 (≤ 1.25×
+    the band's entries); wide bands reach 64- and 256-row tiles that way. None: no band."""
+    bands = [g for g in plan.groups if g.n > 1 and g.kstep == g.rows < g.L]
+    g = max(bands, key=lambda g: g.entries, default=None)
+    if g is None or 2 * g.entries < plan.computed:  # no band, or not most of the work (a causal diagonal)
+        return None
+    r = g.r0 + g.n // 2 * g.rows  # a block in the band's middle: its spans (a wide band's are several) are the band
+    w = sum(h.L for h in plan.groups if h.r0 <= r < h.r0 + h.n * h.rows) - g.rows
+    return max(KERNEL_TILE, w // BAND_OVER // KERNEL_TILE * KERNEL_TILE)
 
 
 def _positive(p: Problem) -> bool:
@@ -214,6 +235,17 @@ def _plan(p: Problem) -> Plan:
         r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
         return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
     bq, bk = _blocks(p)
+    plan = _grid_plan(p, bq or BLOCK_Q, bk or BLOCK_K)
+    rows = None if bq else _band_rows(plan)
+    if rows is not None and rows != BLOCK_Q:
+        plan = _grid_plan(p, rows, bk or math.gcd(BLOCK_K, rows))  # key tiles that divide the block: one chain
+    return plan
+
+
+def _grid_plan(p: Problem, bq: int, bk: int) -> Plan:
+    """The spans of the mask's tile classification with blocks of ``bq`` queries and ``bk`` keys, grouped."""
+    ext, masked = p.ext, p.bias is not None
+    Q, K = ext.Q, ext.K
     empty, full = p.mask.classify_grid(ext, bq, bk)  # [nq, nk] each
     spans: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}  # (rows, L, masked) -> [(block, k0)]
     per_block = []
