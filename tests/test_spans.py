@@ -231,6 +231,27 @@ def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
     assert_close(got, want, n=g.n)  # sums of up to n terms, in another order
 
 
+def test_plans_are_kept_per_mask_remade_after_an_in_place_write_and_not_kept_for_inference_tensors():
+    q = torch.randn(1, 2, 300, 8)
+    allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
+    first = spans.plan_for(problem(q, q, q, masks.dense(allowed)))
+    assert spans.plan_for(problem(q, q, q, masks.dense(allowed))) is first  # one tensor, wrapped anew at each call
+    window = masks.sliding_window(40)
+    assert spans.plan_for(problem(q, q, q, window)) is spans.plan_for(problem(q, q, q, window))  # one mask object
+    allowed[..., 200:, :] = True  # written in place: the kept plan would skip keys the mask now allows
+    again = spans.plan_for(problem(q, q, q, masks.dense(allowed)))
+    assert again is not first and again.computed > first.computed
+    with torch.inference_mode():
+        frozen = allowed.clone()  # an inference tensor: no version counter to key a kept plan by
+    assert spans.plan_for(problem(q, q, q, masks.dense(frozen))) is not spans.plan_for(problem(q, q, q, masks.dense(frozen)))
+
+
+@pytest.mark.parametrize("Qn, Kn", [(1, 1), (5, 9), (9, 5), (7, 7), (0, 4)])
+def test_top_left_causal_count_is_what_the_mask_allows(Qn, Kn):
+    allowed = masks.causal("top_left").materialize(1, 1, Qn, Kn)  # [1, 1, Q, K]
+    assert masks.top_left_count(Qn, Kn) == int(allowed.sum())
+
+
 def test_refusals_and_hand_offs():
     q, k, v = qkv(1, 2, 1, 6, 6, 8)
     assert "softcap" in bhqk.functional.why_not("spans", q, k, v, softcap=5.0)

@@ -43,12 +43,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..bias import Bias
-from ..bias import Dense as DenseBias
-from ..bias import Sum as BiasSum
-from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow, tensor_versions
+from ..bias import Bias, dense_parts
+from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow, top_left_count
 from ..shapes import all_finite
 from .merge import merge_, with_sinks
+from .plan_cache import PlanCache
 from .problem import Problem
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -85,8 +84,7 @@ class Group(NamedTuple):
     def entries(self) -> int:
         """Score entries computed per (batch, head)."""
         if self.causal:  # row i of the span sees keys 0 … i (all L when i ≥ L)
-            m = min(self.rows, self.L)
-            return self.n * (m * (m + 1) // 2 + (self.rows - m) * self.L)
+            return self.n * top_left_count(self.rows, self.L)
         return self.n * self.rows * self.L
 
 
@@ -108,14 +106,6 @@ class Plan:
 
 # ---- what it can take -------------------------------------------------------------------------------
 
-def _bias_needs_grad(bias: Bias | None) -> bool:
-    if isinstance(bias, DenseBias):
-        return bias.tensor.requires_grad
-    if isinstance(bias, BiasSum):
-        return _bias_needs_grad(bias.a) or _bias_needs_grad(bias.b)
-    return False
-
-
 def why_not(p: Problem, need_lse: bool) -> str | None:
     """None when PyTorch's fused CPU kernel can compute the call, else why not."""
     if p.q.device.type != "cpu":
@@ -126,7 +116,7 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return "the fused CPU kernel has no softcap"
     if p.dropout_p > 0:
         return "the span path has no dropout (the fused kernel would draw a different keep-mask per span)"
-    if _bias_needs_grad(p.bias):
+    if any(b.tensor.requires_grad for b in dense_parts(p.bias)):
         return "the fused kernel's backward gives no gradient for the bias"
     if p.sizes["d"] == 0 and p.sizes["dv"] == 0:
         return "the fused CPU kernel needs a head dimension above 0"
@@ -185,32 +175,19 @@ def _positive(p: Problem) -> bool:
 
 
 _LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {call key: plan}
-_KEPT = 16  # plans kept per mask; more: the oldest half is dropped
+_PLANS: PlanCache[Plan] = PlanCache("span_plans")
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    (the layers of a model share one; a dense mask per tensor) and call key (sizes, blocks, bias
-    or not, and the version of every tensor the mask holds, so an in-place write plans anew)."""
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`)."""
     ref, plan = _LAST
     if ref is not None and ref() is p:
         return plan
-    if p.mask is None:
-        plan = _plan(p)
-    else:
-        e = p.ext
-        key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p), tensor_versions(p.mask))
-        store = p.mask._grids.setdefault("span_plans", {}) if isinstance(p.mask, Dense) else _PLANS.setdefault(p.mask, {})
-        plan = store.get(key) if key[-1] is not None else None
-        if plan is None:
-            plan = _plan(p)
-            if key[-1] is not None:  # None: an inference tensor, no version to key a kept plan by
-                if len(store) >= _KEPT:
-                    for old in list(store)[: _KEPT // 2]:
-                        del store[old]
-                store[key] = plan
+    e = p.ext
+    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p))
+    plan = _PLANS.get(p.mask, key, lambda: _plan(p))
     _LAST[:] = [weakref.ref(p), plan]
     return plan
 
@@ -235,18 +212,18 @@ def _plan(p: Problem) -> Plan:
         r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
         return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
     bq, bk = _blocks(p)
-    plan = _grid_plan(p, bq or BLOCK_Q, bk or BLOCK_K)
+    plan = _grid_plan(p, p.mask, bq or BLOCK_Q, bk or BLOCK_K)
     rows = None if bq else _band_rows(plan)
     if rows is not None and rows != BLOCK_Q:
-        plan = _grid_plan(p, rows, bk or math.gcd(BLOCK_K, rows))  # key tiles that divide the block: one chain
+        plan = _grid_plan(p, p.mask, rows, bk or math.gcd(BLOCK_K, rows))  # key tiles that divide the block: one chain
     return plan
 
 
-def _grid_plan(p: Problem, bq: int, bk: int) -> Plan:
-    """The spans of the mask's tile classification with blocks of ``bq`` queries and ``bk`` keys, grouped."""
+def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
+    """The spans of ``mask``'s tile classification with blocks of ``bq`` queries and ``bk`` keys, grouped."""
     ext, masked = p.ext, p.bias is not None
     Q, K = ext.Q, ext.K
-    empty, full = p.mask.classify_grid(ext, bq, bk)  # [nq, nk] each
+    empty, full = mask.classify_grid(ext, bq, bk)  # [nq, nk] each
     spans: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}  # (rows, L, masked) -> [(block, k0)]
     per_block = []
     for i in range(empty.shape[0]):
