@@ -246,6 +246,22 @@ def test_plans_are_kept_per_mask_remade_after_an_in_place_write_and_not_kept_for
     assert spans.plan_for(problem(q, q, q, masks.dense(frozen))) is not spans.plan_for(problem(q, q, q, masks.dense(frozen)))
 
 
+def test_a_dense_masks_call_masks_are_built_once_and_follow_in_place_writes(monkeypatch):
+    q, k, v = qkv(1, 2, 1, 300, 300, 8)
+    allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
+    built = []
+    real = spans._mask
+    monkeypatch.setattr(spans, "_mask", lambda *a: built.append(1) or real(*a))
+    first = bhqk.attention(q, k, v, allowed, backend="spans")
+    n = len(built)
+    assert n > 0 and torch.equal(bhqk.attention(q, k, v, allowed, backend="spans"), first)
+    assert len(built) == n, "the second call gathered its masks from the dense tensor again"
+    allowed[..., 100:, :60] = False  # written in place: a new plan, new masks
+    out = bhqk.attention(q, k, v, allowed, backend="spans")
+    assert len(built) > n
+    assert_close(out, bhqk.attention(q, k, v, allowed, backend="reference"), n=300)
+
+
 @pytest.mark.parametrize("Qn, Kn", [(1, 1), (5, 9), (9, 5), (7, 7), (0, 4)])
 def test_top_left_causal_count_is_what_the_mask_allows(Qn, Kn):
     allowed = masks.causal("top_left").materialize(1, 1, Qn, Kn)  # [1, 1, Q, K]

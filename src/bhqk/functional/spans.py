@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -95,6 +95,7 @@ class Plan:
 
     groups: list[Group]
     single: bool
+    masks: dict = field(default_factory=dict, repr=False, compare=False)  # kept call masks: see _kept_mask
 
     @property
     def computed(self) -> int:
@@ -408,14 +409,29 @@ Call = tuple[Group, "torch.Tensor | None", "torch.Tensor | None"]
 
 def _calls(p: Problem, plan: Plan):
     """Every kernel call: (group, attn_mask or None, rows that see a key or None)."""
-    for g in plan.groups:
+    for i, g in enumerate(plan.groups):
         for j0, j1 in _chunks(p, g):
             s = _sub(g, j0, j1)
             if s.masked:
-                add, seen = _mask(p, g, j0, j1)
+                add, seen = _kept_mask(p, plan, i, j0, j1)
                 yield s, add, seen
             else:
                 yield s, None, None
+
+
+def _kept_mask(p: Problem, plan: Plan, i: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_mask` of blocks j0:j1 of group i, kept in the plan while the plan's masks stay under
+    ``KEEP_ELEMS`` entries: without a bias it depends only on the mask and the sizes, which key the
+    plan (a dense mask's band, gathered from its tensor, collapses to one block's mask)."""
+    if p.bias is not None:
+        return _mask(p, plan.groups[i], j0, j1)
+    key = (p.q.dtype, p.q.device, i, j0, j1)
+    got = plan.masks.get(key)
+    if got is None:
+        got = _mask(p, plan.groups[i], j0, j1)
+        if got[0].numel() + sum(a.numel() for a, _ in plan.masks.values()) <= KEEP_ELEMS:
+            plan.masks[key] = got
+    return got
 
 
 def _kept(calls: list[Call]) -> list[Call] | None:
