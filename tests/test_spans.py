@@ -79,14 +79,18 @@ def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width
     q, k, v = qkv(1, 2, 1, N, N, 8, requires_grad=True)
     m = make(N)
     plan = spans.plan_for(problem(q, k, v, m))
-    band = max(plan.groups, key=lambda g: g.entries)
+    band = max((g for g in plan.groups if g.n > 1), key=lambda g: g.entries)  # (the ramp before it is one call)
     default = spans.plan_for(problem(q, k, v, m, options={"block_q": spans.BLOCK_Q}))  # the band at the default blocks
-    mid = max(default.groups, key=lambda g: g.entries)
+    mid = max((g for g in default.groups if g.n > 1), key=lambda g: g.entries)
     w = sum(g.L for g in default.groups if g.r0 <= mid.r0 + mid.rows < g.r0 + g.n * g.rows) - mid.rows
     assert band.kstep == band.rows and band.n > 1, "the band is one batched call"
     assert band.rows % spans.KERNEL_TILE == 0 and band.rows <= max(spans.KERNEL_TILE, w // 4)
     assert band.rows < spans.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
     assert len(plan.groups) <= len(default.groups) + 6  # key tiles divide the block: one chain, not one call per block
+    assert plan.groups[0].r0 == 0 and plan.groups[0].rows == band.r0  # the ramp before the band: one call
+    c = coverage(problem(q, k, v, m), plan)
+    allowed = m.materialize(1, 1, N, N)[0, 0]  # [Q, K]
+    assert (c[allowed] == 1).all() and (c <= 1).all(), "an allowed entry in no span, or an entry in two"
     _compare(q, k, v, m, blocks={})
 
 

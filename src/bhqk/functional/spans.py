@@ -217,7 +217,7 @@ def _plan(p: Problem) -> Plan:
     rows = None if bq else _band_rows(plan)
     if rows is not None and rows != BLOCK_Q:
         plan = _grid_plan(p, p.mask, rows, bk or math.gcd(BLOCK_K, rows))  # key tiles that divide the block: one chain
-    return plan
+    return Plan(_ramp(plan.groups, ext.B * (ext.H if masked else 1)), plan.single)
 
 
 def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
@@ -237,6 +237,21 @@ def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
               for i0, n, k0, step in _chains(items)]
     groups.sort(key=lambda g: (g.r0, g.k0))
     return Plan(groups, all(c <= 1 for c in per_block))
+
+
+def _ramp(groups: list[Group], per: int) -> list[Group]:
+    """The first blocks before a band, each one span from key 0 of its own length (a causal
+    window's ramp: keys 0 … 64, 0 … 128, …), as ONE masked call over the longest: at most twice
+    their entries, which are few beside the band's, for one call in place of one per block (while
+    its mask stays small)."""
+    n, rows, L = 0, 0, 0
+    while (n < len(groups) and groups[n].n == 1 and groups[n].k0 == 0 and groups[n].r0 == rows
+           and not any(h.r0 < rows + groups[n].rows and h.r0 + h.n * h.rows > rows for h in groups[n + 1:])):
+        rows, L, n = rows + groups[n].rows, max(L, groups[n].L), n + 1
+    band = n < len(groups) and groups[n].n > 1 and groups[n].kstep == groups[n].rows  # the ramp leads into a band
+    if n < 2 or not band or rows * L * per > MASK_ELEMS:
+        return groups
+    return [Group(0, rows, 1, 0, 0, L, True)] + groups[n:]
 
 
 def _tall(g: Group) -> Group:
