@@ -13,7 +13,8 @@ benchmarks/results/ (--quick: to the untracked benchmarks/results/local/; --out 
     python benchmarks/attention.py --quick         # a smoke run: under a minute on 2 quiet cores
     python benchmarks/attention.py --n 4096 --masks none causal --dtypes fp32 --modes fwd fwdbwd
     python benchmarks/attention.py --impls spans block_loop tiled sdpa_flash --masks none causal window256 document \
-        hf_window256                                 # the span path (issue #19) against its baselines
+        hf_window256 --dtypes fp32 --repeat 5 --repeat-at 8192=2 16384=2 --max-n none=8192 causal=8192 \
+        --mem-limit-gib 1 --max-seconds 10 --no-memory   # the span path's grid (docs/benchmarks.md): ~10 min on 2 cores
 
 SDPA gets masks other than causal as the equivalent dense bool mask (built outside the timed call;
 its memory counts, since a caller must hold it). Implementations whose estimated memory exceeds

@@ -235,6 +235,16 @@ def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
     assert_close(got, want, n=g.n)  # sums of up to n terms, in another order
 
 
+def test_a_band_with_a_bias_batch_and_gqa_equals_the_reference():
+    N = 512
+    q, k, v = qkv(2, 2, 1, N, N, 8, requires_grad=True)
+    bias = torch.randn(2, 1, N, N, dtype=torch.float64)  # every span masked, the ramp's mask per batch entry
+    m = masks.sliding_window(150)
+    plan = spans.plan_for(problem(q, k, v, m, bias=bias))
+    assert any(g.n > 1 and g.kstep == g.rows < spans.BLOCK_Q for g in plan.groups)  # the band's small blocks
+    _compare(q, k, v, m, blocks={}, bias=bias)
+
+
 def test_plans_are_kept_per_mask_remade_after_an_in_place_write_and_not_kept_for_inference_tensors():
     q = torch.randn(1, 2, 300, 8)
     allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
