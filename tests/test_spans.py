@@ -88,9 +88,11 @@ def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width
     assert band.rows < spans.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
     assert len(plan.groups) <= len(default.groups) + 6  # key tiles divide the block: one chain, not one call per block
     assert plan.groups[0].r0 == 0 and plan.groups[0].rows == band.r0  # the ramp before the band: one call
-    c = coverage(problem(q, k, v, m), plan)
     allowed = m.materialize(1, 1, N, N)[0, 0]  # [Q, K]
-    assert (c[allowed] == 1).all() and (c <= 1).all(), "an allowed entry in no span, or an entry in two"
+    assert plan.backward is not None and spans.TILE_64_ROWS in {g.rows for g in plan.backward.groups}
+    for part in (plan, plan.backward):  # the backward's own blocks: the kernel's 64-row tiles
+        c = coverage(problem(q, k, v, m), part)
+        assert (c[allowed] == 1).all() and (c <= 1).all(), "an allowed entry in no span, or an entry in two"
     _compare(q, k, v, m, blocks={})
 
 

@@ -35,6 +35,7 @@ wants one head size; zero columns change neither the scores nor the output).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 BLOCK_Q = 128  # query rows per block where the mask is no band (a band's block: see _band_rows)
 BLOCK_K = 64  # key tile of the classification: spans start and end on these edges
 KERNEL_TILE = 32  # the kernel's query tile below 192 query rows (64 below 768, 256 above): a band's block is a multiple
+TILE_64_ROWS = 192  # the fewest query rows the kernel runs with 64-row tiles: a band's backward blocks (see _band_width)
 BAND_OVER = 4  # a band's block of R rows computes (R + w)/w of its entries: R ≤ w/4 keeps that ≤ 1.25
 ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
@@ -96,6 +98,7 @@ class Plan:
     groups: list[Group]
     single: bool
     masks: dict = field(default_factory=dict, repr=False, compare=False)  # kept call masks: see _kept_mask
+    backward: Plan | None = field(default=None, repr=False, compare=False)  # the backward's own plan (a band's)
 
     @property
     def computed(self) -> int:
@@ -151,23 +154,26 @@ def _blocks(p: Problem) -> tuple[int, int]:
     return max(0, int(p.options.get("block_q") or 0)), max(0, int(p.options.get("block_k") or 0))
 
 
-def _band_rows(plan: Plan) -> int | None:
-    """Rows per block for a band (a sliding window; the same in a dense mask), from the plan at the
+def _band_width(plan: Plan) -> int | None:
+    """The width w of a band (a sliding window; the same in a dense mask), from the plan at the
     default blocks: its largest group of blocks whose keys advance with their rows is the band, and
     a block in its middle spans w + rows keys (w: the band's width, rounded up to key tiles).
 
     A block of R rows computes R + w keys per row, so small blocks skip more; but PyTorch's CPU
     kernel splits a call's queries into tiles of 32 rows below 192 query rows, 64 below 768 and 256
     above (keys in tiles of 512; aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), and its cost
-    per entry falls as that tile grows. So R is a whole number of 32-row tiles, at most w/4 (≤ 1.25×
-    the band's entries); wide bands reach 64- and 256-row tiles that way. None: no band."""
+    per entry falls as that tile grows. So the forward's R is a whole number of 32-row tiles, at most
+    w/4 (≤ 1.25× the band's entries); wide bands reach 64- and 256-row tiles that way. The backward's
+    cost per entry falls much more from 32- to 64-row tiles (benchmarks/kernel_tiles.py), so where
+    the forward's blocks run 32-row tiles its own are the smallest with 64-row tiles (192 rows) if
+    that is at most w (≤ 1.75× the band's entries). None: no band."""
     bands = [g for g in plan.groups if g.n > 1 and g.kstep == g.rows < g.L]
     g = max(bands, key=lambda g: g.entries, default=None)
     if g is None or 2 * g.entries < plan.computed:  # no band, or not most of the work (a causal diagonal)
         return None
     r = g.r0 + g.n // 2 * g.rows  # a block in the band's middle: its spans (a wide band's are several) are the band
     w = sum(h.L for h in plan.groups if h.r0 <= r < h.r0 + h.n * h.rows) - g.rows
-    return max(KERNEL_TILE, w // BAND_OVER // KERNEL_TILE * KERNEL_TILE)
+    return w
 
 
 def _positive(p: Problem) -> bool:
@@ -213,11 +219,19 @@ def _plan(p: Problem) -> Plan:
         r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
         return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
     bq, bk = _blocks(p)
-    plan = _grid_plan(p, p.mask, bq or BLOCK_Q, bk or BLOCK_K)
-    rows = None if bq else _band_rows(plan)
-    if rows is not None and rows != BLOCK_Q:
-        plan = _grid_plan(p, p.mask, rows, bk or math.gcd(BLOCK_K, rows))  # key tiles that divide the block: one chain
-    return Plan(_ramp(plan.groups, ext.B * (ext.H if masked else 1)), plan.single)
+    per, mask = ext.B * (ext.H if masked else 1), p.mask
+    plan = _grid_plan(p, mask, bq or BLOCK_Q, bk or BLOCK_K)
+    w = None if bq else _band_width(plan)
+    if w is None:
+        return Plan(_ramp(plan.groups, per), plan.single)
+    rows = max(KERNEL_TILE, w // BAND_OVER // KERNEL_TILE * KERNEL_TILE)  # see _band_width
+
+    def band(rows: int) -> Plan:  # key tiles that divide the block: one chain
+        plan = _grid_plan(p, mask, rows, bk or math.gcd(BLOCK_K, rows))
+        return Plan(_ramp(plan.groups, per), plan.single)
+
+    back = band(TILE_64_ROWS) if rows < TILE_64_ROWS <= w else None
+    return dataclasses.replace(band(rows), backward=back)
 
 
 def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
@@ -567,7 +581,7 @@ class _SpanAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)  # sinks join once, after every span is merged
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.p, ctx.plan, ctx.calls = p, plan, _kept(calls)
+        ctx.p, ctx.plan, ctx.calls = p, plan, (_kept(calls) if plan.backward is None else None)
         return out, lse
 
     @staticmethod
@@ -575,7 +589,7 @@ class _SpanAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(ctx.p, ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
+        dq, dk, dv = _backward(ctx.p, ctx.plan.backward or ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[5]:  # -Σ_rows P_sink·(D - g), D = rowsum(dO·O)
             dt = lse.dtype
