@@ -17,7 +17,9 @@ Spans of equal length and kind in consecutive query blocks whose keys advance by
 the query blocks are folded into the batch axis (a view of q when B = 1) and the key spans are a
 strided view of k and v (``unfold``). Blocks over the same keys (a document, a prefix) become one
 tall block. A band's mask (causal and window masks depend on k − q only) is built for one block and
-broadcast. Plans are kept per mask object, like the tiled backend's.
+broadcast. A band's blocks are sized from the kernel's query tiles and the band's width, with a
+backward plan of its own (``_band_width``); the ramp of blocks before it is one call. Plans (and,
+without a bias, their call masks) are kept per mask object, like the tiled backend's.
 
 Each span gives (out, lse) over its keys; the spans of a row are merged by their log-sum-exp
 (``merge.merge_``, the ring-attention merge), and sinks join once at the end (as ``merge.with_sinks``
