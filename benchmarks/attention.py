@@ -13,7 +13,8 @@ benchmarks/results/ (--quick: to the untracked benchmarks/results/local/; --out 
     python benchmarks/attention.py --quick         # a smoke run: under a minute on 2 quiet cores
     python benchmarks/attention.py --n 4096 --masks none causal --dtypes fp32 --modes fwd fwdbwd
     python benchmarks/attention.py --impls spans block_loop tiled sdpa_flash --masks none causal window256 document \
-        hf_window256                                 # the span path (issue #19) against its baselines
+        hf_window256 --dtypes fp32 --repeat 5 --repeat-at 8192=2 16384=2 --max-n none=8192 causal=8192 \
+        --mem-limit-gib 1 --max-seconds 10 --no-memory   # the span path's grid (docs/benchmarks.md): ~10 min on 2 cores
 
 SDPA gets masks other than causal as the equivalent dense bool mask (built outside the timed call;
 its memory counts, since a caller must hold it). Implementations whose estimated memory exceeds
@@ -292,16 +293,18 @@ def tables(records: list[dict], impls: list[str]) -> str:
     by = {}
     for r in records:
         by.setdefault((r["mask"], r["N"], r["dtype"], r["mode"]), {})[r["impl"]] = r
-    head = "| mask | N | dtype | mode | " + " | ".join(impls) + " | tiled/flash | auto/best |"
+    head = "| mask | N | dtype | mode | " + " | ".join(impls) + " | tiled/flash | auto/best | spans/best other |"
     lines = ["Time per call, ms (median ± half the min–max spread):", "", head,
-             "|" + "---|" * (len(impls) + 6)]
+             "|" + "---|" * (len(impls) + 7)]
     for key in sorted(by, key=lambda k: (MASKS.index(k[0]) if k[0] in MASKS else 99, k[2], k[3], k[1])):
         row = by[key]
         tf = ratio(row.get("tiled"), row.get("sdpa_flash"))
         best = [row[i]["median_ms"] for i in ("tiled", "sdpa_flash", "torch") if i in row and "median_ms" in row[i]]
         ab = row["auto"]["median_ms"] / min(best) if best and "auto" in row and "median_ms" in row["auto"] else None
         cells = [fmt_time(row.get(i)) if not (row.get(i) or {}).get("skipped") else "skip" for i in impls]
-        cells += [f"{tf:.2f}×" if tf else "—", f"{ab:.2f}×" if ab else "—"]
+        others = [r["median_ms"] for i, r in row.items() if i not in ("spans", "auto") and "median_ms" in r]
+        sb = row["spans"]["median_ms"] / min(others) if others and "median_ms" in row.get("spans", {}) else None
+        cells += [f"{tf:.2f}×" if tf else "—", f"{ab:.2f}×" if ab else "—", f"{sb:.2f}×" if sb else "—"]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
     lines += ["", "Peak extra resident memory per call, MiB (fresh subprocess; inputs excluded, SDPA's dense mask included):", "",
               "| mask | N | dtype | mode | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 4)]
@@ -464,6 +467,10 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=MODES, help="fwd and/or fwdbwd (default: both)")
     ap.add_argument("--impls", nargs="+", choices=IMPLS, help="implementations (default: all)")
     ap.add_argument("--repeat", type=int, help="timed runs per implementation (default 5; --quick 3)")
+    ap.add_argument("--repeat-at", nargs="+", default=[], metavar="N=R",
+                    help="fewer (or more) timed runs from sequence length N on, e.g. 8192=2")
+    ap.add_argument("--max-n", nargs="+", default=[], metavar="MASK=N",
+                    help="largest sequence length to run a mask at, e.g. none=8192 (the rest are left out and listed)")
     ap.add_argument("--max-seconds", type=float, default=30.0, help="stop repeating an implementation after a run this long")
     ap.add_argument("--mem-limit-gib", type=float, default=8.0, help="skip implementations estimated to need more")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurements")
@@ -500,14 +507,21 @@ def main() -> None:
     records = []
     bar = tqdm(total=len(dts) * len(modes) * len(mks) * len(ns) * len(impls), unit=" result", leave=False,
                disable=not (sys.stderr.isatty() and sys.stdout.isatty()))  # a terminal only; quiet when piped
+    repeat_at = sorted((int(n), int(r)) for n, r in (x.split("=") for x in a.repeat_at))  # [(N, repeats)]
+    max_n = {m: int(n) for m, n in (x.split("=") for x in a.max_n)}
+    left_out = sorted({f"{mask} at N={N}" for mask in mks for N in ns if N > max_n.get(mask, N)})
+    meta["left_out"] = left_out
     for dtype in dts:
         for mode in modes:
             for mask in mks:
                 for N in ns:
+                    if N > max_n.get(mask, N):
+                        continue
+                    reps = ([r for n, r in repeat_at if N >= n] or [repeat])[-1]
                     run = [i for i in impls if estimate_gib(i, mask, N, mode) <= a.mem_limit_gib
                            and not (i in ("flex", "bhqk_flex") and mode == "fwdbwd")]
                     case = Case(mask, N, dtype, mode)
-                    res = time_case(case, run, repeat, a.max_seconds)
+                    res = time_case(case, run, reps, a.max_seconds)
                     del case
                     for impl in impls:
                         r = {"impl": impl, "mask": mask, "N": N, "dtype": dtype, "mode": mode}
@@ -539,6 +553,8 @@ def main() -> None:
         print()
         print(tg)
     print()
+    if left_out:
+        print(f"Left out (--max-n): {', '.join(left_out)}")
     print(f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']} (2 cores; > 2 means other work ran)")
     print(f"wrote {out}" + "".join(f", {p}" for p in pngs))
 

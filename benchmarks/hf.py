@@ -5,7 +5,9 @@
 2. A Llama-shaped dense-causal model, the same.
 3. The Mistral-shaped window layer of issue #19 (``--parts layer``: one layer, MLP 1024, N=4096,
    forward+backward): ``"bhqk:spans"`` (the span path) against ``"sdpa"`` and ``free`` (an attention
-   function that returns q and costs nothing: the floor no attention backend can beat).
+   function that returns q and costs nothing, with k and v kept in the graph by a zero term so that
+   their projections' backward runs: the floor no attention backend can beat; ``free_q``, q alone,
+   skips that backward too).
 4. Capture of one head of one layer (``bhqk.capture(model=..., layers=[...], heads=[5])``) at
    N=16384 against a plain forward, and against ``eager`` with ``output_attentions``.
 5. ``generate()`` (``--parts generate``): a Llama-shaped model (12 layers, D=768, H=12, Hkv=4, MLP
@@ -42,7 +44,7 @@ import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 import peak_memory  # benchmarks/peak_memory.py: resident-set peaks, measured in a fresh process
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("bhqk", "sdpa", "eager", "bhqk_spans", "free")  # bhqk_spans: "bhqk:spans"; free: attention that returns q
+IMPLS = ("bhqk", "sdpa", "eager", "bhqk_spans", "free", "free_q")  # bhqk_spans: "bhqk:spans"; free(_q): see register_free
 LAYER = {"layers": 1, "intermediate": 1024}  # the layer part's model: one Mistral-shaped layer, MLP 1024
 
 FULL = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 4096, "layers": 2,
@@ -62,7 +64,7 @@ def build(kind: str, impl: str, c: dict, layers: int | None = None):
     from bhqk.integrations.transformers import register
 
     register()
-    impl = {"bhqk_spans": register_spans(), "free": register_free()}.get(impl, impl)
+    impl = {"bhqk_spans": register_spans(), "free": register_free(), "free_q": register_free(False)}.get(impl, impl)
     torch.manual_seed(0)
     width = c.get("layer_intermediate", c["intermediate"]) if kind == "layer" else c["intermediate"]
     common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=width,
@@ -88,15 +90,20 @@ def register_spans() -> str:
     return "bhqk:spans"
 
 
-def register_free() -> str:
-    """``"free"``: attention that costs nothing (returns q as the output; no mask is built), the floor."""
+def register_free(keys: bool = True) -> str:
+    """``"free"``: attention that costs nothing (returns q as the output; no mask is built), the floor.
+    Its output also depends on k and v through a zero term, so their projections' backward runs as
+    with any attention; ``"free_q"`` (``keys=False``) returns q alone, whose backward skips k_proj's
+    and v_proj's (2·2·N·D·Hkv·d FLOPs: about 1 s of the Mistral-shaped layer on a 2-core EPYC)."""
     from transformers import AttentionInterface
 
     def free_attention(module, query, key, value, attention_mask, **kwargs):
-        return query.transpose(1, 2), None  # [B, H, N, d] -> [B, N, H, d]
+        out = query.transpose(1, 2)  # [B, H, N, d] -> [B, N, H, d]
+        return (out + 0 * (key.sum() + value.sum()) if keys else out), None
 
-    AttentionInterface.register("free", free_attention)
-    return "free"
+    name = "free" if keys else "free_q"
+    AttentionInterface.register(name, free_attention)
+    return name
 
 
 def inputs(c: dict, N: int) -> torch.Tensor:
@@ -390,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
                     choices=["window", "dense", "capture", "layer", "generate"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--impls", nargs="+", choices=list(IMPLS),
-                    help="default: bhqk, sdpa, eager; the layer part: bhqk_spans, sdpa, free; generate: sdpa, bhqk, eager")
+                    help="default: bhqk, sdpa, eager; the layer part: bhqk_spans, sdpa, free, free_q;"
+                         " generate: sdpa, bhqk, eager")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip eager above this estimated peak")
     ap.add_argument("--memory", choices=["on", "off"], help="fresh-process memory runs (default: on; off with --quick)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per memory run")
@@ -418,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_model("dense", c, impls, a.modes, a.mem_limit_gib, mem, a.timeout)
     if "layer" in a.parts:
         lc = {**c, "layers": a.layers or LAYER["layers"], "layer_intermediate": a.intermediate or LAYER["intermediate"]}
-        rows += bench_model("layer", lc, a.impls or ["bhqk_spans", "sdpa", "free"], a.modes, a.mem_limit_gib, mem, a.timeout)
+        layer_impls = a.impls or ["bhqk_spans", "sdpa", "free", "free_q"]
+        rows += bench_model("layer", lc, layer_impls, a.modes, a.mem_limit_gib, mem, a.timeout)
     if "capture" in a.parts:
         rows += bench_capture(c, a.mem_limit_gib, mem, a.timeout)
     gen_rows: list[dict] = []

@@ -70,6 +70,32 @@ def test_a_window_is_one_batched_call_and_skips_what_it_cannot_see():
     assert spans.share(p) == pytest.approx((8 * 8 + 7 * 8 * 16) / N**2)
 
 
+@pytest.mark.parametrize("make", [lambda N: masks.sliding_window(191),  # w = 192 (key tiles of 64): 48 -> 32 rows
+                                  lambda N: masks.sliding_window(300) & masks.causal(),  # w = 320: 80 -> 64 rows
+                                  lambda N: masks.dense(masks.sliding_window(191).materialize(1, 1, N, N))],  # as HF passes it
+                         ids=["window", "window&causal", "dense_window"])
+def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width(make):
+    N = 640
+    q, k, v = qkv(1, 2, 1, N, N, 8, requires_grad=True)
+    m = make(N)
+    plan = spans.plan_for(problem(q, k, v, m))
+    band = max((g for g in plan.groups if g.n > 1), key=lambda g: g.entries)  # (the ramp before it is one call)
+    default = spans.plan_for(problem(q, k, v, m, options={"block_q": spans.BLOCK_Q}))  # the band at the default blocks
+    mid = max((g for g in default.groups if g.n > 1), key=lambda g: g.entries)
+    w = sum(g.L for g in default.groups if g.r0 <= mid.r0 + mid.rows < g.r0 + g.n * g.rows) - mid.rows
+    assert band.kstep == band.rows and band.n > 1, "the band is one batched call"
+    assert band.rows % spans.KERNEL_TILE == 0 and band.rows <= max(spans.KERNEL_TILE, w // 4)
+    assert band.rows < spans.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
+    assert len(plan.groups) <= len(default.groups) + 6  # key tiles divide the block: one chain, not one call per block
+    assert plan.groups[0].r0 == 0 and plan.groups[0].rows == band.r0  # the ramp before the band: one call
+    allowed = m.materialize(1, 1, N, N)[0, 0]  # [Q, K]
+    assert plan.backward is not None and spans.TILE_64_ROWS in {g.rows for g in plan.backward.groups}
+    for part in (plan, plan.backward):  # the backward's own blocks: the kernel's 64-row tiles
+        c = coverage(problem(q, k, v, m), part)
+        assert (c[allowed] == 1).all() and (c <= 1).all(), "an allowed entry in no span, or an entry in two"
+    _compare(q, k, v, m, blocks={})
+
+
 def test_no_mask_and_causal_are_single_kernel_calls(monkeypatch):
     calls = []
     real = spans._FWD
@@ -209,6 +235,53 @@ def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
         for j in range(g.n):
             want[b, :, g.k0 + j * kstep:g.k0 + j * kstep + L] += part[b * g.n + j]
     assert_close(got, want, n=g.n)  # sums of up to n terms, in another order
+
+
+def test_a_band_with_a_bias_batch_and_gqa_equals_the_reference():
+    N = 512
+    q, k, v = qkv(2, 2, 1, N, N, 8, requires_grad=True)
+    bias = torch.randn(2, 1, N, N, dtype=torch.float64)  # every span masked, the ramp's mask per batch entry
+    m = masks.sliding_window(150)
+    plan = spans.plan_for(problem(q, k, v, m, bias=bias))
+    assert any(g.n > 1 and g.kstep == g.rows < spans.BLOCK_Q for g in plan.groups)  # the band's small blocks
+    _compare(q, k, v, m, blocks={}, bias=bias)
+
+
+def test_plans_are_kept_per_mask_remade_after_an_in_place_write_and_not_kept_for_inference_tensors():
+    q = torch.randn(1, 2, 300, 8)
+    allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
+    first = spans.plan_for(problem(q, q, q, masks.dense(allowed)))
+    assert spans.plan_for(problem(q, q, q, masks.dense(allowed))) is first  # one tensor, wrapped anew at each call
+    window = masks.sliding_window(40)
+    assert spans.plan_for(problem(q, q, q, window)) is spans.plan_for(problem(q, q, q, window))  # one mask object
+    allowed[..., 200:, :] = True  # written in place: the kept plan would skip keys the mask now allows
+    again = spans.plan_for(problem(q, q, q, masks.dense(allowed)))
+    assert again is not first and again.computed > first.computed
+    with torch.inference_mode():
+        frozen = allowed.clone()  # an inference tensor: no version counter to key a kept plan by
+    assert spans.plan_for(problem(q, q, q, masks.dense(frozen))) is not spans.plan_for(problem(q, q, q, masks.dense(frozen)))
+
+
+def test_a_dense_masks_call_masks_are_built_once_and_follow_in_place_writes(monkeypatch):
+    q, k, v = qkv(1, 2, 1, 300, 300, 8)
+    allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
+    built = []
+    real = spans._mask
+    monkeypatch.setattr(spans, "_mask", lambda *a: built.append(1) or real(*a))
+    first = bhqk.attention(q, k, v, allowed, backend="spans")
+    n = len(built)
+    assert n > 0 and torch.equal(bhqk.attention(q, k, v, allowed, backend="spans"), first)
+    assert len(built) == n, "the second call gathered its masks from the dense tensor again"
+    allowed[..., 100:, :60] = False  # written in place: a new plan, new masks
+    out = bhqk.attention(q, k, v, allowed, backend="spans")
+    assert len(built) > n
+    assert_close(out, bhqk.attention(q, k, v, allowed, backend="reference"), n=300)
+
+
+@pytest.mark.parametrize("Qn, Kn", [(1, 1), (5, 9), (9, 5), (7, 7), (0, 4)])
+def test_top_left_causal_count_is_what_the_mask_allows(Qn, Kn):
+    allowed = masks.causal("top_left").materialize(1, 1, Qn, Kn)  # [1, 1, Q, K]
+    assert masks.top_left_count(Qn, Kn) == int(allowed.sum())
 
 
 def test_refusals_and_hand_offs():

@@ -146,6 +146,15 @@ def dense(tensor: torch.Tensor) -> Dense:
     return Dense(tensor)
 
 
+def dense_parts(bias: Bias | None) -> list[Dense]:
+    """The tensor-backed parts of a bias (itself, or the terms of a sum): those that can need a gradient."""
+    if isinstance(bias, Dense):
+        return [bias]
+    if isinstance(bias, Sum):
+        return dense_parts(bias.a) + dense_parts(bias.b)
+    return []
+
+
 def from_torch_mha(attn_mask: torch.Tensor, *, num_heads: int) -> Dense:
     """A float ``nn.MultiheadAttention`` attn_mask ([Q, K] or [B·H, Q, K]) as an additive bias
     (a bool attn_mask is a mask: ``bhqk.masks.from_torch_mha``)."""

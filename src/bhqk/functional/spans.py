@@ -17,7 +17,9 @@ Spans of equal length and kind in consecutive query blocks whose keys advance by
 the query blocks are folded into the batch axis (a view of q when B = 1) and the key spans are a
 strided view of k and v (``unfold``). Blocks over the same keys (a document, a prefix) become one
 tall block. A band's mask (causal and window masks depend on k − q only) is built for one block and
-broadcast. Plans are kept per mask object, like the tiled backend's.
+broadcast. A band's blocks are sized from the kernel's query tiles and the band's width, with a
+backward plan of its own (``_band_width``); the ramp of blocks before it is one call. Plans (and,
+without a bias, their call masks) are kept per mask object, like the tiled backend's.
 
 Each span gives (out, lse) over its keys; the spans of a row are merged by their log-sum-exp
 (``merge.merge_``, the ring-attention merge), and sinks join once at the end (as ``merge.with_sinks``
@@ -35,26 +37,30 @@ wants one head size; zero columns change neither the scores nor the output).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..bias import Bias
-from ..bias import Dense as DenseBias
-from ..bias import Sum as BiasSum
-from ..masks import And, Causal, Dense, Extent, Mask, Not, Or, SlidingWindow, tensor_versions
+from ..bias import Bias, dense_parts
+from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow, top_left_count
 from ..shapes import all_finite
 from .merge import merge_, with_sinks
+from .plan_cache import PlanCache
 from .problem import Problem
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-BLOCK_Q = 128  # query rows per block (a window of W keys costs (block_q + W)/W of its entries)
+BLOCK_Q = 128  # query rows per block where the mask is no band (a band's block: see _band_rows)
 BLOCK_K = 64  # key tile of the classification: spans start and end on these edges
+KERNEL_TILE = 32  # the kernel's query tile below 192 query rows (64 below 768, 256 above): a band's block is a multiple
+TILE_64_ROWS = 192  # the fewest query rows the kernel runs with 64-row tiles: a band's backward blocks (see _band_width)
+BAND_OVER = 4  # a band's block of R rows computes (R + w)/w of its entries: R ≤ w/4 keeps that ≤ 1.25
 ONE_SPAN = 1024  # a run of allowed key tiles up to this long with a partial tile in it is one masked span
 MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (calls are split)
 SMALL_MASK = 1 << 16  # a causal call with Q·K up to this many entries is one masked call, not two calls merged
@@ -82,8 +88,7 @@ class Group(NamedTuple):
     def entries(self) -> int:
         """Score entries computed per (batch, head)."""
         if self.causal:  # row i of the span sees keys 0 … i (all L when i ≥ L)
-            m = min(self.rows, self.L)
-            return self.n * (m * (m + 1) // 2 + (self.rows - m) * self.L)
+            return self.n * top_left_count(self.rows, self.L)
         return self.n * self.rows * self.L
 
 
@@ -94,6 +99,8 @@ class Plan:
 
     groups: list[Group]
     single: bool
+    masks: dict = field(default_factory=dict, repr=False, compare=False)  # kept call masks: see _kept_mask
+    backward: Plan | None = field(default=None, repr=False, compare=False)  # the backward's own plan (a band's)
 
     @property
     def computed(self) -> int:
@@ -105,14 +112,6 @@ class Plan:
 
 # ---- what it can take -------------------------------------------------------------------------------
 
-def _bias_needs_grad(bias: Bias | None) -> bool:
-    if isinstance(bias, DenseBias):
-        return bias.tensor.requires_grad
-    if isinstance(bias, BiasSum):
-        return _bias_needs_grad(bias.a) or _bias_needs_grad(bias.b)
-    return False
-
-
 def why_not(p: Problem, need_lse: bool) -> str | None:
     """None when PyTorch's fused CPU kernel can compute the call, else why not."""
     if p.q.device.type != "cpu":
@@ -123,7 +122,7 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
         return "the fused CPU kernel has no softcap"
     if p.dropout_p > 0:
         return "the span path has no dropout (the fused kernel would draw a different keep-mask per span)"
-    if _bias_needs_grad(p.bias):
+    if any(b.tensor.requires_grad for b in dense_parts(p.bias)):
         return "the fused kernel's backward gives no gradient for the bias"
     if p.sizes["d"] == 0 and p.sizes["dv"] == 0:
         return "the fused CPU kernel needs a head dimension above 0"
@@ -153,9 +152,30 @@ def share(p: Problem) -> float:
 # ---- the plan ---------------------------------------------------------------------------------------
 
 def _blocks(p: Problem) -> tuple[int, int]:
-    bq = int(p.options.get("block_q") or BLOCK_Q)
-    bk = int(p.options.get("block_k") or BLOCK_K)
-    return max(1, bq), max(1, bk)
+    """(block_q, block_k): the caller's, or 0 for "chosen by the plan" (the defaults, and a band's rows)."""
+    return max(0, int(p.options.get("block_q") or 0)), max(0, int(p.options.get("block_k") or 0))
+
+
+def _band_width(plan: Plan) -> int | None:
+    """The width w of a band (a sliding window; the same in a dense mask), from the plan at the
+    default blocks: its largest group of blocks whose keys advance with their rows is the band, and
+    a block in its middle spans w + rows keys (w: the band's width, rounded up to key tiles).
+
+    A block of R rows computes R + w keys per row, so small blocks skip more; but PyTorch's CPU
+    kernel splits a call's queries into tiles of 32 rows below 192 query rows, 64 below 768 and 256
+    above (keys in tiles of 512; aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), and its cost
+    per entry falls as that tile grows. So the forward's R is a whole number of 32-row tiles, at most
+    w/4 (≤ 1.25× the band's entries); wide bands reach 64- and 256-row tiles that way. The backward's
+    cost per entry falls much more from 32- to 64-row tiles (benchmarks/kernel_tiles.py), so where
+    the forward's blocks run 32-row tiles its own are the smallest with 64-row tiles (192 rows) if
+    that is at most w (≤ 1.75× the band's entries). None: no band."""
+    bands = [g for g in plan.groups if g.n > 1 and g.kstep == g.rows < g.L]
+    g = max(bands, key=lambda g: g.entries, default=None)
+    if g is None or 2 * g.entries < plan.computed:  # no band, or not most of the work (a causal diagonal)
+        return None
+    r = g.r0 + g.n // 2 * g.rows  # a block in the band's middle: its spans (a wide band's are several) are the band
+    w = sum(h.L for h in plan.groups if h.r0 <= r < h.r0 + h.n * h.rows) - g.rows
+    return w
 
 
 def _positive(p: Problem) -> bool:
@@ -164,32 +184,19 @@ def _positive(p: Problem) -> bool:
 
 
 _LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {call key: plan}
-_KEPT = 16  # plans kept per mask; more: the oldest half is dropped
+_PLANS: PlanCache[Plan] = PlanCache("span_plans")
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    (the layers of a model share one; a dense mask per tensor) and call key (sizes, blocks, bias
-    or not, and the version of every tensor the mask holds, so an in-place write plans anew)."""
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`)."""
     ref, plan = _LAST
     if ref is not None and ref() is p:
         return plan
-    if p.mask is None:
-        plan = _plan(p)
-    else:
-        e = p.ext
-        key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p), tensor_versions(p.mask))
-        store = p.mask._grids.setdefault("span_plans", {}) if isinstance(p.mask, Dense) else _PLANS.setdefault(p.mask, {})
-        plan = store.get(key) if key[-1] is not None else None
-        if plan is None:
-            plan = _plan(p)
-            if key[-1] is not None:  # None: an inference tensor, no version to key a kept plan by
-                if len(store) >= _KEPT:
-                    for old in list(store)[: _KEPT // 2]:
-                        del store[old]
-                store[key] = plan
+    e = p.ext
+    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p))
+    plan = _PLANS.get(p.mask, key, lambda: _plan(p))
     _LAST[:] = [weakref.ref(p), plan]
     return plan
 
@@ -214,7 +221,26 @@ def _plan(p: Problem) -> Plan:
         r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
         return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
     bq, bk = _blocks(p)
-    empty, full = p.mask.classify_grid(ext, bq, bk)  # [nq, nk] each
+    per, mask = ext.B * (ext.H if masked else 1), p.mask
+    plan = _grid_plan(p, mask, bq or BLOCK_Q, bk or BLOCK_K)
+    w = None if bq else _band_width(plan)
+    if w is None:
+        return Plan(_ramp(plan.groups, per), plan.single)
+    rows = max(KERNEL_TILE, w // BAND_OVER // KERNEL_TILE * KERNEL_TILE)  # see _band_width
+
+    def band(rows: int) -> Plan:  # key tiles that divide the block: one chain
+        plan = _grid_plan(p, mask, rows, bk or math.gcd(BLOCK_K, rows))
+        return Plan(_ramp(plan.groups, per), plan.single)
+
+    back = band(TILE_64_ROWS) if rows < TILE_64_ROWS <= w else None
+    return dataclasses.replace(band(rows), backward=back)
+
+
+def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
+    """The spans of ``mask``'s tile classification with blocks of ``bq`` queries and ``bk`` keys, grouped."""
+    ext, masked = p.ext, p.bias is not None
+    Q, K = ext.Q, ext.K
+    empty, full = mask.classify_grid(ext, bq, bk)  # [nq, nk] each
     spans: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}  # (rows, L, masked) -> [(block, k0)]
     per_block = []
     for i in range(empty.shape[0]):
@@ -227,6 +253,21 @@ def _plan(p: Problem) -> Plan:
               for i0, n, k0, step in _chains(items)]
     groups.sort(key=lambda g: (g.r0, g.k0))
     return Plan(groups, all(c <= 1 for c in per_block))
+
+
+def _ramp(groups: list[Group], per: int) -> list[Group]:
+    """The first blocks before a band, each one span from key 0 of its own length (a causal
+    window's ramp: keys 0 … 64, 0 … 128, …), as ONE masked call over the longest: at most twice
+    their entries, which are few beside the band's, for one call in place of one per block (while
+    its mask stays small)."""
+    n, rows, L = 0, 0, 0
+    while (n < len(groups) and groups[n].n == 1 and groups[n].k0 == 0 and groups[n].r0 == rows
+           and not any(h.r0 < rows + groups[n].rows and h.r0 + h.n * h.rows > rows for h in groups[n + 1:])):
+        rows, L, n = rows + groups[n].rows, max(L, groups[n].L), n + 1
+    band = n < len(groups) and groups[n].n > 1 and groups[n].kstep == groups[n].rows  # the ramp leads into a band
+    if n < 2 or not band or rows * L * per > MASK_ELEMS:
+        return groups
+    return [Group(0, rows, 1, 0, 0, L, True)] + groups[n:]
 
 
 def _tall(g: Group) -> Group:
@@ -399,14 +440,29 @@ Call = tuple[Group, "torch.Tensor | None", "torch.Tensor | None"]
 
 def _calls(p: Problem, plan: Plan):
     """Every kernel call: (group, attn_mask or None, rows that see a key or None)."""
-    for g in plan.groups:
+    for i, g in enumerate(plan.groups):
         for j0, j1 in _chunks(p, g):
             s = _sub(g, j0, j1)
             if s.masked:
-                add, seen = _mask(p, g, j0, j1)
+                add, seen = _kept_mask(p, plan, i, j0, j1)
                 yield s, add, seen
             else:
                 yield s, None, None
+
+
+def _kept_mask(p: Problem, plan: Plan, i: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_mask` of blocks j0:j1 of group i, kept in the plan while the plan's masks stay under
+    ``KEEP_ELEMS`` entries: without a bias it depends only on the mask and the sizes, which key the
+    plan (a dense mask's band, gathered from its tensor, collapses to one block's mask)."""
+    if p.bias is not None:
+        return _mask(p, plan.groups[i], j0, j1)
+    key = (p.q.dtype, p.q.device, i, j0, j1)
+    got = plan.masks.get(key)
+    if got is None:
+        got = _mask(p, plan.groups[i], j0, j1)
+        if got[0].numel() + sum(a.numel() for a, _ in plan.masks.values()) <= KEEP_ELEMS:
+            plan.masks[key] = got
+    return got
 
 
 def _kept(calls: list[Call]) -> list[Call] | None:
@@ -527,7 +583,7 @@ class _SpanAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)  # sinks join once, after every span is merged
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.p, ctx.plan, ctx.calls = p, plan, _kept(calls)
+        ctx.p, ctx.plan, ctx.calls = p, plan, (_kept(calls) if plan.backward is None else None)
         return out, lse
 
     @staticmethod
@@ -535,7 +591,7 @@ class _SpanAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(ctx.p, ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
+        dq, dk, dv = _backward(ctx.p, ctx.plan.backward or ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[5]:  # -Σ_rows P_sink·(D - g), D = rowsum(dO·O)
             dt = lse.dtype

@@ -30,7 +30,6 @@ call takes (any non-CPU device; CPU tensors too inside :func:`device_mode`, a te
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ from ..errors import BackendError
 from ..masks import (
     And,
     Causal,
-    Dense,
     Document,
     Extent,
     KeyPadding,
@@ -53,10 +51,10 @@ from ..masks import (
     Predicate,
     SlidingWindow,
     Tile,
-    tensor_versions,
 )
 from ..masks.dense import GRID_CODES
 from .costs import Costs, Estimate
+from .plan_cache import PlanCache
 from .problem import Problem
 
 
@@ -424,9 +422,7 @@ def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     return max(1, min(bq, ext.Q)), bk
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {call key: plan}
-_PLANS_UNMASKED: dict[tuple, Plan] = {}  # call key -> plan
-_KEPT = 16  # plans kept per mask (and without a mask); more: the oldest half is dropped
+_PLANS: PlanCache[Plan] = PlanCache("plans")
 
 
 def plan_for(p: Problem) -> Plan:
@@ -442,25 +438,8 @@ def plan_for(p: Problem) -> Plan:
     into a mask's tensor in place makes a new plan."""
     e = p.ext
     key = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), on_device(p.q.device),
-           workers(p.q.device), tensor_versions(p.mask))
-    if p.mask is None:
-        store = _PLANS_UNMASKED
-    elif isinstance(p.mask, Dense):  # a tensor handed to every layer is wrapped anew at each call: kept per tensor
-        store = p.mask._grids.setdefault("plans", {})
-    else:
-        store = _PLANS.setdefault(p.mask, {})
-    plan = store.get(key) if key[-1] is not None else None
-    if plan is None:
-        plan = _plan(p)
-        if key[-1] is None:  # an inference tensor: no version to key a kept plan by
-            return plan
-        if len(store) >= _KEPT:
-            for old in list(store)[: _KEPT // 2]:
-                del store[old]
-        store[key] = plan
-    return plan
-
-
+           workers(p.q.device))
+    return _PLANS.get(p.mask, key, lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import Bias
-from ..masks import Causal, to_sdpa
+from ..masks import Causal, to_sdpa, top_left_count
 from ..shapes import all_finite, per_query_head
 from .costs import Costs, Estimate
 from .problem import Problem
@@ -49,8 +49,7 @@ def share(p: Problem) -> float | None:
     Q, K = p.ext.Q, p.ext.K
     if all_allowed(p) or Q * K == 0:
         return 1.0
-    allowed = Q * (Q + 1) // 2 if Q <= K else K * (K + 1) // 2 + (Q - K) * K  # top-left: row i sees keys 0..i
-    return allowed / (Q * K)
+    return top_left_count(Q, K) / (Q * K)  # is_causal is top-left: row i sees keys 0..i
 
 
 DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA

@@ -6,7 +6,7 @@ For FlexAttention: ``mask_mod(B, H, Q, K)`` and ``block_mask(B, H, Q, K, block, 
 """
 
 from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks, tensor_versions
-from .causal import Causal, causal
+from .causal import Causal, causal, top_left_count
 from .convert import as_mask, from_hf, from_torch_mha, to_sdpa
 from .dense import Dense, dense
 from .document import Document, document
@@ -20,6 +20,6 @@ __all__ = [
     "Mask", "Tile", "Extent", "And", "Or", "Not", "and_masks", "or_masks",
     "causal", "padding", "key_padding", "sliding_window", "document", "prefix_lm", "predicate", "dense",
     "key_span", "block_span", "Span",
-    "from_torch_mha", "from_hf", "to_sdpa", "as_mask", "tensor_versions",
+    "from_torch_mha", "from_hf", "to_sdpa", "as_mask", "tensor_versions", "top_left_count",
     "Causal", "KeysBelow", "KeyPadding", "SlidingWindow", "Document", "PrefixLM", "Predicate", "Dense",
 ]

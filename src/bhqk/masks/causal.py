@@ -57,6 +57,13 @@ class Causal(Mask):
         return ~full & (k0 > q1 - 1 + off), full
 
 
+def top_left_count(Q: int, K: int) -> int:
+    """Entries a top-left causal mask allows in a [Q, K] grid (PyTorch ``is_causal``: row i sees keys
+    0..i, all K once i ≥ K)."""
+    m = min(Q, K)
+    return m * (m + 1) // 2 + (Q - m) * K
+
+
 def causal(align: str | None = None) -> Causal:
     """Each query attends to its own position and earlier keys. ``align`` is required when Q ≠ K:
     ``"top_left"`` (PyTorch ``is_causal``) or ``"bottom_right"`` (FlashAttention ≥ 2.1, KV cache)."""

@@ -1,0 +1,48 @@
+"""Plans kept per mask object, for the backends that plan a call from its mask (tiled, spans)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from ..masks import Dense, tensor_versions
+
+T = TypeVar("T")
+KEPT = 16  # plans kept per mask (and without a mask); more: the oldest half is dropped
+
+
+class PlanCache(Generic[T]):
+    """Plans kept per mask object (every layer of a model shares one; a dense mask per tensor, which
+    callers hand to every layer and wrap anew at each call) and call key, with the version of every
+    tensor the mask holds in the key, so writing into it in place plans anew. A mask that holds an
+    inference tensor (no version counter) is planned at every call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the key of a dense mask's own store (in its ``_grids``)
+        self._masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {key: plan}
+        self._unmasked: dict[Hashable, T] = {}
+
+    def get(self, mask, key: Hashable, make: Callable[[], T]) -> T:
+        """The plan kept for (``mask``, ``key``), else ``make()``, kept."""
+        versions = tensor_versions(mask)
+        if versions is None:
+            return make()
+        if mask is None:
+            store = self._unmasked
+        elif isinstance(mask, Dense):
+            store = mask._grids.setdefault(self.name, {})
+        else:
+            store = self._masks.setdefault(mask, {})
+        full = (key, versions)
+        plan = store.get(full)
+        if plan is None:
+            plan = make()
+            if len(store) >= KEPT:
+                for old in list(store)[: KEPT // 2]:
+                    del store[old]
+            store[full] = plan
+        return plan
+
+
+__all__ = ["KEPT", "PlanCache"]
