@@ -100,9 +100,8 @@ from typing import Any
 
 import torch
 
-from ..bias import Bias
+from ..bias import Bias, dense_parts
 from ..bias import Dense as DenseBias
-from ..bias import Sum as BiasSum
 from ..masks import Mask
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, per_query_head, tile_of
 from .nonfinite import finite_part, poison
@@ -188,14 +187,6 @@ def _query_heads(hs: slice, G: int) -> slice:
 def _grouped(t: torch.Tensor, kn: _Kernel) -> torch.Tensor:
     """A worker's slice of a per-query-head tensor, its heads grouped by the K/V head they share."""
     return t[kn.b, kn.hq].unflatten(1, (kn.Hkvw, kn.G))  # [B, H, Q, ·] -> [Bw, Hkvw, G, Q, ·]
-
-
-def _dense_parts(bias: Bias | None) -> list[DenseBias]:
-    if isinstance(bias, DenseBias):
-        return [bias]
-    if isinstance(bias, BiasSum):
-        return _dense_parts(bias.a) + _dense_parts(bias.b)
-    return []
 
 
 def _as5(t: torch.Tensor, kn: _Kernel) -> torch.Tensor:
@@ -802,7 +793,7 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     estimate the cost), else planned here."""
     plan = plan if plan is not None else plan_for(p)
     p = seeded(p)  # dropout: one seed per call, saved with p for the backward
-    dense = tuple(b for b in _dense_parts(p.bias) if b.tensor.requires_grad)
+    dense = tuple(b for b in dense_parts(p.bias) if b.tensor.requires_grad)
     inputs = (p.q, p.k, p.v) + ((p.sinks,) if p.sinks is not None else ())
     if torch.is_grad_enabled() and (dense or any(t.requires_grad for t in inputs)):
         out, lse = _TiledAttention.apply(p, plan, dense, p.q, p.k, p.v, p.sinks, *(b.tensor for b in dense))
