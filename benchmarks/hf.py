@@ -3,7 +3,7 @@
 1. A Mistral-shaped model (real attention widths: D=4096, H=32, Hkv=8, d=128; a few layers; random
    weights) with sliding window 256 at N=4096: forward and forward+backward, time and peak memory.
 2. A Llama-shaped dense-causal model, the same.
-3. The Mistral-shaped window layer of issue #19 (``--parts layer``: one layer, MLP 1024, N=4096,
+3. The Mistral-shaped window layer (``--parts layer``: one layer, MLP 1024, N=4096,
    forward+backward): ``"bhqk:spans"`` (the span path) against ``"sdpa"`` and ``free`` (an attention
    function that returns q and costs nothing, with k and v kept in the graph by a zero term so that
    their projections' backward runs: the floor no attention backend can beat; ``free_q``, q alone,
@@ -24,7 +24,7 @@ skipped where its [B, H, N, N] tensors would exceed ``--mem-limit-gib``; the tab
     python benchmarks/hf.py                 # the full configuration (long on 2 cores)
     python benchmarks/hf.py --quick         # small widths and N, no memory runs: a smoke run (about a minute)
     python benchmarks/hf.py --out results/x.json
-    python benchmarks/hf.py --parts layer   # issue #19's layer: bhqk:spans vs sdpa vs free attention
+    python benchmarks/hf.py --parts layer   # the Mistral-shaped layer: bhqk:spans vs sdpa vs free attention
     python benchmarks/hf.py --parts generate --repeat 5   # generate(): bhqk vs sdpa vs eager (~3 min)
 """
 
