@@ -558,3 +558,18 @@ def test_nonfinite_arguments_are_errors_naming_them(backend, kw, name):
     q, k, v = qkv(1, 2, None, 5, 7, 8, dtype=torch.float32)
     with pytest.raises((ShapeError, MaskError), match=name):
         bhqk.attention(q, k, v, backend=backend, **kw)
+
+
+# ---- a scale ≤ 0 (or below the kernel's smallest normal) with a causal mask ---------------------
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, 1e-122])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_with_a_non_positive_scale_gives_the_formula(backend, scale):
+    """SDPA's ``is_causal`` masks with −inf before the scale: −inf·0 or −inf·(−1) is NaN or +inf
+    (a masked key wins). The mask must hold whatever the scale (found in review)."""
+    q, k, v = qkv(1, 2, None, 6, 6, 4, dtype=torch.float64)
+    allowed = masks.causal().materialize(1, 2, 6, 6)  # [1, 2, Q, K]
+    want, _ = formula(q, k, v, allowed, scale=scale)
+    bhqk.attention(q.float(), k.float(), v.float(), masks.causal(), backend=backend)  # auto keeps its claim by structure
+    got = bhqk.attention(q.float(), k.float(), v.float(), masks.causal(), scale=scale, backend=backend)
+    assert_close(got, want, dtype=torch.float32, n=6, msg=f"{backend}, scale {scale}")
