@@ -135,3 +135,25 @@ def test_masks_render_in_jupyter_bounded_at_any_length():
     big = masks.dense(torch.ones(1, 1, 5000, 5000, dtype=torch.bool).tril())._repr_html_()
     assert "the corner of 5000 × 5000" in big and drawn(big) == 48 * 49 // 2 and len(big) < 10_000
     assert drawn(masks.causal()._repr_html_()) == 8 * 9 // 2  # a size-free mask: drawn at 8 × 8
+
+
+@pytest.mark.parametrize("backend", ["spans", "tiled", "torch", "reference"])
+@pytest.mark.parametrize("kind", ["padding", "key_padding"])
+def test_a_mask_is_a_value_writing_into_the_tensor_it_was_built_from_changes_nothing(kind, backend):
+    """Masks are values (docs/design.md §2): a padding mask keeps its lengths (its tile classification
+    summarizes them at construction), so a later in-place write to the caller's tensor must not make
+    the backends that classify tiles skip keys the others attend (found in review)."""
+    import bhqk
+    from tolerance import assert_close
+
+    B, H, N = 2, 2, 300
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    lengths = torch.tensor([100, 200])
+    valid = torch.arange(N)[None, :] < lengths[:, None]  # [B, K]: the same keys as a bool
+    m = masks.padding(lengths) if kind == "padding" else masks.key_padding(valid)
+    want = bhqk.attention(q, k, v, m.materialize(B, H, N, N), backend="reference")  # the mask as built
+    lengths.fill_(280)
+    valid.fill_(True)
+    got = bhqk.attention(q.float(), k.float(), v.float(), m, backend=backend)
+    assert_close(got, want, dtype=torch.float32, n=N, msg=f"{kind} on {backend} after an in-place write")

@@ -20,7 +20,10 @@ class KeysBelow(Mask):
 
     def __init__(self, limit: int | list[int] | torch.Tensor, name: str = "padding", arg: str = "lengths") -> None:
         self.name, self.arg = name, arg
-        self.limit = limit = args.lengths(name, arg, limit)  # an int, or int64 [B]
+        limit = args.lengths(name, arg, limit)  # an int, or int64 [B]
+        if isinstance(limit, torch.Tensor):
+            limit = limit.clone()  # a value: lo and hi summarize it, so a write into the caller's tensor must not reach it
+        self.limit = limit
         values = limit.tolist() if isinstance(limit, torch.Tensor) else [limit]
         self.lo, self.hi = min(values), max(values)  # for tile classification across the batch
 
@@ -77,7 +80,7 @@ class KeyPadding(Mask):
             got = f"dtype {valid.dtype} shape {list(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
             hint = " For Hugging Face's 1/0 attention_mask use bhqk.masks.from_hf." if isinstance(valid, torch.Tensor) else ""
             raise MaskError(f"key_padding: valid must be a bool tensor [B, K] (True = real key), got {got}.{hint}")
-        self.valid = valid
+        self.valid = valid = valid.clone()  # a value: _all and _any summarize it (a write into the caller's must not reach it)
         zero = valid.new_zeros(1, dtype=torch.long)
         self._all = torch.cat([zero, valid.all(0).long().cumsum(0).cpu()])  # keys valid everywhere
         self._any = torch.cat([zero, valid.any(0).long().cumsum(0).cpu()])  # keys valid somewhere
