@@ -329,3 +329,12 @@ def test_claims_keep_being_kept_past_their_bound(reference_costs, no_span_path, 
         assert bhqk.choose_backend(q, k, v, step).name == "torch"
         assert len(registry._CLAIMED) <= 3
         assert any(key[4] == k.shape for key in registry._CLAIMED)  # this step's claim is kept (key[4]: k's shape)
+
+
+def test_a_kept_claim_is_not_reused_for_another_scale():
+    """Claims are kept by call structure; SDPA's is_causal cannot take a scale <= 0 (it masks with -inf
+    before scaling), so a kept claim of a normal-scale causal call must not answer a scale-0 one."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))  # [B, H, N, d]
+    assert bhqk.choose_backend(q, k, v, masks.causal()).name == "torch"
+    at_zero = bhqk.choose_backend(q, k, v, masks.causal(), scale=0.0)
+    assert not at_zero.reason.startswith("torch: PyTorch's fused kernel computes this call exactly")

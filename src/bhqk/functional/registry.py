@@ -154,11 +154,12 @@ _CLAIMED_MAX = 1024  # structures kept; cleared when full (each decode step of a
 
 
 def _structure(p: Problem, need_lse: bool) -> tuple | None:
-    """All a claim depends on without a bias, sinks or a mask but causal: the registry, shapes, settings."""
+    """All a claim depends on without a bias, sinks or a mask but causal: the registry, shapes, scale, settings."""
     if p.bias is not None or p.sinks is not None or not (p.mask is None or isinstance(p.mask, Causal)):
         return None
     return (tuple(map(id, _REGISTRY.values())), type(p.mask), getattr(p.mask, "align", None), p.q.shape, p.k.shape,
-            p.v.shape[-1], p.q.dtype, p.q.device, need_lse, p.needs_grad, p.softcap, p.dropout_p, tuple(p.options.items()))
+            p.v.shape[-1], p.scale, p.q.dtype, p.q.device, need_lse, p.needs_grad, p.softcap, p.dropout_p,
+            tuple(p.options.items()))
 
 
 def _nots(refused: dict[str, str]) -> str:
