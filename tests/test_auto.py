@@ -338,3 +338,12 @@ def test_a_kept_claim_is_not_reused_for_another_scale():
     assert bhqk.choose_backend(q, k, v, masks.causal()).name == "torch"
     at_zero = bhqk.choose_backend(q, k, v, masks.causal(), scale=0.0)
     assert not at_zero.reason.startswith("torch: PyTorch's fused kernel computes this call exactly")
+
+
+def test_a_kept_claim_handed_out_again_cannot_be_changed_by_its_reader():
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16)  # a decode step: [B, H, 1, d], [B, H, K, d]
+    bhqk.choose_backend(q, k, k, masks.causal("bottom_right"))  # kept by structure
+    again = bhqk.choose_backend(q, k, k, masks.causal("bottom_right"))
+    with pytest.raises(TypeError):
+        again.estimates["fake"] = 1.0  # type: ignore[index]
+    assert bhqk.choose_backend(q, k, k, masks.causal("bottom_right")).estimates == {}

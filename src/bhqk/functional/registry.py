@@ -5,8 +5,9 @@ may claim it by structure (``share``) or estimate its cost (its own model, in it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ class Choice:
 
     backend: Backend
     reason: str
-    estimates: dict[str, float]
+    estimates: Mapping[str, float]  # read-only for a kept claim (nothing weighed)
     plan: Any = None
     by_auto: bool = False  # auto chose it: if its run raises a BackendError, auto may choose again
 
@@ -129,7 +130,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         if key is not None:
             if len(_CLAIMED) >= _CLAIMED_MAX:  # a long generation makes a new K per step: start afresh, keep caching
                 _CLAIMED.clear()
-            _CLAIMED[key] = Choice(be, why, {}, by_auto=True)
+            _CLAIMED[key] = Choice(be, why, _NOTHING_WEIGHED, by_auto=True)  # handed out again: read-only
         return _handed_off(Choice(be, why, {}, by_auto=True), p)
     grad, found = p.needs_grad, {}
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
@@ -150,6 +151,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
 
 
 _CLAIMED: dict[tuple, Choice] = {}  # claims by call structure where they read no data (a model's decode steps)
+_NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})
 _CLAIMED_MAX = 1024  # structures kept; cleared when full (each decode step of a generation has its own K)
 
 
