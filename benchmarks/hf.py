@@ -249,17 +249,7 @@ def bench_capture(c: dict, limit: float, mem: bool, timeout: float) -> list[dict
 
 def build_generate(impl: str, g: dict):
     """The generate part's Llama-shaped model with random weights (the same for every ``impl``)."""
-    import transformers
-
-    from bhqk.integrations.transformers import register
-
-    register()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
-                                      num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
-                                      num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"],
-                                      max_position_embeddings=g["prompt"] + g["new_tokens"], attn_implementation=impl)
-    return transformers.LlamaForCausalLM(config).eval()
+    return build("dense", impl, {**g, "N": g["prompt"] + g["new_tokens"], "capture_N": 0}).eval()
 
 
 def generate_once(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import hf  # benchmarks/hf.py: the random Hugging Face models
 import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 import peak_memory  # benchmarks/peak_memory.py: resident-set peaks
 
@@ -34,17 +35,8 @@ WHAT = ("entropy", "distance", "sink", "received")
 
 
 def build(c: dict, N: int):
-    import transformers
-
-    from bhqk.integrations.transformers import register
-
-    register()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["intermediate"],
-                                   num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
-                                   num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
-                                   max_position_embeddings=N, attn_implementation="bhqk")
-    return transformers.LlamaForCausalLM(cfg).eval()
+    """The Llama-shaped model with random weights on ``attn_implementation="bhqk"`` (hf.py builds it)."""
+    return hf.build("dense", "bhqk", {**c, "N": N, "capture_N": 0}).eval()
 
 
 def timed(fn, repeat: int) -> tuple[float, int]:
