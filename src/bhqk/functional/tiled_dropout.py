@@ -133,6 +133,6 @@ class KeepBits:
         """-1 / 0 (keep / drop) for the slice's rows (q g) r0:r1 and keys k0:k1, [n, rows, kw]."""
         shape = (self.rows.shape[0], r1 - r0, k1 - k0)
         numel = shape[0] * shape[1] * shape[2]
-        x, tmp = self.keep[:numel].view(shape), self.tmp[:numel].view(shape)
+        x, tmp = self.keep[:numel].view(shape), self.tmp[:numel].view(shape)  # flat scratch as [n, rows, kw]
         # rows [n, (q G)] -> [n, rows, 1] x cols [kw] -> [n, rows, kw]
         return _keep_bits(self.rows[:, r0:r1, None], self.cols[k0:k1], self.threshold, x, tmp)

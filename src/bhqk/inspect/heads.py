@@ -62,7 +62,7 @@ class HeadTable:
     def top(self, column: str, n: int = 3) -> list[tuple[int, int, float]]:
         """The ``n`` heads with the highest ``column``: (layer index, head, value)."""
         v = self[column]
-        flat = torch.where(torch.isnan(v), float("-inf"), v).flatten()
+        flat = torch.where(torch.isnan(v), float("-inf"), v).flatten()  # [L, H] -> [L·H], index i = layer·H + head
         idx = flat.argsort(descending=True)[:n]
         H = v.shape[1]
         return [(int(i) // H, int(i) % H, float(flat[i])) for i in idx if math.isfinite(float(flat[i]))]
