@@ -64,7 +64,8 @@ def build(kind: str, impl: str, c: dict, layers: int | None = None):
     from bhqk.integrations.transformers import register
 
     register()
-    impl = {"bhqk_spans": register_spans(), "free": register_free(), "free_q": register_free(False)}.get(impl, impl)
+    named = {"bhqk_spans": register_spans, "free": register_free, "free_q": lambda: register_free(False)}
+    impl = named[impl]() if impl in named else impl  # registered only when asked for
     torch.manual_seed(0)
     width = c.get("layer_intermediate", c["intermediate"]) if kind == "layer" else c["intermediate"]
     common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=width,
