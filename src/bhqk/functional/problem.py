@@ -39,6 +39,13 @@ class Problem:
         return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
 
     @property
+    def scale_positive(self) -> bool:
+        """The scale is a normal positive number in the fused kernels' arithmetic (float32, or float64
+        for float64 inputs): their ``is_causal`` masks with -inf before scaling, so a scale <= 0 (or
+        one that rounds to 0) would turn masked scores into NaN or +inf."""
+        return self.scale >= torch.finfo(torch.float64 if self.q.dtype == torch.float64 else torch.float32).tiny
+
+    @property
     def groups(self) -> int:
         """Query heads per key/value head (1 = plain multi-head, H = multi-query)."""
         return self.sizes["H"] // self.sizes["Hkv"]

@@ -178,11 +178,6 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-def _positive(p: Problem) -> bool:
-    """The scale is a normal positive number in the kernel's arithmetic (float32, or float64 for float64 inputs)."""
-    return p.scale >= torch.finfo(torch.float64 if p.q.dtype == torch.float64 else torch.float32).tiny
-
-
 _LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
 _PLANS: PlanCache[Plan] = PlanCache("span_plans")
 
@@ -195,7 +190,7 @@ def plan_for(p: Problem) -> Plan:
     if ref is not None and ref() is p:
         return plan
     e = p.ext
-    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, _positive(p))
+    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, p.scale_positive)
     plan = _PLANS.get(p.mask, key, lambda: _plan(p))
     _LAST[:] = [weakref.ref(p), plan]
     return plan
@@ -209,7 +204,7 @@ def _plan(p: Problem) -> Plan:
     masked = p.bias is not None
     if p.mask is None:
         return Plan([Group(0, Q, 1, 0, 0, K, masked)], True)
-    if isinstance(p.mask, Causal) and not masked and _positive(p):  # is_causal: NaN for a scale ≤ 0 (-inf·scale)
+    if isinstance(p.mask, Causal) and not masked and p.scale_positive:  # is_causal: NaN for a scale ≤ 0 (-inf·scale)
         off = p.mask.offset(ext)  # query i sees keys ≤ i + off
         if off >= K - 1:  # every row sees every key (a decoding step: Q = 1, bottom-right)
             return Plan([Group(0, Q, 1, 0, 0, K, False)], True)

@@ -37,13 +37,7 @@ def structure_free(p: Problem) -> bool:
         return False
     if all_allowed(p):
         return True
-    return isinstance(p.mask, Causal) and (p.mask.align == "top_left" or p.ext.Q == p.ext.K) and _positive(p)
-
-
-def _positive(p: Problem) -> bool:
-    """The scale is a normal positive number in the kernel's arithmetic: ``is_causal`` masks with
-    −inf before the scale, so a scale ≤ 0 (or one that rounds to 0) turns masked scores into NaN or +inf."""
-    return p.scale >= torch.finfo(torch.float64 if p.q.dtype == torch.float64 else torch.float32).tiny
+    return isinstance(p.mask, Causal) and (p.mask.align == "top_left" or p.ext.Q == p.ext.K) and p.scale_positive
 
 
 def share(p: Problem) -> float | None:
@@ -120,8 +114,8 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     else:
         kw = to_sdpa(None if allowed else p.mask, B, H, Q, K, device=p.q.device)
         attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
-        if is_causal and p.mask is not None and (p.bias is not None or not _positive(p)):  # SDPA takes no is_causal
-            attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # with a mask; see _positive
+        if is_causal and p.mask is not None and (p.bias is not None or not p.scale_positive):  # no is_causal with a mask
+            attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # nor at a scale <= 0
         if p.bias is not None:
             bias = _bias(p, p.bias)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
