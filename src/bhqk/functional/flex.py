@@ -216,9 +216,9 @@ def _structure(x) -> str:
     if x is None:
         return "-"
     parts = [type(x).__name__, str(getattr(x, "align", ""))]
-    for name in ("a", "b", "base"):
-        if hasattr(x, name) and isinstance(getattr(x, name), (Mask, Bias)):
-            parts.append(_structure(getattr(x, name)))
+    for name in ("a", "b", "base", "parts"):  # parts: a per-head mask's, one per head
+        value = getattr(x, name, None)
+        parts += [_structure(y) for y in (value if isinstance(value, tuple) else (value,)) if isinstance(y, (Mask, Bias))]
     t = getattr(x, "tensor", None)
     if isinstance(t, torch.Tensor):
         parts.append(str(tuple(n == 1 for n in t.shape)))

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ..errors import BackendError
-from ..masks import Causal
 from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
 from .problem import Problem, prepare
@@ -157,9 +156,10 @@ _CLAIMED_MAX = 1024  # structures kept; cleared when full (each decode step of a
 
 def _structure(p: Problem, need_lse: bool) -> tuple | None:
     """All a claim depends on without a bias, sinks or a mask but causal: the registry, shapes, scale, settings."""
-    if p.bias is not None or p.sinks is not None or not (p.mask is None or isinstance(p.mask, Causal)):
+    diagonal = None if p.mask is None else p.mask.causal_diagonal(p.ext)  # the mask is exactly key ≤ query + diagonal
+    if p.bias is not None or p.sinks is not None or (p.mask is not None and diagonal is None):
         return None
-    return (tuple(map(id, _REGISTRY.values())), type(p.mask), getattr(p.mask, "align", None), p.q.shape, p.k.shape,
+    return (tuple(map(id, _REGISTRY.values())), p.mask is None, diagonal, p.q.shape, p.k.shape,
             p.v.shape[-1], p.scale, p.q.dtype, p.q.device, need_lse, p.needs_grad, p.softcap, p.dropout_p,
             tuple(p.options.items()))
 

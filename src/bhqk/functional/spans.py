@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import Bias, dense_parts
-from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow, top_left_count
-from ..shapes import all_finite
+from ..masks import Extent, Mask, top_left_count
+from ..shapes import Sizes, all_finite
 from .merge import merge_, with_sinks
 from .plan_cache import PlanCache
 from .problem import Problem
@@ -101,13 +101,25 @@ class Plan:
     single: bool
     masks: dict = field(default_factory=dict, repr=False, compare=False)  # kept call masks: see _kept_mask
     backward: Plan | None = field(default=None, repr=False, compare=False)  # the backward's own plan (a band's)
+    by_heads: list[HeadGroup] = field(default_factory=list)  # heads of one structure, each a call of its own: see _by_heads
 
     @property
     def computed(self) -> int:
+        if self.by_heads:  # per head, on average over the heads
+            return sum(len(g.heads) * g.plan.computed for g in self.by_heads) // sum(len(g.heads) for g in self.by_heads)
         return sum(g.entries for g in self.groups)
 
     def fraction(self, ext: Extent) -> float:
         return self.computed / max(1, ext.Q * ext.K)
+
+
+class HeadGroup(NamedTuple):
+    """Query heads whose mask has one structure (``Mask.head_groups``), run as one call: ``mask`` is
+    the call's mask on those heads (``Mask.select_heads``), ``plan`` its spans."""
+
+    heads: list[int]
+    mask: Mask
+    plan: Plan
 
 
 # ---- what it can take -------------------------------------------------------------------------------
@@ -136,7 +148,7 @@ def hands_off(p: Problem) -> tuple[str, str] | None:
     NaN/inf in k or v reach every row there as in the formula (as the torch adapter does)."""
     plan = plan_for(p)
     unmasked = len(plan.groups) == 1 and _whole(plan.groups[0], p) and not (plan.groups[0].masked or plan.groups[0].causal)
-    if all_finite(p.q, *(() if unmasked or not plan.groups else (p.k, p.v))):
+    if all_finite(p.q, *(() if unmasked or not (plan.groups or plan.by_heads) else (p.k, p.v))):
         return None
     return "tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask"
 
@@ -204,8 +216,8 @@ def _plan(p: Problem) -> Plan:
     masked = p.bias is not None
     if p.mask is None:
         return Plan([Group(0, Q, 1, 0, 0, K, masked)], True)
-    if isinstance(p.mask, Causal) and not masked and p.scale_positive:  # is_causal: NaN for a scale ≤ 0 (-inf·scale)
-        off = p.mask.offset(ext)  # query i sees keys ≤ i + off
+    off = p.mask.causal_diagonal(ext) if not masked and p.scale_positive else None  # is_causal: NaN for a scale ≤ 0
+    if off is not None:  # a causal mask: query i sees keys ≤ i + off
         if off >= K - 1:  # every row sees every key (a decoding step: Q = 1, bottom-right)
             return Plan([Group(0, Q, 1, 0, 0, K, False)], True)
         if off > 0 and Q * K <= SMALL_MASK:  # a few queries after many keys: one call with a small mask
@@ -215,6 +227,10 @@ def _plan(p: Problem) -> Plan:
             return Plan(([Group(0, Q, 1, 0, 0, min(off, K), False)] if off > 0 else []) + causal, off == 0 or off >= K)
         r = -off  # rows [0, r) see nothing; row r + i sees keys 0 … i
         return Plan([Group(r, Q - r, 1, 0, 0, K, False, True)] if r < Q else [], True)
+    if not masked and p.mask.head_dependent and len(heads := p.mask.head_groups(ext.H)) > 1:
+        by_heads = _by_heads(p, heads)
+        if by_heads is not None:
+            return Plan([], True, by_heads=by_heads)
     bq, bk = _blocks(p)
     per, mask = ext.B * (ext.H if masked else 1), p.mask
     plan = _grid_plan(p, mask, bq or BLOCK_Q, bk or BLOCK_K)
@@ -229,6 +245,37 @@ def _plan(p: Problem) -> Plan:
 
     back = band(TILE_64_ROWS) if rows < TILE_64_ROWS <= w else None
     return dataclasses.replace(band(rows), backward=back)
+
+
+def _by_heads(p: Problem, heads: list[list[int]]) -> list[HeadGroup] | None:
+    """A plan per group of heads of one mask structure (None: the mask cannot name the part of each)."""
+    out = []
+    for hs in heads:
+        m = p.mask.select_heads(hs, p.ext.H) if p.mask is not None else None
+        if m is None:
+            return None
+        out.append(HeadGroup(hs, m, _plan(on_heads(p, hs, m))))
+    return out
+
+
+def on_heads(p: Problem, heads: list[int], mask: Mask) -> Problem:
+    """The call on the query heads ``heads`` (sorted) only, with ``mask``: their key/value heads
+    stay grouped where ``heads`` holds whole groups of them, else each query head gets a copy of
+    its own (GQA heads of one key/value head in different groups)."""
+    G = p.groups
+    kv = sorted({h // G for h in heads})
+    whole = heads == [j * G + r for j in kv for r in range(G)]
+    kv_heads = kv if whole else [h // G for h in heads]
+
+    def take(t: torch.Tensor, idx: list[int]) -> torch.Tensor:  # [B, H, N, x] -> [B, len(idx), N, x]
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            return t[:, idx[0]:idx[0] + len(idx)]  # a view
+        return t.index_select(1, torch.tensor(idx, device=t.device))
+
+    sizes = Sizes(**{**p.sizes.size, "H": len(heads), "Hkv": len(kv_heads)})
+    sinks = None if p.sinks is None else p.sinks[heads]  # [h]
+    return dataclasses.replace(p, q=take(p.q, heads), k=take(p.k, kv_heads), v=take(p.v, kv_heads), sizes=sizes,
+                               mask=mask, sinks=sinks)
 
 
 def _grid_plan(p: Problem, mask: Mask, bq: int, bk: int) -> Plan:
@@ -355,23 +402,13 @@ def _from_batch(t: torch.Tensor, B: int, n: int) -> torch.Tensor:
     return t.unflatten(0, (B, n)).transpose(1, 2)
 
 
-def _shift_invariant(mask: Mask | None) -> bool:
-    """The mask depends on k − q only (causal, sliding windows and their & | ~): every block of a
-    group whose keys move with its queries sees the same pattern."""
-    if isinstance(mask, (Causal, SlidingWindow)):
-        return True
-    if isinstance(mask, (And, Or)):
-        return _shift_invariant(mask.a) and _shift_invariant(mask.b)
-    return isinstance(mask, Not) and _shift_invariant(mask.a)
-
-
 def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Blocks j0:j1 of the group: the additive mask [B·(j1-j0) or 1, H or 1, rows, L] in q's dtype
     (-inf: may not attend; the bias added) and the rows that see some key there, bool
     [B·(j1-j0) or 1, H or 1, rows] (None: all of them)."""
     ext, dev, n = p.ext, p.q.device, j1 - j0
     B = ext.B
-    if n > 1 and g.kstep == g.rows and p.bias is None and _shift_invariant(p.mask):  # a band: one block's mask for all
+    if n > 1 and g.kstep == g.rows and p.bias is None and p.mask is not None and p.mask.shift_invariant:  # a band: one mask
         j1, n = j0 + 1, 1
     qi = (g.r0 + g.rows * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.rows, device=dev)[None, :])  # [n, rows]
     ki = (g.k0 + g.kstep * torch.arange(j0, j1, device=dev)[:, None] + torch.arange(g.L, device=dev)[None, :])  # [n, L]
@@ -602,6 +639,8 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     """The registry entry: out [B, H, Q, dv] and lse [B, H, Q] (float32; float64 for float64 inputs),
     differentiable in q, k, v, sinks (and through lse)."""
     plan = plan if isinstance(plan, Plan) else plan_for(p)
+    if plan.by_heads:
+        return _run_by_heads(p, plan)
     q, k, v = p.q, p.k, p.v
     d, dv = q.shape[-1], v.shape[-1]
     if d < dv:  # one head size for the kernel: zero columns in q and k change no score
@@ -620,4 +659,14 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
     return out, lse
 
 
-__all__ = ["Group", "Plan", "hands_off", "plan_for", "run", "share", "why_not"]
+def _run_by_heads(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of heads as a call of its own, the results put back in head order."""
+    outs, lses = zip(*(run(on_heads(p, g.heads, g.mask), True, g.plan) for g in plan.by_heads))
+    order = torch.tensor([h for g in plan.by_heads for h in g.heads], device=p.q.device)
+    back = torch.argsort(order)  # the position of head h among the groups' heads
+    out = torch.cat(outs, dim=1).index_select(1, back)  # [B, h0 + h1 + …, Q, dv] -> [B, H, Q, dv]
+    lse = torch.cat(lses, dim=1).index_select(1, back)  # [B, H, Q]
+    return out, lse
+
+
+__all__ = ["Group", "HeadGroup", "Plan", "hands_off", "plan_for", "run", "share", "why_not"]

@@ -257,21 +257,23 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = 
 
 
 def _staged(x: Any, device: torch.device) -> Any:
-    """A mask or bias (or None) whose public tensors, and those of the masks and biases it holds, are on
-    ``device``: a shallow copy where one had to move (copied once per pass), else ``x`` itself. On
-    the device path every tile's mask and bias then come from tensors on the device: a CPU-held
-    tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be copied
-    to the device per tile, a host sync each. Private attributes (classification caches, read on
-    the host by the planner) stay where they are; a predicate's function is called as it is."""
+    """A bias (or None) whose public tensors, and those of the biases it holds, are on ``device``: a
+    shallow copy where one had to move (copied once per pass), else ``x`` itself (a mask stages
+    itself: ``Mask.staged``). On the device path every tile's mask and bias then come from tensors
+    on the device: a CPU-held tensor (ALiBi's slopes, padding lengths from a list, document ids)
+    would otherwise be copied to the device per tile, a host sync each. Private attributes stay
+    where they are."""
     if x is None:
         return None
+    if isinstance(x, Mask):
+        return x.staged(device)
     moved: dict[str, object] = {}
     for name, value in vars(x).items():
         if name.startswith("_"):
             continue
         if isinstance(value, torch.Tensor) and value.device != device:
             moved[name] = value.to(device)
-        elif isinstance(value, (Mask, Bias)):
+        elif isinstance(value, Bias):
             inner = _staged(value, device)
             if inner is not value:
                 moved[name] = inner

@@ -38,20 +38,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import BackendError
-from ..masks import (
-    And,
-    Causal,
-    Document,
-    Extent,
-    KeyPadding,
-    KeysBelow,
-    Mask,
-    Not,
-    Or,
-    Predicate,
-    SlidingWindow,
-    Tile,
-)
+from ..masks import Extent, Mask, Tile
 from ..masks.dense import GRID_CODES
 from .costs import Costs, Estimate
 from .plan_cache import PlanCache
@@ -219,17 +206,6 @@ def _cuts(n: int, b: int) -> list[int]:
     return list(range(0, n, b)) + [n]
 
 
-def _arithmetic(mask: Mask) -> bool:
-    """True when ``mask.classify`` is cheap arithmetic (no tensor evaluation) for any rectangle."""
-    if isinstance(mask, (Causal, SlidingWindow, KeysBelow, KeyPadding, Document)):
-        return True
-    if isinstance(mask, (And, Or)):
-        return _arithmetic(mask.a) and _arithmetic(mask.b)
-    if isinstance(mask, Not):
-        return _arithmetic(mask.a)
-    return False
-
-
 def classify_leaves(mask: Mask | None, ext: Extent, qcuts: list[int], kcuts: list[int]) -> list[tuple[int, int, int, int, Tile]]:
     """Rectangles of blocks ``(i0, i1, j0, j1, class)`` — rows ``qcuts[i0]:qcuts[i1]``, keys
     ``kcuts[j0]:kcuts[j1]`` — that together cover the grid once; partial ones are single blocks."""
@@ -238,7 +214,7 @@ def classify_leaves(mask: Mask | None, ext: Extent, qcuts: list[int], kcuts: lis
         return []
     if mask is None:
         return [(0, nq, 0, nk, Tile.FULL)]
-    if not _arithmetic(mask):
+    if not mask.arithmetic:  # classify evaluates tensors: the whole grid at once
         return grid_leaves(mask, ext, qcuts, kcuts)
     leaves: list[tuple[int, int, int, int, Tile]] = []
 
@@ -264,21 +240,13 @@ def grid_codes(mask: Mask, ext: Extent, block_q: int, block_k: int) -> torch.Ten
     2 partial), from the mask's own ``classify_grid`` (dense masks: one vectorised reduction per
     grid, cached on the mask; structured masks: closed forms; ``& | ~``: combined). None for masks
     holding a predicate, which are evaluated tile by tile (never the whole [Q, K] at once)."""
-    if _holds_predicate(mask):
+    if not mask.whole_grid:
         return None
     empty, full = mask.classify_grid(ext, block_q, block_k)  # [nq, nk] each
     codes = torch.full(empty.shape, 2, dtype=torch.int8)  # partial
     codes[full] = 1
     codes[empty] = 0
     return codes
-
-
-def _holds_predicate(mask: Mask) -> bool:
-    if isinstance(mask, Predicate):
-        return True
-    if isinstance(mask, (And, Or)):
-        return _holds_predicate(mask.a) or _holds_predicate(mask.b)
-    return isinstance(mask, Not) and _holds_predicate(mask.a)
 
 
 def grid_leaves(mask: Mask, ext: Extent, qcuts: list[int], kcuts: list[int]) -> list[tuple[int, int, int, int, Tile]]:

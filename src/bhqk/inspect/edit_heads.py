@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from .. import masks
 from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
@@ -55,26 +54,12 @@ class HeadSubset(Mask):
         return f"{self.base!r}[heads {self.heads}]"
 
 
-def _per_head(m: Mask, H: int) -> bool:
-    """Whether ``m``'s entries may differ between heads (its tiles have an H axis > 1)."""
-    return as_4d(m.block(Extent(1, H, 1, 1), 0, 1, 0, 1)).shape[1] != 1
-
-
 def mask_heads(m: Mask | None, heads: list[int], H: int) -> Mask | None:
-    """The mask of the sub-call on ``heads``: ``m`` itself when it is the same for every head."""
+    """The mask of the sub-call on ``heads``: ``m`` itself when it is the same for every head, the
+    mask's own selection where it can make one (``Mask.select_heads``), else ``m`` read per tile."""
     if m is None or (len(heads) == H and heads == list(range(H))):
         return m
-    if isinstance(m, masks.Dense):
-        return masks.dense(value_heads(m.tensor, heads, H))  # [#B, #h, #Q, #K]
-    if isinstance(m, (masks.And, masks.Or)):
-        a, b = mask_heads(m.a, heads, H), mask_heads(m.b, heads, H)
-        assert a is not None and b is not None
-        return type(m)(a, b)
-    if isinstance(m, masks.Not):
-        inner = mask_heads(m.a, heads, H)
-        assert inner is not None
-        return masks.Not(inner)
-    return HeadSubset(m, heads, H) if _per_head(m, H) else m
+    return m.select_heads(heads, H) or HeadSubset(m, heads, H)
 
 
 class _BiasSubset(Bias):

@@ -77,8 +77,8 @@ class _Call:
         self.fast = p.softcap is None and p.bias is None  # entropy linear in k: through a matmul
         self.buffers: dict = {}
         self.kts: dict[tuple[int, int], torch.Tensor] = {}  # key tiles, built once per call
-        self.causal = _only_past(p.mask, self.ext)  # no key after pos(i) is allowed: |pos − j| = pos − j
-        self.plain_causal = self.causal and type(p.mask).__name__ == "Causal" and p.bias is None
+        self.causal = p.mask is not None and p.mask.only_past(self.ext)  # no key after pos(i): |pos − j| = pos − j
+        self.plain_causal = p.mask is not None and p.mask.causal_diagonal(self.ext) == self.c and p.bias is None
 
     def sel(self, t: torch.Tensor) -> torch.Tensor:
         """A mask or bias tile [#B, #H, q, k] with the selected heads: [#B, #h, q, k]."""
@@ -165,25 +165,6 @@ def _add_diagonal(acc: torch.Tensor, P: torch.Tensor, delta: int, a: int) -> Non
         diag = P.diagonal(delta, -2, -1)  # [B, h, n]
         x0 = max(0, -delta)
         acc[:, :, a + x0:a + x0 + diag.shape[-1]] += diag
-
-
-def _only_past(mask, ext) -> bool:
-    """True when ``mask`` allows no key j > pos(i) = i + K − Q (a causal mask aligned at the bottom right,
-    a window with no right side, or an AND with one of them)."""
-    from ..masks import Causal
-    from ..masks.base import And
-    from ..masks.window import SlidingWindow
-
-    if mask is None:
-        return False
-    if isinstance(mask, And):
-        return _only_past(mask.a, ext) or _only_past(mask.b, ext)
-    aligned = mask.align == "bottom_right" or ext.Q == ext.K if isinstance(mask, (Causal, SlidingWindow)) else False
-    if isinstance(mask, Causal):
-        return aligned
-    if isinstance(mask, SlidingWindow):
-        return aligned and mask.right == 0
-    return False
 
 
 def runs(rows: list[int]) -> list[tuple[int, int]]:

@@ -6,7 +6,7 @@ whether a tile is empty, full or partial without evaluating it, so fast paths ca
 
 from __future__ import annotations
 
-import contextvars
+import copy
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +17,6 @@ from ..errors import MaskError
 from ..shapes import as_4d
 from ..text import grid
 from .args import extent
-
-NEGATED: contextvars.ContextVar[bool] = contextvars.ContextVar("bhqk_mask_negated", default=False)  # under an odd number of ~
-
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # FlexAttention's mask_mod
 
@@ -58,7 +55,63 @@ def causal_offset(align: str | None, Q: int, K: int, who: str) -> int:
 
 
 class Mask:
-    """Base of every mask. Subclasses implement :meth:`block` and, where they can, :meth:`classify`."""
+    """Base of every mask. Subclasses implement :meth:`block` and, where they can, :meth:`classify`.
+
+    What the fast paths ask of a mask, each class declares for itself (``& | ~`` derive it from
+    their parts; the defaults are the safe answers for a mask that says nothing):
+    :attr:`head_dependent`, :attr:`shift_invariant`, :attr:`arithmetic`, :attr:`whole_grid`,
+    :attr:`looks_inverted`, :attr:`allows_all`, :meth:`only_past`, :meth:`causal_diagonal`, :meth:`head_groups` and
+    :meth:`select_heads`."""
+
+    # ---- properties the fast paths read -----------------------------------------------------------
+
+    head_dependent: bool = True  # its entries may differ between heads (a tile may have an H axis > 1)
+    shift_invariant: bool = False  # it depends on k − q only: every block whose keys move with its rows looks alike
+    arithmetic: bool = False  # classify is arithmetic on the tile's edges (no tensor evaluated) at any size
+    whole_grid: bool = True  # classify_grid is affordable at any size (False: it evaluates a function on every entry)
+    looks_inverted: bool = False  # holds a tensor in nn.MultiheadAttention's polarity (True = masked out), by its look
+    allows_all: bool = False  # every query may attend every key (a per-head mask's part None)
+
+    def only_past(self, ext: Extent) -> bool:
+        """True when no query i may attend a key after its position i + K − Q (safe answer: False)."""
+        return False
+
+    def causal_diagonal(self, ext: Extent) -> int | None:
+        """The offset c when this mask is exactly ``key j ≤ query i + c`` (a causal mask, which the
+        fused kernels' ``is_causal`` can serve), else None."""
+        return None
+
+    def head_groups(self, H: int) -> list[list[int]]:
+        """The heads 0 … H-1 in groups that see the same mask structure (one group: one structure for
+        every head, or none known). A fast path may run each group as one call of its own."""
+        return [list(range(H))]
+
+    def select_heads(self, heads: list[int], H: int) -> Mask | None:
+        """This mask (of an H-head call) as seen by a call that runs only ``heads``, in that order
+        (a mask of a len(heads)-head call), or None when it cannot say without evaluating tiles
+        (callers then wrap it)."""
+        return None if self.head_dependent else self
+
+    def staged(self, device: torch.device) -> Mask:
+        """This mask with its public tensors, and its parts', on ``device``: a shallow copy where one
+        had to move, else the mask itself (the tiled device path then evaluates every tile from
+        tensors on the device). Private attributes (classification caches, read on the host by the
+        planners) stay where they are; a predicate's function is called as it is."""
+        moved: dict[str, object] = {}
+        for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, torch.Tensor) and value.device != device:
+                moved[name] = value.to(device)
+            elif isinstance(value, Mask) and (inner := value.staged(device)) is not value:
+                moved[name] = inner
+        if not moved:
+            return self
+        out = copy.copy(self)
+        vars(out).update(moved)
+        return out
+
+    # ---- the mask itself --------------------------------------------------------------------------
 
     def check(self, ext: Extent) -> None:
         """Raise MaskError if this mask cannot live in ``ext`` (wrong batch size, missing alignment...)."""
@@ -97,13 +150,17 @@ class Mask:
         """(Q, K) this mask implies on its own, if any (a dense mask does); used by ``str``."""
         return None
 
+    def natural_heads(self) -> int:
+        """The number of heads this mask is drawn with on its own (a per-head mask's H; else 1)."""
+        return 1
+
     def draw(self, Q: int | None = None, K: int | None = None, *,
              b: int = 0, h: int = 0, B: int | None = None, H: int | None = None) -> str:
         """The mask of one (batch, head) as rows of ■ (may attend) and · (masked), one row per query."""
         nat = self.natural_size() or (8, 8)
         Q = nat[0] if Q is None else Q
         K = nat[1] if K is None else K
-        full = self.materialize(B if B is not None else b + 1, H if H is not None else h + 1, Q, K)
+        full = self.materialize(B if B is not None else b + 1, H if H is not None else max(h + 1, self.natural_heads()), Q, K)
         tile = full[min(b, full.shape[0] - 1), min(h, full.shape[1] - 1)].expand(Q, K)
         return grid(tile.tolist())
 
@@ -125,7 +182,7 @@ class Mask:
         Q, K = min(nat[0], self.HTML_MAX), min(nat[1], self.HTML_MAX)
         note = f"{Q} queries × {K} keys" + (f" (the corner of {nat[0]} × {nat[1]})" if (Q, K) != tuple(nat) else "")
         try:
-            ext = Extent(1, 1, nat[0], nat[1])
+            ext = Extent(1, self.natural_heads(), nat[0], nat[1])
             self.check(ext)
             tile = as_4d(torch.as_tensor(self.block(ext, 0, Q, 0, K)))  # [.., #q, #k] -> [#B, #H, #q, #k]
             body = grid(tile[0, 0].expand(Q, K).tolist())  # [#q, #k] -> [Q, K]
@@ -185,22 +242,85 @@ class Mask:
                                         mask_mod=self.mask_mod(B, H, Q, K, device), seq_lengths=(Q, K))
 
 
-FROM_TENSOR: list[Callable[[torch.Tensor], Mask]] = []  # masks.dense adds ``dense`` at import (base imports nothing above it)
+_FROM_TENSOR: list[Callable[[torch.Tensor], Mask]] = []  # set by masks/__init__: register_tensor_mask(dense)
+
+
+def register_tensor_mask(fn: Callable[[torch.Tensor], Mask]) -> None:
+    """How ``mask & tensor``, ``and_masks(tensor, ...)`` and ``as_mask(tensor)`` read a bool tensor:
+    ``masks/__init__`` registers ``dense`` (which imports this module, so this one cannot import it)."""
+    _FROM_TENSOR[:] = [fn]
 
 
 def _as_mask(m: object) -> Mask:
     if isinstance(m, Mask):
         return m
-    if isinstance(m, torch.Tensor) and FROM_TENSOR:
-        return FROM_TENSOR[0](m)
+    if isinstance(m, torch.Tensor) and _FROM_TENSOR:
+        return _FROM_TENSOR[0](m)
     raise MaskError(f"cannot combine a mask with {type(m).__name__}; use bhqk.masks.dense(tensor) for tensors.")
 
 
-class And(Mask):
-    """May attend where both may attend."""
+def refine(*partitions: list[list[int]]) -> list[list[int]]:
+    """The coarsest partition of the heads finer than each of ``partitions`` (each a list of head
+    groups covering the same heads), groups ordered by their first head."""
+    of: dict[int, tuple] = {}
+    for part in partitions:
+        for i, group in enumerate(part):
+            for h in group:
+                of[h] = of.get(h, ()) + (i,)
+    out: dict[tuple, list[int]] = {}
+    for h in sorted(of):
+        out.setdefault(of[h], []).append(h)
+    return sorted(out.values(), key=lambda g: g[0])
+
+
+class _Pair(Mask):
+    """``&`` and ``|``: what the fast paths ask, derived from the two parts."""
 
     def __init__(self, a: Mask, b: Mask) -> None:
         self.a, self.b = a, b
+
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        return self.a.head_dependent or self.b.head_dependent
+
+    @property
+    def shift_invariant(self) -> bool:  # type: ignore[override]
+        return self.a.shift_invariant and self.b.shift_invariant
+
+    @property
+    def arithmetic(self) -> bool:  # type: ignore[override]
+        return self.a.arithmetic and self.b.arithmetic
+
+    @property
+    def whole_grid(self) -> bool:  # type: ignore[override]
+        return self.a.whole_grid and self.b.whole_grid
+
+    @property
+    def looks_inverted(self) -> bool:  # type: ignore[override]
+        return self.a.looks_inverted or self.b.looks_inverted
+
+    def head_groups(self, H: int) -> list[list[int]]:
+        return refine(self.a.head_groups(H), self.b.head_groups(H))
+
+    def select_heads(self, heads: list[int], H: int) -> Mask | None:
+        if not self.head_dependent:
+            return self
+        a, b = self.a.select_heads(heads, H), self.b.select_heads(heads, H)
+        return None if a is None or b is None else self.like(a, b)
+
+    def like(self, a: Mask, b: Mask) -> Mask:
+        """The same combinator of other parts."""
+        raise NotImplementedError
+
+
+class And(_Pair):
+    """May attend where both may attend."""
+
+    def only_past(self, ext: Extent) -> bool:
+        return self.a.only_past(ext) or self.b.only_past(ext)
+
+    def like(self, a: Mask, b: Mask) -> Mask:
+        return b if a.allows_all else a if b.allows_all else And(a, b)
 
     def check(self, ext: Extent) -> None:
         self.a.check(ext)
@@ -233,11 +353,14 @@ class And(Mask):
         return ea | eb, fa & fb
 
 
-class Or(Mask):
+class Or(_Pair):
     """May attend where either may attend."""
 
-    def __init__(self, a: Mask, b: Mask) -> None:
-        self.a, self.b = a, b
+    def only_past(self, ext: Extent) -> bool:
+        return self.a.only_past(ext) and self.b.only_past(ext)
+
+    def like(self, a: Mask, b: Mask) -> Mask:
+        return a if a.allows_all else b if b.allows_all else Or(a, b)
 
     def check(self, ext: Extent) -> None:
         self.a.check(ext)
@@ -273,15 +396,36 @@ class Or(Mask):
 class Not(Mask):
     """May attend exactly where the inner mask may not."""
 
+    looks_inverted = False  # a tensor under ~ is read with the opposite polarity: on purpose
+
     def __init__(self, a: Mask) -> None:
         self.a = a
 
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        return self.a.head_dependent
+
+    @property
+    def shift_invariant(self) -> bool:  # type: ignore[override]
+        return self.a.shift_invariant
+
+    @property
+    def arithmetic(self) -> bool:  # type: ignore[override]
+        return self.a.arithmetic
+
+    @property
+    def whole_grid(self) -> bool:  # type: ignore[override]
+        return self.a.whole_grid
+
+    def head_groups(self, H: int) -> list[list[int]]:
+        return self.a.head_groups(H)
+
+    def select_heads(self, heads: list[int], H: int) -> Mask | None:
+        a = self.a.select_heads(heads, H)
+        return None if a is None else self if a is self.a else Not(a)
+
     def check(self, ext: Extent) -> None:
-        token = NEGATED.set(not NEGATED.get())  # a dense mask inside reads with the opposite polarity
-        try:
-            self.a.check(ext)
-        finally:
-            NEGATED.reset(token)
+        self.a.check(ext)
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         return ~self.a.block(ext, q0, q1, k0, k1, device)
@@ -297,11 +441,7 @@ class Not(Mask):
         return f"~{self.a!r}"
 
     def mask_mod(self, B, H, Q, K, device=None):
-        token = NEGATED.set(not NEGATED.get())  # a dense mask inside reads with the opposite polarity
-        try:
-            fa = self.a.mask_mod(B, H, Q, K, device)
-        finally:
-            NEGATED.reset(token)
+        fa = self.a.mask_mod(B, H, Q, K, device)
         return lambda b, h, q_idx, kv_idx: ~fa(b, h, q_idx, kv_idx)
 
     def classify_grid(self, ext, block_q, block_k):
@@ -321,11 +461,13 @@ def tensor_versions(mask: object) -> tuple | None:
             if value.is_inference():
                 return None
             out.append((value.data_ptr(), value._version))
-        elif isinstance(value, Mask):
-            inner = tensor_versions(value)
-            if inner is None:
-                return None
-            out.extend(inner)
+        else:
+            for part in value if isinstance(value, tuple) else (value,):  # a per-head mask's parts: a tuple
+                if isinstance(part, Mask):
+                    inner = tensor_versions(part)
+                    if inner is None:
+                        return None
+                    out.extend(inner)
     return tuple(out)
 
 

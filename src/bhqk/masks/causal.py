@@ -22,6 +22,14 @@ from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bou
 class Causal(Mask):
     """Query i may attend to key j when ``j <= i + offset`` (offset from the alignment)."""
 
+    head_dependent, shift_invariant, arithmetic = False, True, True
+
+    def only_past(self, ext: Extent) -> bool:
+        return self.align == "bottom_right" or ext.Q == ext.K
+
+    def causal_diagonal(self, ext: Extent) -> int | None:
+        return self.offset(ext)
+
     def __init__(self, align: str | None = None) -> None:
         self.align = args.alignment("causal", align)
 

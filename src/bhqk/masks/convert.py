@@ -8,7 +8,7 @@ from ..errors import MaskError
 from .args import _what, count
 from .base import Extent, Mask, _as_mask
 from .causal import Causal
-from .dense import dense
+from .dense import dense, warn_if_inverted
 from .padding import key_padding
 
 
@@ -89,13 +89,16 @@ def to_sdpa(mask: Mask | None, B: int, H: int, Q: int, K: int, device=None) -> d
 
 def as_mask(mask: Mask | torch.Tensor | None) -> Mask | None:
     """Accept a bhqk mask, a bool tensor (wrapped by ``dense``) or None: the ``mask`` argument of
-    every attention call (the same conversion as ``&`` and ``|`` use)."""
+    every attention call (the same conversion as ``&`` and ``|`` use). The one place that warns
+    about a tensor in ``nn.MultiheadAttention`` polarity (outside any ``~``)."""
     if mask is None:
         return None
     if not isinstance(mask, (Mask, torch.Tensor)):
         raise MaskError(f"mask must be a bhqk mask or a bool tensor broadcastable to [B, H, Q, K] (True = may attend), "
                         f"got {type(mask).__name__}.")
-    return _as_mask(mask)
+    out = _as_mask(mask)
+    warn_if_inverted(out)
+    return out
 
 
 __all__ = ["from_torch_mha", "from_hf", "to_sdpa", "as_mask", "Extent"]

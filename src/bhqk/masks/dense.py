@@ -11,7 +11,7 @@ import torch
 
 from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, as_4d, check_broadcast, tile_of
-from .base import FROM_TENSOR, NEGATED, Extent, Mask, Tile
+from .base import Extent, Mask, Tile
 
 
 class Dense(Mask):
@@ -28,7 +28,6 @@ class Dense(Mask):
         if tensor.dim() > 4:
             raise MaskError(f"mask has {tensor.dim()} axes {list(tensor.shape)}; it must broadcast to [B, H, Q, K].")
         self.tensor = as_4d(tensor)  # [#B, #H, #Q, #K]
-        self._polarity_checked = False
         self._source = tensor  # as the caller passed it: its in-place version counter keys the grid cache
 
     @property
@@ -41,12 +40,24 @@ class Dense(Mask):
             return self.__dict__.setdefault("_inference_grids", {})
         return _grids_of(self._source)
 
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        return self.tensor.shape[1] != 1
+
+    @property
+    def looks_inverted(self) -> bool:  # type: ignore[override]
+        """Looked at once per mask (``as_mask`` warns for the call's mask): see :func:`inverted_look`."""
+        if "_inverted" not in self.__dict__:
+            self._inverted = inverted_look(self.tensor)
+        return self._inverted
+
+    def select_heads(self, heads: list[int], H: int) -> Mask | None:
+        if not self.head_dependent:
+            return self
+        return Dense(self.tensor[:, heads])  # [#B, H, #Q, #K] -> [#B, h, #Q, #K]
+
     def check(self, ext: Extent) -> None:
         check_broadcast("mask", self.tensor.shape, Sizes(B=ext.B, H=ext.H, Q=ext.Q, K=ext.K), MaskError)
-        if ext.Q == ext.K and not self._polarity_checked and not NEGATED.get():
-            self._polarity_checked = True
-            warn_if_inverted(self.tensor)
-
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         t = tile_of(self.tensor, q0, q1, k0, k1)  # [#B, #H, #q, #k]
@@ -108,13 +119,19 @@ class Dense(Mask):
         return f"dense(<bool {list(self.tensor.shape)}>)"
 
 
-def warn_if_inverted(t: torch.Tensor) -> None:
+def inverted_look(t: torch.Tensor) -> bool:
     """A self-attention mask [#B, #H, N, N] that forbids every query its own key and allows some later
-    key is, almost surely, ``nn.MultiheadAttention``'s polarity (True = masked out): warn."""
+    key is, almost surely, ``nn.MultiheadAttention``'s polarity (True = masked out)."""
     n = t.shape[-1]
     if n < 2 or t.shape[-2] != n or bool(t.diagonal(dim1=-2, dim2=-1).any()):
-        return
-    if bool(torch.triu(t, diagonal=1).any()):  # [#B, #H, N, N]: some query may attend a later key
+        return False
+    return bool(torch.triu(t, diagonal=1).any())  # [#B, #H, N, N]: some query may attend a later key
+
+
+def warn_if_inverted(mask: Mask) -> None:
+    """Warn (once, where a call's mask is made: ``as_mask``) when ``mask`` holds a tensor in
+    ``nn.MultiheadAttention`` polarity outside any ``~`` (:attr:`Mask.looks_inverted`)."""
+    if mask.looks_inverted:
         warn_misuse(
             "mask forbids every query its own position and allows later keys: this looks like a mask in "
             "nn.MultiheadAttention polarity (True = masked out). bhqk masks use True = may attend: convert "
@@ -171,6 +188,3 @@ def _blocks(x: torch.Tensor, dim: int, size: int, reduce) -> torch.Tensor:
 def dense(tensor: torch.Tensor) -> Dense:
     """A bool tensor that broadcasts to [B, H, Q, K]; True = may attend."""
     return Dense(tensor)
-
-
-FROM_TENSOR.append(dense)  # ``mask & tensor`` and ``and_masks(tensor, ...)`` in base take a tensor as this

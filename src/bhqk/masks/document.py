@@ -25,6 +25,8 @@ def _ids(name: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 class Document(Mask):
+    head_dependent, arithmetic = False, True
+
     def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> None:
         self.q_ids = _ids("q_ids", q_ids)
         self.k_ids = self.q_ids if k_ids is None else _ids("k_ids", k_ids)

@@ -18,6 +18,8 @@ from .base import Extent, Mask, Tile, positions, scalar, tile_bounds
 class KeysBelow(Mask):
     """Key j is visible to batch element b when ``j < limit[b]`` (an int applies to every element)."""
 
+    head_dependent, arithmetic = False, True
+
     def __init__(self, limit: int | list[int] | torch.Tensor, name: str = "padding", arg: str = "lengths") -> None:
         self.name, self.arg = name, arg
         limit = args.lengths(name, arg, limit)  # an int, or int64 [B]
@@ -74,6 +76,8 @@ def padding(lengths: int | list[int] | torch.Tensor) -> KeysBelow:
 
 class KeyPadding(Mask):
     """A bool ``[B, K]`` with True = a real key that may be attended."""
+
+    head_dependent, arithmetic = False, True
 
     def __init__(self, valid: torch.Tensor) -> None:
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:

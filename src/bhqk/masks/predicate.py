@@ -15,11 +15,31 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MaskError
+from ..shapes import as_4d
 from .base import Extent, Mask
 from .dense import Dense
 
 
 class Predicate(Mask):
+    whole_grid = False  # its classify_grid calls fn on every entry: the fast paths classify it tile by tile
+
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        """Whether fn's result has a head axis, asked of fn once on one entry of two heads."""
+        if "_by_head" not in self.__dict__:
+            self._by_head = as_4d(torch.as_tensor(self.block(Extent(1, 2, 1, 1), 0, 1, 0, 1))).shape[1] != 1
+        return self._by_head
+
+    def select_heads(self, heads: list[int], H: int) -> Mask | None:
+        if not self.head_dependent:
+            return self
+        fn, idx = self.fn, torch.tensor(heads, dtype=torch.long)
+
+        def on_heads(b, h, q_idx, kv_idx):  # head i of the narrower call is head heads[i] of this one
+            return fn(b, idx.to(h.device)[h], q_idx, kv_idx)
+
+        return Predicate(on_heads, f"{self.name}[heads {heads}]")
+
     def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None) -> None:
         if not callable(fn):
             raise MaskError(f"predicate: fn must be a function fn(b, h, q_idx, k_idx) -> bool tensor, got {type(fn).__name__}.")

@@ -31,6 +31,8 @@ class Span(Mask):
     """May attend everywhere except keys ``[k0, k1)`` for queries at positions ``[q0, q1)``
     (``q0=0, q1=None``: every query)."""
 
+    head_dependent = False
+
     def __init__(self, k0: int, k1: int, q0: int = 0, q1: int | None = None, who: str = "block_span") -> None:
         self.k0 = args.count(who, "key start", k0)
         self.k1 = args.count(who, "key stop", k1, minimum=self.k0)

@@ -88,6 +88,10 @@ def _as4(t: torch.Tensor) -> torch.Tensor:
 class View(Mask):
     """The part of ``base`` (a mask over the global ``ext``) that local queries and keys see."""
 
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        return self.base.head_dependent
+
     def __init__(self, base: Mask, ext: Extent, q_map: IndexMap, k_map: IndexMap) -> None:
         if q_map.n_global != ext.Q or k_map.n_global != ext.K:
             raise MaskError(f"view: index maps cover Q={q_map.n_global}, K={k_map.n_global} but the global extent "

@@ -16,6 +16,11 @@ from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bou
 
 
 class SlidingWindow(Mask):
+    head_dependent, shift_invariant, arithmetic = False, True, True
+
+    def only_past(self, ext: Extent) -> bool:
+        return (self.align == "bottom_right" or ext.Q == ext.K) and self.right == 0
+
     def __init__(self, left: int, right: int = 0, align: str | None = None) -> None:
         self.left = args.count("sliding_window", "left", left)
         self.right = args.count("sliding_window", "right", right)
