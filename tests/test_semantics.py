@@ -12,7 +12,7 @@ cannot take it must refuse in words: where its ``why_not`` gives a reason, the c
 BackendError saying it (and a built-in backend may refuse only for its documented limits), and the
 grid then runs the largest part of the call the backend does take (without gradients, without lse).
 
-Properties: every mask kind (conftest.mask_kinds), fully masked rows (by the mask, by a −inf bias, by
+Properties: every mask kind (conftest.mask_kinds, and masks that differ by head), fully masked rows (by the mask, by a −inf bias, by
 padding 0), sinks, GQA/MQA, both layouts, return_lse, bias/ALiBi/softcap, float64 and float32
 (pairwise, not the full product), fp16/bf16 (within twice PyTorch's own math path's error),
 non-finite inputs (NaN/±inf reach exactly the rows that may attend them), a ``finfo.min`` bias,
@@ -148,10 +148,25 @@ class Case:
         return "-".join(bits)
 
 
+def per_head_kinds(B: int, H: int, Q: int, K: int, seed: int = 0) -> dict[str, masks.Mask]:
+    """Masks that differ by head (H = 4): the budgets' streaming heads (a sink and a window) beside
+    full heads, ANDed with causal, and one part per head of four other kinds (a dense part that
+    differs by head itself, None = every key)."""
+    kinds = mask_kinds(B, H, Q, K, seed=seed)
+    stream = ~masks.key_span(0, 2) | masks.sliding_window(2, align="bottom_right")
+    return {
+        "per_head_stream": masks.choose(torch.tensor([False, True, True, False]), None, stream) & masks.causal("bottom_right"),
+        "per_head_mixed": masks.per_head([kinds["window"], kinds["document"], None,
+                                          masks.dense(torch.rand(B, H, Q, K, generator=torch.Generator().manual_seed(seed)) > 0.3)]),
+    }
+
+
 def _mask(c: Case):
     Q, K = c.QK
     if c.kind == "padding0":  # batch element 1 has no key: every row of it is fully masked
         m = masks.padding(torch.tensor([K] + [0] * (c.B - 1)))
+    elif c.kind.startswith("per_head"):
+        m = per_head_kinds(c.B, c.H, Q, K, seed=c.seed)[c.kind]
     else:
         m = None if c.kind == "none" else mask_kinds(c.B, c.H, Q, K, seed=c.seed)[c.kind]
     if c.dead:  # query row 1 may attend nothing, in every batch element and head
@@ -273,7 +288,7 @@ def judge(backend: str, c: Case) -> None:
 # ---- the grid: pairwise over the properties -------------------------------------------------------
 
 FACTORS = {
-    "kind": ["none", *mask_kinds(1, 1, 4, 4)],
+    "kind": ["none", *mask_kinds(1, 1, 4, 4), *per_head_kinds(1, 4, 4, 4)],
     "dtype": [torch.float64, torch.float32],
     "layout": ["bhnd", "bnhd"],
     "Hkv": [4, 2, 1],
@@ -315,7 +330,7 @@ def test_the_grid_holds_every_pair_of_properties():
     for a, b in itertools.combinations(FACTORS, 2):
         seen = {(str(getattr(c, a)), str(getattr(c, b))) for c in CASES}
         assert len(seen) == len(FACTORS[a]) * len(FACTORS[b]), (a, b)
-    assert len(CASES) < 60  # pairwise, not the product
+    assert len(CASES) < 70  # pairwise, not the product (at least |kinds| × |extras| = 60 rows)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
