@@ -157,3 +157,68 @@ def test_a_mask_is_a_value_writing_into_the_tensor_it_was_built_from_changes_not
     valid.fill_(True)
     got = bhqk.attention(q.float(), k.float(), v.float(), m, backend=backend)
     assert_close(got, want, dtype=torch.float32, n=N, msg=f"{kind} on {backend} after an in-place write")
+
+
+# ---- what each mask declares of itself agrees with what it is ------------------------------------------
+
+def _declaring_kinds(B, H, Q, K):
+    kinds = dict(mask_kinds(B, H, Q, K))
+    c = masks.causal("bottom_right")
+    kinds.update({
+        "per_head": masks.per_head([c, masks.sliding_window(1, align="bottom_right"), None]),
+        "per_head_same": masks.per_head([c, c, c]),
+        "dense_by_head": masks.dense(torch.rand(B, H, Q, K, generator=torch.Generator().manual_seed(4)) > 0.5),
+        "predicate_by_head": masks.predicate(lambda b, h, q, k: (q + h) >= k, "by_head"),
+        "window&~span": masks.sliding_window(2, align="bottom_right") & ~masks.key_span(0, 1),
+        "causal|window": masks.causal("bottom_right") | masks.sliding_window(1, 1, align="bottom_right"),
+    })
+    return kinds
+
+
+@pytest.mark.parametrize("Q, K", [(6, 6), (4, 9)])
+def test_declared_properties_agree_with_the_materialized_mask(Q, K):
+    """head_dependent, shift_invariant, only_past, causal_diagonal, head_groups and select_heads:
+    a property a mask declares True (or a value it gives) holds on its materialized entries."""
+    B, H = 2, 3
+    ext = Extent(B, H, Q, K)
+    i, j = torch.arange(Q)[:, None], torch.arange(K)[None, :]
+    for name, m in _declaring_kinds(B, H, Q, K).items():
+        t = m.materialize(B, H, Q, K).expand(B, H, Q, K)
+        if not m.head_dependent:
+            assert bool((t == t[:, :1]).all()), name
+        if m.shift_invariant:  # entries depend on k − q only: equal along every diagonal
+            assert torch.equal(t[..., 1:, 1:], t[..., :-1, :-1]), name
+        if m.only_past(ext):
+            assert not bool(t[..., j > i + K - Q].any()), name
+        if (c := m.causal_diagonal(ext)) is not None:
+            assert torch.equal(t, (j <= i + c).expand(B, H, Q, K)), name
+        groups = m.head_groups(H)
+        assert sorted(h for g in groups for h in g) == list(range(H)), name
+        for hs in groups:
+            sub = m.select_heads(hs, H)
+            if sub is not None:
+                assert torch.equal(sub.materialize(B, len(hs), Q, K).expand(B, len(hs), Q, K), t[:, hs]), name
+    kinds = _declaring_kinds(B, H, Q, K)
+    assert kinds["per_head"].head_dependent and kinds["dense_by_head"].head_dependent
+    assert kinds["predicate_by_head"].head_dependent and not kinds["per_head_same"].head_dependent
+    assert kinds["window&~span"].only_past(ext) and kinds["window"].shift_invariant
+    assert kinds["per_head"].head_groups(H) == [[0], [1], [2]]
+
+
+def test_the_polarity_warning_is_said_where_a_tensor_becomes_the_calls_mask():
+    """A tensor in nn.MultiheadAttention polarity warns where it becomes a call's mask (``as_mask``),
+    outside any ``~``; building the mask warns of nothing."""
+    import warnings
+
+    from bhqk.errors import MisuseWarning
+
+    mha = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = masked out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MisuseWarning)
+        m = masks.dense(mha) & masks.padding(4)  # no warning yet
+        masks.as_mask(~m)
+        masks.as_mask(masks.per_head([~masks.dense(mha), masks.causal()]))
+    with pytest.warns(MisuseWarning, match="polarity"):
+        masks.as_mask(m)
+    with pytest.warns(MisuseWarning, match="polarity"):
+        masks.as_mask(masks.per_head([masks.dense(mha), masks.causal()]))

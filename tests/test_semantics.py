@@ -12,10 +12,10 @@ cannot take it must refuse in words: where its ``why_not`` gives a reason, the c
 BackendError saying it (and a built-in backend may refuse only for its documented limits), and the
 grid then runs the largest part of the call the backend does take (without gradients, without lse).
 
-Properties: every mask kind (conftest.mask_kinds, and masks that differ by head), fully masked rows (by the mask, by a −inf bias, by
-padding 0), sinks, GQA/MQA, both layouts, return_lse, bias/ALiBi/softcap, float64 and float32
-(pairwise, not the full product), fp16/bf16 (within twice PyTorch's own math path's error),
-non-finite inputs (NaN/±inf reach exactly the rows that may attend them), a ``finfo.min`` bias,
+Properties: every mask kind (conftest.mask_kinds, and masks that differ by head), fully masked
+rows (by the mask, by a −inf bias, by padding 0), sinks, GQA/MQA, both layouts, return_lse,
+bias/ALiBi/softcap, float64 and float32 (pairwise, not the full product), fp16/bf16 (within twice
+PyTorch's own math path's error), non-finite inputs (NaN/±inf reach exactly the rows that may attend them), a ``finfo.min`` bias,
 empty sizes (B, Q or K = 0), dropout's fully masked rows and rescaling, and argument validation.
 """
 
@@ -154,10 +154,10 @@ def per_head_kinds(B: int, H: int, Q: int, K: int, seed: int = 0) -> dict[str, m
     differs by head itself, None = every key)."""
     kinds = mask_kinds(B, H, Q, K, seed=seed)
     stream = ~masks.key_span(0, 2) | masks.sliding_window(2, align="bottom_right")
+    by_head = torch.rand(B, H, Q, K, generator=torch.Generator().manual_seed(seed)) > 0.3  # [B, H, Q, K]
     return {
         "per_head_stream": masks.choose(torch.tensor([False, True, True, False]), None, stream) & masks.causal("bottom_right"),
-        "per_head_mixed": masks.per_head([kinds["window"], kinds["document"], None,
-                                          masks.dense(torch.rand(B, H, Q, K, generator=torch.Generator().manual_seed(seed)) > 0.3)]),
+        "per_head_mixed": masks.per_head([kinds["window"], kinds["document"], None, masks.dense(by_head)]),
     }
 
 

@@ -341,6 +341,9 @@ class And(_Pair):
     def natural_size(self):
         return self.a.natural_size() or self.b.natural_size()
 
+    def natural_heads(self) -> int:
+        return max(self.a.natural_heads(), self.b.natural_heads())
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -380,6 +383,9 @@ class Or(_Pair):
 
     def natural_size(self):
         return self.a.natural_size() or self.b.natural_size()
+
+    def natural_heads(self) -> int:
+        return max(self.a.natural_heads(), self.b.natural_heads())
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
@@ -436,6 +442,9 @@ class Not(Mask):
 
     def natural_size(self):
         return self.a.natural_size()
+
+    def natural_heads(self) -> int:
+        return self.a.natural_heads()
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"

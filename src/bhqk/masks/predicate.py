@@ -27,7 +27,10 @@ class Predicate(Mask):
     def head_dependent(self) -> bool:  # type: ignore[override]
         """Whether fn's result has a head axis, asked of fn once on one entry of two heads."""
         if "_by_head" not in self.__dict__:
-            self._by_head = as_4d(torch.as_tensor(self.block(Extent(1, 2, 1, 1), 0, 1, 0, 1))).shape[1] != 1
+            try:
+                self._by_head = as_4d(torch.as_tensor(self.block(Extent(1, 2, 1, 1), 0, 1, 0, 1))).shape[1] != 1
+            except Exception:  # fn cannot take that one entry (it indexes by size): it may well differ by head
+                self._by_head = True
         return self._by_head
 
     def select_heads(self, heads: list[int], H: int) -> Mask | None:
