@@ -3,6 +3,9 @@
 Combine with ``&``, ``|``, ``~``; ``materialize(B, H, Q, K)`` gives a bool tensor; ``str(mask)``
 draws it; ``classify(extent, q0, q1, k0, k1)`` says whether a tile is empty, full or partial.
 For FlexAttention: ``mask_mod(B, H, Q, K)`` and ``block_mask(B, H, Q, K, block, device)``.
+``per_head([m0, m1, ...])`` / ``choose(heads, a, b)``: a mask per head. What the fast paths ask of
+a mask (head dependence, only the past, shift invariance, ...) each mask class declares itself
+(``Mask`` in base.py).
 """
 
 from .base import And, Extent, Mask, Not, Or, Tile, and_masks, or_masks, register_tensor_mask, tensor_versions
