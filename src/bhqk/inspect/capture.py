@@ -30,8 +30,8 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
-from .heads import HeadTable, head_table, record_sums
-from .layers import heads_rows, selected, selectors, sub_call, value_heads
+from .heads import HeadTable, head_table, received_curve, record_sums, sparkline
+from .layers import Selection, heads_rows, selected, sub_call, value_heads
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -154,8 +154,6 @@ class Record:
         at most 64 heads listed and a 240-point curve, at any Q and K)."""
         import html
 
-        from ..viz.stats_page import received_curve, sparkline
-
         s = self.sizes
         sizes = ", ".join(f"{k}={v}" for k, v in s.items())
         shapes = "".join(f"<li><code>{html.escape(n)}</code> {html.escape(self.shape(n))}</li>"
@@ -234,16 +232,17 @@ class Capture:
         topk: int = 0,
         block_q: int | None = None,
         block_k: int | None = None,
+        who: str = "capture",
     ) -> None:
         self.what = (what,) if isinstance(what, str) else tuple(what)
         bad = [w for w in self.what if w not in WHAT]
         if bad:
-            raise ValueError(f"capture: unknown what={bad}; choose from {list(WHAT)}.")
+            raise ValueError(f"{who}: unknown what={bad}; choose from {list(WHAT)}.")
         self.offsets = tuple(sorted({int(o) for o in offsets}))
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"capture: window must be a whole number of keys >= 1, got {window!r}.")
+            raise ValueError(f"{who}: window must be a whole number of keys >= 1, got {window!r}.")
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-            raise ValueError(f"capture: topk must be a whole number >= 0, got {topk!r}.")
+            raise ValueError(f"{who}: topk must be a whole number >= 0, got {topk!r}.")
         wants = set(self.what)
         if self.offsets:
             wants.add("offset")
@@ -261,12 +260,14 @@ class Capture:
             "entropy" in wants, "distance" in wants, "sink" in wants, "received" in wants,
             self.offsets, window, topk)
         self.blocks = (block_q, block_k)
-        self.layers = selectors(layers, "capture")
-        self.heads = None if heads is None else sorted({int(h) for h in heads})
-        self.rows = None if rows is None else sorted({int(r) for r in rows})
-        self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self.selection = Selection(who, layers, heads, model, rows)  # the same selection and errors as edit
+        self.layers, self.heads, self.rows = self.selection.layers, self.selection.heads, self.selection.rows
         self.records: list[Record] = []
-        self.calls = 0  # attention calls seen, selected or not
+
+    @property
+    def calls(self) -> int:
+        """Attention calls seen inside the block, selected or not."""
+        return self.selection.calls
 
     # ---- observer -------------------------------------------------------------------------
     def selected(self, index: int, name: str) -> bool:
@@ -275,20 +276,12 @@ class Capture:
     def on_event(self, event: str, data: dict[str, Any]) -> None:
         if event != "attention":
             return
-        index = self.calls
-        self.calls += 1
-        name = self._names.get(id(data.get("module")), f"attention.{index}")
-        if not self.selected(index, name):
+        index, name, hit = self.selection.call(data.get("module"))
+        if not hit:
             return
         p: Problem = data["problem"]
-        H, Q = p.ext.H, p.ext.Q
-        heads = list(range(H)) if self.heads is None else self.heads
-        rows = self.rows
-        for arg, sel, n, size in (("heads", heads, "H", H), ("rows", rows or [], "Q", Q)):
-            if sel and not (sel[0] >= 0 and sel[-1] < size):
-                raise IndexError(f"capture: {arg} {sel} out of range for call {name!r} with {n}={size}.")
-        if rows is not None and len(rows) == Q:
-            rows = None  # every row: no gather needed
+        heads = self.selection.heads_of(p.ext.H, name)
+        rows = self.selection.rows_of(p.ext.Q, name)  # None: every row, no gather needed
         rec = Record(index, name, data["backend"], dict(p.sizes.size), heads, rows, p.mask)
         with torch.no_grad():
             if {"scores", "weights", "lse"} & set(self.what):
@@ -410,6 +403,7 @@ def capture(
     cap = Capture(layers, heads, rows, what, model, offsets, window, topk, block_q, block_k)
     with observe.observing(cap):
         yield cap
+    cap.selection.finish()  # a block that recorded nothing says why (not when the block itself raised)
 
 
 __all__ = ["capture", "Capture", "Record", "recompute", "narrow"]

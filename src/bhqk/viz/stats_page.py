@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..inspect.heads import HeadTable
+from ..inspect.heads import HeadTable, bin_mean, received_curve, sparkline
 
 OVERVIEW = ("entropy", "sink", "prev")
 POINTS = 1000  # bins of a received curve
@@ -36,22 +36,6 @@ def received_curves(records: Sequence, points: int = POINTS) -> tuple[list[str],
         K = max(K, curve.numel())
         seen[r.name] = bin_mean(curve, points)
     return list(seen), list(seen.values()), K
-
-
-def received_curve(r) -> torch.Tensor:
-    """A record's attention received by each key per real row and head: [K] (float64)."""
-    return r.received.double().sum((0, 1)) / max(1.0, float(r.real.sum()))  # [B, h, K] -> [K]; real rows × heads × batch
-
-
-def bin_mean(x: torch.Tensor, points: int) -> torch.Tensor:
-    """``x`` [K] averaged into ceil(K / ceil(K / points)) ≤ points bins."""
-    K = x.numel()
-    if K <= points:
-        return x
-    w = math.ceil(K / points)
-    pad = (-K) % w
-    xp = torch.cat([x, x.new_full((pad,), float("nan"))])  # [K + pad]
-    return xp.view(-1, w).nanmean(-1)  # [bins]
 
 
 def overview_png(table: HeadTable, path: str | Path, columns: Sequence[str] = OVERVIEW) -> Path:
@@ -109,6 +93,13 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _cell(x) -> str:
+    """A head-table cell as text: numbers to 3 decimals, '-' where not captured."""
+    if isinstance(x, float):
+        return "-" if math.isnan(x) else f"{x:.3f}"
+    return str(x)
+
+
 def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
@@ -117,13 +108,13 @@ def page(table: HeadTable, overview: Path, received: Path, title: str = "attenti
          meta: dict[str, str] | None = None) -> str:
     """The HTML page: the two pictures inlined, the roles found, the head table (L·H rows)."""
     roles = table.roles()
-    role_rows = "".join(f"<tr><td>{li}</td><td>{html.escape(table.layers[li])}</td><td>{h}</td><td>{html.escape(r)}</td>"
-                        f"<td>{v:.3f}</td></tr>" for li, h, r, v in roles)
+    role_rows = "".join(f"<tr><td>{r.layer}</td><td>{html.escape(r.name)}</td><td>{r.head}</td><td>{html.escape(r.role)}</td>"
+                        f"<td>{r.score:.3f}</td></tr>" for r in roles)
     role_rows = role_rows or "<tr><td colspan=5>none above the thresholds</td></tr>"
     roles_head = "<tr><th>layer</th><th>name</th><th>head</th><th>role</th><th>score</th></tr>"
     alt = "overview: entropy, sink, previous-token per layer and head"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in ["layer", "name", "head", *table.columns])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in row) + "</tr>" for row in table.rows())
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(x))}</td>" for x in row) + "</tr>" for row in table.rows())
     info = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in (meta or {}).items())
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -136,20 +127,6 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}} img{{max-width:1
 <h2>Head table</h2><table data-testid="heads"><tr>{head}</tr>{body}</table>
 </body></html>
 """
-
-
-def sparkline(curve: torch.Tensor, width: int = 240, height: int = 40) -> str:
-    """An inline SVG polyline of ``curve`` (any length: binned to ``width`` points), log-scaled."""
-    c = bin_mean(curve.double(), width)
-    if c.numel() == 0:
-        return ""
-    y = torch.log10(c.clamp(min=1e-9))
-    lo, hi = float(y.min()), float(y.max())
-    span = (hi - lo) or 1.0
-    pts = " ".join(f"{i * width / max(1, c.numel() - 1):.1f},{height - (float(v) - lo) / span * height:.1f}"
-                   for i, v in enumerate(y))
-    return (f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}'>"
-            f"<polyline fill='none' stroke='#2a5ac8' stroke-width='1' points='{pts}'/></svg>")
 
 
 def write(table: HeadTable, records: Sequence, out: str | Path, title: str = "attention statistics",
