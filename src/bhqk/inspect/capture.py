@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,7 +80,7 @@ class Record:
     sizes: dict[str, int]  # the call's named sizes: B, H, Hkv, Q, K, d, dv
     heads: list[int]
     rows: list[int] | None
-    mask: Mask | None = None
+    mask: Mask | str | None = None  # a loaded record (load_records) holds the mask's text
     scores: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     lse: torch.Tensor | None = None
@@ -223,8 +224,8 @@ class Capture:
     def __init__(
         self,
         layers: int | str | Iterable[int | str] | None = None,
-        heads: Iterable[int] | None = None,
-        rows: Iterable[int] | None = None,
+        heads: int | Iterable[int] | None = None,
+        rows: int | Iterable[int] | None = None,
         what: str | Iterable[str] = ("weights",),
         model: nn.Module | None = None,
         offsets: Iterable[int] = (),
@@ -339,12 +340,35 @@ class Capture:
         return head_table(self.records, positions)
 
     def stats(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")):
-        """Per call and head: entropy, mean distance, share on the first token and on special tokens."""
+        """Per call and head of batch element ``b``, from captured weights (``what=("weights",)``): entropy,
+        mean distance, share on the first token and on special tokens. For statistics of every layer and
+        head without the weights, :meth:`head_table` is the one view (this says so when no weights were
+        captured)."""
+        if self.records and all(r.weights is None for r in self.records):
+            raise KeyError(self._go_to_head_table("stats()"))
         return head_stats(self, tokens, b=b, special=special)
 
     def summary(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")) -> str:
-        """The head statistics as a table, one row per (call, head)."""
+        """The head statistics as a table: :meth:`head_table`'s (one row per layer and head) when statistics
+        were captured, else one row per (call, head) from captured weights (:meth:`stats`)."""
+        if self.records and all(r.real is not None for r in self.records):
+            return str(self.head_table())
+        if self.records and all(r.weights is None for r in self.records):
+            raise KeyError(self._go_to_head_table("summary()"))
         return summary_table(self.stats(tokens, b=b, special=special), special=tuple(special) if tokens else ())
+
+    def _go_to_head_table(self, what: str) -> str:
+        if any(r.real is not None for r in self.records):
+            return (f"cap.{what} reads captured weights; this capture holds statistics computed without them: "
+                    "cap.head_table() is their table (str(table) prints it).")
+        return (f"cap.{what} has nothing to read: capture statistics with what=('entropy', 'distance', 'sink', "
+                "'received') and read cap.head_table().")
+
+    # ---- taking it away -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the records (every captured tensor, the sizes, heads, rows) to ``path`` with ``torch.save``;
+        :func:`load_records` reads them back (``head_table(load_records(path))``). Masks are kept as text."""
+        return save_records(self.records, path)
 
     def __repr__(self) -> str:
         names = list(dict.fromkeys(r.name for r in self.records))
@@ -375,13 +399,44 @@ class Capture:
         return "\n".join(lines)
 
 
+_TENSORS = ("scores", "weights", "lse", "head_outputs", "entropy", "distance", "sink", "local", "received", "mass", "real",
+            "topk_weights", "topk_keys")
+
+
+def save_records(records: Iterable[Record], path: str | Path) -> Path:
+    """Records as plain data (tensors, ints, strings; the mask as its repr) in one ``torch.save`` file."""
+    data = []
+    for r in records:
+        d: dict[str, Any] = {"index": r.index, "name": r.name, "backend": r.backend, "sizes": dict(r.sizes),
+                             "heads": list(r.heads), "rows": None if r.rows is None else list(r.rows),
+                             "mask": None if r.mask is None else repr(r.mask), "window": r.window,
+                             "offsets": None if r.offsets is None else {int(o): t.cpu() for o, t in r.offsets.items()}}
+        d.update({n: None if getattr(r, n) is None else getattr(r, n).cpu() for n in _TENSORS})
+        data.append(d)
+    path = Path(path)
+    torch.save({"bhqk.records": 1, "records": data}, path)
+    return path
+
+
+def load_records(path: str | Path) -> list[Record]:
+    """The records :func:`save_records` (or ``Capture.save``) wrote; ``record.mask`` is the mask's text."""
+    path = Path(path)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises its own types for a file it cannot read
+        raise ValueError(f"{path}: not a file of bhqk records ({type(e).__name__}: {e}).") from None
+    if not isinstance(blob, dict) or blob.get("bhqk.records") != 1:
+        raise ValueError(f"{path}: not a file of bhqk records (written by Capture.save / save_records).")
+    return [Record(**d) for d in blob["records"]]
+
+
 @contextlib.contextmanager
 def capture(
     layers: int | str | Iterable[int | str] | None = None,
-    heads: Iterable[int] | None = None,
+    heads: int | Iterable[int] | None = None,
     what: str | Iterable[str] = ("weights",),
     *,
-    rows: Iterable[int] | None = None,
+    rows: int | Iterable[int] | None = None,
     model: nn.Module | None = None,
     offsets: Iterable[int] = (),
     window: int | None = None,
@@ -406,4 +461,4 @@ def capture(
     cap.selection.finish()  # a block that recorded nothing says why (not when the block itself raised)
 
 
-__all__ = ["capture", "Capture", "Record", "recompute", "narrow"]
+__all__ = ["capture", "Capture", "Record", "recompute", "narrow", "save_records", "load_records"]

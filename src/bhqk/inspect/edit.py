@@ -56,7 +56,7 @@ class Edit:
     def __init__(
         self,
         layers: int | str | Iterable[int | str] | None = None,
-        heads: Iterable[int] | None = None,
+        heads: int | Iterable[int] | None = None,
         *,
         model: nn.Module | None = None,
         zero: bool = False,
@@ -351,7 +351,7 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
 @contextlib.contextmanager
 def edit(
     layers: int | str | Iterable[int | str] | None = None,
-    heads: Iterable[int] | None = None,
+    heads: int | Iterable[int] | None = None,
     *,
     model: nn.Module | None = None,
     zero: bool = False,

@@ -123,11 +123,13 @@ class HeadTable:
     def columns(self) -> list[str]:
         return list(self.values)
 
-    def top(self, column: str, n: int = 3) -> list[Head]:
-        """The ``n`` heads with the highest ``column``: (layer, head, value), layer the model's index."""
+    def top(self, column: str, n: int = 3, *, lowest: bool = False) -> list[Head]:
+        """The ``n`` heads with the highest ``column`` (``lowest``: the lowest): (layer, head, value), layer
+        the model's index, ``.name`` the module path."""
         v = self[column]
-        flat = torch.where(torch.isnan(v), float("-inf"), v).flatten()  # [L, H] -> [L·H], index i = row·H + head
-        idx = flat.argsort(descending=True)[:n]
+        fill = float("inf") if lowest else float("-inf")
+        flat = torch.where(torch.isnan(v), fill, v).flatten()  # [L, H] -> [L·H], index i = row·H + head
+        idx = flat.argsort(descending=not lowest, stable=True)[:n]
         H = v.shape[1]
         return [_named(Head, self.layers[int(i) // H], self.ids[int(i) // H], int(i) % H, float(flat[i]))
                 for i in idx if math.isfinite(float(flat[i]))]
