@@ -122,7 +122,8 @@ class Selection:
         done = "edited" if self.who == "edit" else "recorded"
         if self.calls == 0:
             model = f" ({type(self.model).__name__})" if self.model is not None else ""
-            raise ValueError(f"{self.who}: no attention call ran on bhqk inside the block, so nothing was {done}; "
+            given = f" (given layers={self.layers})" if self.layers is not None else ""
+            raise ValueError(f"{self.who}: no attention call ran on bhqk inside the block{given}, so nothing was {done}; "
                              f"if the block ran a model{model}, {REGISTER_HINT}.")
         for sel in self.layers or []:
             if isinstance(sel, int) and sel >= self.calls:
