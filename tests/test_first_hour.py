@@ -24,7 +24,6 @@ from bhqk import masks, viz
 from bhqk.cli import main
 from bhqk.errors import MaskError, ShapeError
 from bhqk.inspect import detect
-from bhqk.inspect.capture import load_records
 from bhqk.inspect.heads import ROLE_THRESHOLDS, HeadTable, head_table
 from bhqk.integrations.transformers import register
 from tolerance import assert_close
@@ -241,6 +240,8 @@ def test_head_table_to_json_from_json_to_csv_and_rows_of_numbers(streamed, tmp_p
 
 
 def test_records_save_and_load(streamed, tmp_path):
+    from bhqk.inspect.capture import load_records
+
     path = streamed.save(tmp_path / "records.pt")
     recs = load_records(path)
     assert [r.name for r in recs] == [r.name for r in streamed]
@@ -375,7 +376,9 @@ def test_weights_under_generate_say_it_is_a_decode_step(llama, ids):
 
 
 def test_inspect_does_not_import_viz():
-    for path in (ROOT / "src" / "bhqk" / "inspect").glob("*.py"):
+    import bhqk.inspect
+
+    for path in Path(bhqk.inspect.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 assert "viz" not in (node.module or "").split("."), f"{path.name} imports {node.module}"
