@@ -16,10 +16,10 @@ from torch import nn
 import bhqk
 from bhqk import bias as biases
 from bhqk import masks, observe
+from bhqk.errors import ShapeError
 from bhqk.functional.api import problem
 from bhqk.inspect import capture
 from bhqk.inspect.capture import recompute
-from bhqk.errors import ShapeError
 from conftest import concrete_backends, mask_kinds, qkv
 from tolerance import assert_close, assert_models_close, assert_paths_close
 

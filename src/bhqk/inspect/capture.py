@@ -67,7 +67,8 @@ class Record:
     ``head_outputs`` O [B, h, r, dv] (what the backend returned, before heads are merged).
 
     Statistics (row i of the call sits at key position pos(i) = i + K − Q): ``entropy`` [B, h, r]
-    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on key 0,
+    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on the first
+    key the row may attend (key 0 unless masked: a left-padded row's first real key),
     :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
     (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
     Σ over the captured real rows of P, ``mass`` [B, h, r] Σ_k P (1 − a sink logit's share), ``real``
@@ -452,8 +453,10 @@ def capture(
     ``"head_outputs"`` ([.., r, K] or [.., r, dv] per call) and the statistics ``"entropy"``,
     ``"distance"``, ``"sink"``, ``"received"`` (O(r + K) per head, computed tile by tile; see
     :class:`Record`); ``offsets=(1, ...)`` adds P on key pos(i) − o, ``window=W`` the mass within W
-    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all. The forward
-    itself is untouched.
+    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all; one index or a
+    bare string selects one (the same selection, and errors, as ``edit``). The forward itself is
+    untouched. A block that recorded nothing raises at its end, naming what was given and what ran
+    (or that no attention call ran on bhqk, and how to register it).
     """
     cap = Capture(layers, heads, rows, what, model, offsets, window, topk, block_q, block_k)
     with observe.observing(cap):

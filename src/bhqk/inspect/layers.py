@@ -16,7 +16,6 @@ from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, per_query_head
 
-
 REGISTER_HINT = ("the model's attention does not run on bhqk: call bhqk.integrations.transformers.register() and "
                  "set_attn_implementation(\"bhqk\") (or load it with attn_implementation=\"bhqk\")")
 

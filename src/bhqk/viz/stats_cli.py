@@ -148,7 +148,8 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
                    help="'local' is the attention within this many keys (default 8)")
     s.add_argument("--backend", default="auto", choices=("auto", "tiled", "torch", "reference"),
                    help="the attention backend the forward runs on (default auto); the statistics are the same")
-    s.add_argument("--json", default=None, metavar="FILE", help="write the whole head table as JSON (HeadTable.from_json reads it)")
+    s.add_argument("--json", default=None, metavar="FILE",
+                   help="write the whole head table as JSON (HeadTable.from_json reads it)")
     s.add_argument("--csv", default=None, metavar="FILE", help="write the whole head table as CSV, one line per head")
     s.add_argument("--top", type=int_at_least(1), default=None, metavar="N",
                    help=f"print only the N heads of each of {', '.join(TOP_COLUMNS)} (entropy: the lowest) instead of "
