@@ -16,6 +16,7 @@ from torch import nn
 import bhqk
 from bhqk import bias as biases
 from bhqk import masks, observe
+from bhqk.errors import ShapeError
 from bhqk.functional.api import problem
 from bhqk.inspect import capture
 from bhqk.inspect.capture import recompute
@@ -195,7 +196,7 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="layers takes"):
         capture(layers=[-1]).__enter__()
     q, k, v = qkv(1, 2, None, 3, 3, 4)
-    with pytest.raises(IndexError, match="heads .* out of range .* H=2"):
+    with pytest.raises(ShapeError, match="heads .* out of range .* H=2"):
         with capture(heads=[5]):
             bhqk.attention(q, k, v)
     with capture(heads=[0]) as cap:

@@ -29,7 +29,9 @@ def from_weights(P: torch.Tensor, K: int, Q: int, rows=None, offsets=(1,), windo
     out = {
         "entropy": -torch.special.xlogy(P, P).sum(-1),
         "distance": (P * D).sum(-1),
-        "sink": P[..., 0],
+        # P on the row's first key it may attend (key 0 unless masked: the first real key of a left-padded
+        # row); on these random inputs the keys a row may attend are exactly those with P > 0
+        "sink": P.gather(-1, (P > 0).to(torch.uint8).argmax(-1, keepdim=True))[..., 0],
         "mass": P.sum(-1),
     }
     for o in offsets:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
-from .heads import HeadTable, head_table, record_sums
-from .layers import heads_rows, selected, selectors, sub_call, value_heads
+from .heads import HeadTable, head_table, received_curve, record_sums, sparkline
+from .layers import Selection, heads_rows, selected, sub_call, value_heads
 from .rowstats import Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -66,7 +67,8 @@ class Record:
     ``head_outputs`` O [B, h, r, dv] (what the backend returned, before heads are merged).
 
     Statistics (row i of the call sits at key position pos(i) = i + K − Q): ``entropy`` [B, h, r]
-    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on key 0,
+    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on the first
+    key the row may attend (key 0 unless masked: a left-padded row's first real key),
     :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
     (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
     Σ over the captured real rows of P, ``mass`` [B, h, r] Σ_k P (1 − a sink logit's share), ``real``
@@ -79,7 +81,7 @@ class Record:
     sizes: dict[str, int]  # the call's named sizes: B, H, Hkv, Q, K, d, dv
     heads: list[int]
     rows: list[int] | None
-    mask: Mask | None = None
+    mask: Mask | str | None = None  # a loaded record (load_records) holds the mask's text
     scores: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     lse: torch.Tensor | None = None
@@ -154,8 +156,6 @@ class Record:
         at most 64 heads listed and a 240-point curve, at any Q and K)."""
         import html
 
-        from ..viz.stats_page import received_curve, sparkline
-
         s = self.sizes
         sizes = ", ".join(f"{k}={v}" for k, v in s.items())
         shapes = "".join(f"<li><code>{html.escape(n)}</code> {html.escape(self.shape(n))}</li>"
@@ -225,8 +225,8 @@ class Capture:
     def __init__(
         self,
         layers: int | str | Iterable[int | str] | None = None,
-        heads: Iterable[int] | None = None,
-        rows: Iterable[int] | None = None,
+        heads: int | Iterable[int] | None = None,
+        rows: int | Iterable[int] | None = None,
         what: str | Iterable[str] = ("weights",),
         model: nn.Module | None = None,
         offsets: Iterable[int] = (),
@@ -234,16 +234,17 @@ class Capture:
         topk: int = 0,
         block_q: int | None = None,
         block_k: int | None = None,
+        who: str = "capture",
     ) -> None:
         self.what = (what,) if isinstance(what, str) else tuple(what)
         bad = [w for w in self.what if w not in WHAT]
         if bad:
-            raise ValueError(f"capture: unknown what={bad}; choose from {list(WHAT)}.")
+            raise ValueError(f"{who}: unknown what={bad}; choose from {list(WHAT)}.")
         self.offsets = tuple(sorted({int(o) for o in offsets}))
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"capture: window must be a whole number of keys >= 1, got {window!r}.")
+            raise ValueError(f"{who}: window must be a whole number of keys >= 1, got {window!r}.")
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-            raise ValueError(f"capture: topk must be a whole number >= 0, got {topk!r}.")
+            raise ValueError(f"{who}: topk must be a whole number >= 0, got {topk!r}.")
         wants = set(self.what)
         if self.offsets:
             wants.add("offset")
@@ -261,12 +262,14 @@ class Capture:
             "entropy" in wants, "distance" in wants, "sink" in wants, "received" in wants,
             self.offsets, window, topk)
         self.blocks = (block_q, block_k)
-        self.layers = selectors(layers, "capture")
-        self.heads = None if heads is None else sorted({int(h) for h in heads})
-        self.rows = None if rows is None else sorted({int(r) for r in rows})
-        self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self.selection = Selection(who, layers, heads, model, rows)  # the same selection and errors as edit
+        self.layers, self.heads, self.rows = self.selection.layers, self.selection.heads, self.selection.rows
         self.records: list[Record] = []
-        self.calls = 0  # attention calls seen, selected or not
+
+    @property
+    def calls(self) -> int:
+        """Attention calls seen inside the block, selected or not."""
+        return self.selection.calls
 
     # ---- observer -------------------------------------------------------------------------
     def selected(self, index: int, name: str) -> bool:
@@ -275,20 +278,12 @@ class Capture:
     def on_event(self, event: str, data: dict[str, Any]) -> None:
         if event != "attention":
             return
-        index = self.calls
-        self.calls += 1
-        name = self._names.get(id(data.get("module")), f"attention.{index}")
-        if not self.selected(index, name):
+        index, name, hit = self.selection.call(data.get("module"))
+        if not hit:
             return
         p: Problem = data["problem"]
-        H, Q = p.ext.H, p.ext.Q
-        heads = list(range(H)) if self.heads is None else self.heads
-        rows = self.rows
-        for arg, sel, n, size in (("heads", heads, "H", H), ("rows", rows or [], "Q", Q)):
-            if sel and not (sel[0] >= 0 and sel[-1] < size):
-                raise IndexError(f"capture: {arg} {sel} out of range for call {name!r} with {n}={size}.")
-        if rows is not None and len(rows) == Q:
-            rows = None  # every row: no gather needed
+        heads = self.selection.heads_of(p.ext.H, name)
+        rows = self.selection.rows_of(p.ext.Q, name)  # None: every row, no gather needed
         rec = Record(index, name, data["backend"], dict(p.sizes.size), heads, rows, p.mask)
         with torch.no_grad():
             if {"scores", "weights", "lse"} & set(self.what):
@@ -346,12 +341,35 @@ class Capture:
         return head_table(self.records, positions)
 
     def stats(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")):
-        """Per call and head: entropy, mean distance, share on the first token and on special tokens."""
+        """Per call and head of batch element ``b``, from captured weights (``what=("weights",)``): entropy,
+        mean distance, share on the first token and on special tokens. For statistics of every layer and
+        head without the weights, :meth:`head_table` is the one view (this says so when no weights were
+        captured)."""
+        if self.records and all(r.weights is None for r in self.records):
+            raise KeyError(self._go_to_head_table("stats()"))
         return head_stats(self, tokens, b=b, special=special)
 
     def summary(self, tokens: Sequence[str] | None = None, *, b: int = 0, special: Iterable[str] = ("[CLS]", "[SEP]")) -> str:
-        """The head statistics as a table, one row per (call, head)."""
+        """The head statistics as a table: :meth:`head_table`'s (one row per layer and head) when statistics
+        were captured, else one row per (call, head) from captured weights (:meth:`stats`)."""
+        if self.records and all(r.real is not None for r in self.records):
+            return str(self.head_table())
+        if self.records and all(r.weights is None for r in self.records):
+            raise KeyError(self._go_to_head_table("summary()"))
         return summary_table(self.stats(tokens, b=b, special=special), special=tuple(special) if tokens else ())
+
+    def _go_to_head_table(self, what: str) -> str:
+        if any(r.real is not None for r in self.records):
+            return (f"cap.{what} reads captured weights; this capture holds statistics computed without them: "
+                    "cap.head_table() is their table (str(table) prints it).")
+        return (f"cap.{what} has nothing to read: capture statistics with what=('entropy', 'distance', 'sink', "
+                "'received') and read cap.head_table().")
+
+    # ---- taking it away -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the records (every captured tensor, the sizes, heads, rows) to ``path`` with ``torch.save``;
+        :func:`load_records` reads them back (``head_table(load_records(path))``). Masks are kept as text."""
+        return save_records(self.records, path)
 
     def __repr__(self) -> str:
         names = list(dict.fromkeys(r.name for r in self.records))
@@ -382,13 +400,44 @@ class Capture:
         return "\n".join(lines)
 
 
+_TENSORS = ("scores", "weights", "lse", "head_outputs", "entropy", "distance", "sink", "local", "received", "mass", "real",
+            "topk_weights", "topk_keys")
+
+
+def save_records(records: Iterable[Record], path: str | Path) -> Path:
+    """Records as plain data (tensors, ints, strings; the mask as its repr) in one ``torch.save`` file."""
+    data = []
+    for r in records:
+        d: dict[str, Any] = {"index": r.index, "name": r.name, "backend": r.backend, "sizes": dict(r.sizes),
+                             "heads": list(r.heads), "rows": None if r.rows is None else list(r.rows),
+                             "mask": None if r.mask is None else repr(r.mask), "window": r.window,
+                             "offsets": None if r.offsets is None else {int(o): t.cpu() for o, t in r.offsets.items()}}
+        d.update({n: None if getattr(r, n) is None else getattr(r, n).cpu() for n in _TENSORS})
+        data.append(d)
+    path = Path(path)
+    torch.save({"bhqk.records": 1, "records": data}, path)
+    return path
+
+
+def load_records(path: str | Path) -> list[Record]:
+    """The records :func:`save_records` (or ``Capture.save``) wrote; ``record.mask`` is the mask's text."""
+    path = Path(path)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises its own types for a file it cannot read
+        raise ValueError(f"{path}: not a file of bhqk records ({type(e).__name__}: {e}).") from None
+    if not isinstance(blob, dict) or blob.get("bhqk.records") != 1:
+        raise ValueError(f"{path}: not a file of bhqk records (written by Capture.save / save_records).")
+    return [Record(**d) for d in blob["records"]]
+
+
 @contextlib.contextmanager
 def capture(
     layers: int | str | Iterable[int | str] | None = None,
-    heads: Iterable[int] | None = None,
+    heads: int | Iterable[int] | None = None,
     what: str | Iterable[str] = ("weights",),
     *,
-    rows: Iterable[int] | None = None,
+    rows: int | Iterable[int] | None = None,
     model: nn.Module | None = None,
     offsets: Iterable[int] = (),
     window: int | None = None,
@@ -404,12 +453,15 @@ def capture(
     ``"head_outputs"`` ([.., r, K] or [.., r, dv] per call) and the statistics ``"entropy"``,
     ``"distance"``, ``"sink"``, ``"received"`` (O(r + K) per head, computed tile by tile; see
     :class:`Record`); ``offsets=(1, ...)`` adds P on key pos(i) − o, ``window=W`` the mass within W
-    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all. The forward
-    itself is untouched.
+    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all; one index or a
+    bare string selects one (the same selection, and errors, as ``edit``). The forward itself is
+    untouched. A block that recorded nothing raises at its end, naming what was given and what ran
+    (or that no attention call ran on bhqk, and how to register it).
     """
     cap = Capture(layers, heads, rows, what, model, offsets, window, topk, block_q, block_k)
     with observe.observing(cap):
         yield cap
+    cap.selection.finish()  # a block that recorded nothing says why (not when the block itself raised)
 
 
-__all__ = ["capture", "Capture", "Record", "recompute", "narrow"]
+__all__ = ["capture", "Capture", "Record", "recompute", "narrow", "save_records", "load_records"]

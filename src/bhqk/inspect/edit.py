@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -46,7 +46,7 @@ from ..functional.registry import resolve
 from ..masks import Mask, as_mask
 from ..shapes import as_4d, compute_dtype, per_query_head
 from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
-from .layers import heads_rows, selected, selectors, sub_call, value_heads
+from .layers import Selection, heads_rows, sub_call, value_heads
 
 
 class Edit:
@@ -56,7 +56,7 @@ class Edit:
     def __init__(
         self,
         layers: int | str | Iterable[int | str] | None = None,
-        heads: Iterable[int] | None = None,
+        heads: int | Iterable[int] | None = None,
         *,
         model: nn.Module | None = None,
         zero: bool = False,
@@ -66,23 +66,8 @@ class Edit:
         weights: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
     ) -> None:
-        self.layers = selectors(layers, "edit")
-        self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-        for sel in self.layers or []:
-            if isinstance(sel, str):
-                if model is None:
-                    raise ValueError(f"edit: layer {sel!r} is a module path; pass model= so names can be matched.")
-                if not any(fnmatch.fnmatchcase(n, sel) for n in self._names.values()):
-                    attn = [n for n, m in model.named_modules() if "attention" in type(m).__name__.lower()
-                            or type(m).__name__.endswith("Attention")][:6]
-                    raise ValueError(f"edit: layer {sel!r} matches no module of the model; attention modules "
-                                     f"are named like {attn}.")
-        if heads is not None:
-            hs = list(heads)
-            if not hs or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hs):
-                raise ValueError(f"edit: heads must be a non-empty list of query-head indices >= 0, got {hs!r}.")
-            heads = sorted(set(hs))
-        self.heads: list[int] | None = heads  # type: ignore[assignment]
+        self.selection = Selection("edit", layers, heads, model)  # the same selection and errors as capture
+        self.layers, self.heads = self.selection.layers, self.selection.heads
         if not isinstance(zero, bool):
             raise ValueError(f"edit: zero must be True or False, got {zero!r}.")
         given = [k for k, v in (("mask", mask), ("bias", bias), ("weights", weights), ("output", output)) if v is not None]
@@ -103,9 +88,13 @@ class Edit:
             if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
                 raise ShapeError("edit: weights must be finite and >= 0 (attention weights P, used as given).")
         self.output = self._tensor("output", output, "[Q, dv], broadcastable to [B, h, Q, dv]")
-        self.calls = 0  # attention calls seen inside the block
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
-        self._seen: set[str] = set()  # the names of the calls seen (for the error of a selector that selected none)
+        self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in
+
+    @property
+    def calls(self) -> int:
+        """Attention calls seen inside the block, edited or not."""
+        return self.selection.calls
 
     @staticmethod
     def _scale(scale):
@@ -115,9 +104,13 @@ class Edit:
             if not scale.is_floating_point() or scale.dim() > 1:
                 raise ShapeError(f"edit: scale must be a number or a float tensor [] or [h] (one per head), got "
                                  f"{scale.dtype} {list(scale.shape)}.")
+            if not bool(torch.isfinite(scale.detach()).all()):
+                raise ShapeError(f"edit: scale must be finite, got {scale.detach().tolist()}.")
             return scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"edit: scale must be a number or a float tensor, got {scale!r}.")
+        if not math.isfinite(scale):
+            raise ShapeError(f"edit: scale must be finite, got {scale!r}.")
         return float(scale)
 
     @staticmethod
@@ -130,13 +123,14 @@ class Edit:
         return t
 
     # ---- per call -------------------------------------------------------------------------------
-    def _heads(self, H: int, name: str) -> list[int]:
-        if self.heads is None:
-            return list(range(H))
-        if self.heads[-1] >= H:
-            raise ShapeError(f"edit: heads {self.heads} out of range for {name!r}, which has H={H} query heads "
-                             f"(indices 0 … {H - 1}).")
-        return self.heads
+    def _inert(self, p: Problem) -> bool:
+        """The edit is knock-out spans only (``masks.key_span``/``block_span``) and none of them forbids
+        anything in this call (keys beyond K, query positions outside the call): it changes nothing here."""
+        spans = _spans(self.mask)
+        if not spans or self.zero or self.scale is not None or self.bias is not None:
+            return False
+        ext = p.ext
+        return all(sp.k0 >= ext.K or sp._q(ext)[0] >= sp._q(ext)[1] for sp in spans)
 
     def _check(self, p: Problem, name: str, n: int) -> None:
         """The edit's tensors against the call's sizes (n = the heads it names)."""
@@ -148,9 +142,12 @@ class Edit:
             want = (s["B"], n, s[last[0]], s[last[1]])
             ok = t4.shape[0] in (1, want[0]) and t4.shape[1] in (1, n) and tuple(t4.shape[2:]) == want[2:]
             if not ok:
+                step = (f" {name!r} is a decode step (Q=1: one new query against K={s['K']} cached keys): a "
+                        f"[Q, K] {arg} given for the prompt does not fit it; select the prompt's call by index "
+                        "(layers=[i]) or edit one step at a time.") if s["Q"] == 1 and t4.shape[2] != 1 else ""
                 raise ShapeError(f"edit: {arg} has shape {list(t.shape)} but {name!r} needs [{last[0]}={want[2]}, "
                                  f"{last[1]}={want[3]}], broadcastable to [B={want[0]}, h={n}, {last[0]}={want[2]}, "
-                                 f"{last[1]}={want[3]}] (h = the {n} heads edited).")
+                                 f"{last[1]}={want[3]}] (h = the {n} heads edited).{step}")
         if isinstance(self.scale, torch.Tensor) and self.scale.dim() == 1 and self.scale.shape[0] not in (1, n):
             raise ShapeError(f"edit: scale has {self.scale.shape[0]} entries but {n} heads are edited in {name!r}.")
         sub = masks.Extent(s["B"], n, s["Q"], s["K"])
@@ -169,13 +166,13 @@ class Edit:
         H = p.ext.H
         touch: dict[int, list[tuple[Edit, int]]] = {}  # head -> (edit, position among its heads)
         for ed in eds:
-            index = ed.calls
-            ed.calls += 1
-            name = ed._names.get(id(module), f"attention.{index}")
-            ed._seen.add(name)
-            if not selected(ed.layers, index, name):
+            index, name, hit = ed.selection.call(module)
+            if not hit:
                 continue
-            heads = ed._heads(H, name)
+            heads = ed.selection.heads_of(H, name)
+            if ed._inert(p):
+                ed._inert_calls.append(f"{name} (Q={p.ext.Q}, K={p.ext.K})")
+                continue  # not edited, not listed in hits
             ed._check(p, name, len(heads))
             ed.hits.append((index, name))
             for j, h in enumerate(heads):
@@ -223,18 +220,39 @@ class Edit:
 
     # ---- end of the block -----------------------------------------------------------------------
     def _finish(self) -> None:
-        """Every selector must have selected a call (a misspelt path edits nothing: say so)."""
-        for sel in self.layers or []:
-            if isinstance(sel, int) and sel >= self.calls:
-                raise ValueError(f"edit: layer index {sel} but only {self.calls} attention calls ran in the block.")
-            if isinstance(sel, str) and not any(fnmatch.fnmatchcase(n, sel) for n in self._seen):
-                seen = sorted(set(self._seen))[:8]
-                raise ValueError(f"edit: layer {sel!r} matched no attention call (nothing was edited); the attention "
-                                 f"calls ran under {seen}.")
+        """Every selector must have selected a call, and some call must have run on bhqk (an edit that
+        edits nothing says so)."""
+        self.selection.finish()
+        if not self.hits and self._inert_calls:
+            raise MaskError(f"edit: mask {self.mask!r} changed nothing in any selected call (nothing was edited): "
+                            f"the keys or query positions it names lie beyond {self._inert_calls[:4]}; key positions "
+                            f"run 0 … K − 1.")
 
     def __repr__(self) -> str:
-        kinds = [k for k in ("zero", "scale", "mask", "bias", "weights", "output") if getattr(self, k) not in (None, False)]
+        kinds = []
+        for k in ("zero", "scale", "mask", "bias", "weights", "output"):
+            v = getattr(self, k)
+            if v is None or v is False:
+                continue
+            if isinstance(v, torch.Tensor):
+                kinds.append(f"{k}={v.item():g}" if v.dim() == 0 else f"{k} {list(v.shape)}")
+            elif k == "scale":
+                kinds.append(f"scale={v:g}")
+            elif k in ("mask", "bias"):
+                kinds.append(f"{k}={v!r}")
+            else:
+                kinds.append(k)
         return f"Edit(layers={self.layers}, heads={self.heads}, {', '.join(kinds)}; {len(self.hits)} calls edited)"
+
+
+def _spans(m: Mask | None) -> list[masks.Span]:
+    """The knock-out spans an edit's mask is made of (ANDed), or [] when it holds anything else."""
+    if isinstance(m, masks.Span):
+        return [m]
+    if isinstance(m, masks.And):
+        a, b = _spans(m.a), _spans(m.b)
+        return a + b if a and b else []
+    return []
 
 
 def _lse(p: Problem, backend: str) -> torch.Tensor:
@@ -333,7 +351,7 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
 @contextlib.contextmanager
 def edit(
     layers: int | str | Iterable[int | str] | None = None,
-    heads: Iterable[int] | None = None,
+    heads: int | Iterable[int] | None = None,
     *,
     model: nn.Module | None = None,
     zero: bool = False,

@@ -8,11 +8,16 @@ import fnmatch
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from ..bias import Bias
+from ..errors import ShapeError
 from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, per_query_head
+
+REGISTER_HINT = ("the model's attention does not run on bhqk: call bhqk.integrations.transformers.register() and "
+                 "set_attn_implementation(\"bhqk\") (or load it with attn_implementation=\"bhqk\")")
 
 
 def selectors(layers: int | str | Iterable[int | str] | None, who: str) -> list[int | str] | None:
@@ -32,6 +37,104 @@ def selected(layers: list[int | str] | None, index: int, name: str) -> bool:
     if layers is None:
         return True
     return any(sel == index if isinstance(sel, int) else fnmatch.fnmatchcase(name, sel) for sel in layers)
+
+
+def indices(values: int | Iterable[int] | None, arg: str, who: str) -> list[int] | None:
+    """``heads`` or ``rows``: None (all), one index or a non-empty list of indices >= 0, sorted and
+    unique; anything else (a negative index, a bool, a string, a float) is a ValueError naming ``arg``."""
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, (int, Iterable)):
+        raise ValueError(f"{who}: {arg} takes an index >= 0 or a list of them, got {values!r}.")
+    vs = [values] if isinstance(values, int) else list(values)
+    if isinstance(values, torch.Tensor):
+        vs = values.reshape(-1).tolist()
+    if not vs or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vs):
+        raise ValueError(f"{who}: {arg} takes an index >= 0 or a non-empty list of them, got {values!r}.")
+    return sorted(set(vs))
+
+
+def attention_names(model: nn.Module, limit: int = 6) -> list[str]:
+    """Module paths of ``model`` that look like attention modules (for error messages)."""
+    return [n for n, m in model.named_modules() if n and ("attention" in type(m).__name__.lower()
+                                                          or type(m).__name__.endswith(("Attention", "Attn")))][:limit]
+
+
+class Selection:
+    """What one ``capture`` or ``edit`` block selects (``who`` names it in errors): the calls (``layers``:
+    call indices and module-path globs, names matched against ``model.named_modules()``), the query
+    heads and (capture only) the query rows. One set of checks for both: when built (a name without
+    ``model=``, a name that matches no module, a bad index), at each call (a head out of range) and at
+    the end of the block (:meth:`finish`: a selector that selected no call, or no call on bhqk at all)."""
+
+    def __init__(self, who: str, layers, heads, model: nn.Module | None, rows=None) -> None:
+        self.who = who
+        self.layers = selectors(layers, who)
+        self.heads = indices(heads, "heads", who)
+        self.rows = indices(rows, "rows", who)
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        for sel in self.layers or []:
+            if not isinstance(sel, str):
+                continue
+            if model is None:
+                raise ValueError(f"{who}: layer {sel!r} is a module path; pass model= so names can be matched.")
+            if not any(fnmatch.fnmatchcase(n, sel) for n in self.names.values()):
+                raise ValueError(f"{who}: layer {sel!r} matches no module of the model; attention modules are named "
+                                 f"like {attention_names(model)}.")
+        self.calls = 0  # attention calls seen inside the block, selected or not
+        self.seen: dict[str, None] = {}  # the names of the calls seen, in order
+        self.hits = 0  # calls selected
+
+    def call(self, module: object) -> tuple[int, str, bool]:
+        """Count one attention call: (its index in the block, its name, whether it is selected)."""
+        index = self.calls
+        self.calls += 1
+        name = self.names.get(id(module), f"attention.{index}")
+        self.seen[name] = None
+        hit = selected(self.layers, index, name)
+        self.hits += hit
+        return index, name, hit
+
+    def heads_of(self, H: int, name: str) -> list[int]:
+        """The selected query heads of a call with H heads (a ShapeError when one is out of range)."""
+        if self.heads is None:
+            return list(range(H))
+        if self.heads[-1] >= H:
+            raise ShapeError(f"{self.who}: heads {self.heads} out of range for {name!r}, which has H={H} query heads "
+                             f"(indices 0 … {H - 1}).")
+        return self.heads
+
+    def rows_of(self, Q: int, name: str) -> list[int] | None:
+        """The selected query rows of a call with Q rows (None: all)."""
+        if self.rows is None:
+            return None
+        if self.rows[-1] >= Q:
+            step = " (a decode step: one query row)" if Q == 1 else ""
+            raise ShapeError(f"{self.who}: rows {self.rows} out of range for {name!r}, which has Q={Q} query rows"
+                             f"{step}.")
+        return None if len(self.rows) == Q else self.rows
+
+    def finish(self) -> None:
+        """At the end of the block: every selector selected a call, and some attention call ran on bhqk."""
+        seen = list(self.seen)[:8]
+        done = "edited" if self.who == "edit" else "recorded"
+        if self.calls == 0:
+            model = f" ({type(self.model).__name__})" if self.model is not None else ""
+            given = f" (given layers={self.layers})" if self.layers is not None else ""
+            raise ValueError(f"{self.who}: no attention call ran on bhqk inside the block{given}, so nothing was {done}; "
+                             f"if the block ran a model{model}, {REGISTER_HINT}.")
+        for sel in self.layers or []:
+            if isinstance(sel, int) and sel >= self.calls:
+                raise ValueError(f"{self.who}: layer index {sel} but only {self.calls} attention calls ran in the block.")
+            if isinstance(sel, str) and not any(fnmatch.fnmatchcase(n, sel) for n in self.seen):
+                near = [n for n in self.seen if fnmatch.fnmatchcase(n, sel + ".*")][:2]
+                hint = f"; {sel!r} holds the attention module {near[0]!r}: select that" if near else ""
+                if self.model is not None and not any(n in self.names.values() for n in self.seen):
+                    hint += f"; none of them is a module of the model given as model= ({REGISTER_HINT})"
+                raise ValueError(f"{self.who}: layer {sel!r} matched no attention call (nothing was {done}); "
+                                 f"the attention calls ran under "
+                                 f"{seen}{hint}.")
 
 
 def heads_rows(t: torch.Tensor, heads: list[int], rows: list[int] | None = None) -> torch.Tensor:

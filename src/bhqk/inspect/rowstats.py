@@ -7,7 +7,8 @@ per row i and key j of P = exp(S − lse):
 
 - ``entropy``  [B, h, r]  −Σ_j P log P (nats; over the keys, a sink's share not counted)
 - ``distance`` [B, h, r]  Σ_j P·|pos(i) − j|, pos(i) = i + K − Q (the decoding convention)
-- ``sink``     [B, h, r]  P on key 0
+- ``sink``     [B, h, r]  P on the first key the row may attend: key 0 unless the mask forbids it (the
+  first real key of a left-padded row); 0 for a row that may attend nothing
 - ``offset``   {o: [B, h, r]}  P on key pos(i) − o (0 where there is none)
 - ``local``    [B, h, r]  Σ P over the keys with |pos(i) − j| < window
 - ``topk``     [B, h, r, t]  the t largest P of each row and their keys
@@ -167,6 +168,28 @@ def _add_diagonal(acc: torch.Tensor, P: torch.Tensor, delta: int, a: int) -> Non
         acc[:, :, a + x0:a + x0 + diag.shape[-1]] += diag
 
 
+def _first_key(sink: torch.Tensor, done: torch.Tensor | None, P: torch.Tensor, allowed: torch.Tensor | None,
+               diagonal: int | None) -> torch.Tensor | None:
+    """``sink`` [B, h, bq] (a view) takes P [B, h, bq, bk] on each row's first allowed key of this tile, for
+    the rows ``done`` [B, h, bq] has not found one for yet (tiles come in key order); returns the rows
+    found so far, or None once every row has its key. ``allowed`` [#B, #h, bq, bk] (None: every key, or
+    with ``diagonal`` a causal tile: key j allowed for row x when j <= x + diagonal)."""
+    if done is None:
+        return None
+    if allowed is None:
+        first = P[..., 0]  # [B, h, bq]: column 0 is allowed (for every row, or for the causal rows below)
+        ok = torch.ones_like(done) if diagonal is None else \
+            (torch.arange(P.shape[-2], device=P.device) + diagonal >= 0).expand_as(done)  # [B, h, bq]
+    else:
+        A = allowed.expand(P.shape)  # [#B, #h, bq, bk] -> [B, h, bq, bk]
+        ok = A.any(-1)  # [B, h, bq]
+        first = P.gather(-1, A.to(torch.uint8).argmax(-1, keepdim=True))[..., 0]  # [B, h, bq]: argmax = first True
+    new = ok & ~done
+    sink.copy_(torch.where(new, first, sink))
+    done = done | new
+    return None if bool(done.all()) else done
+
+
 def runs(rows: list[int]) -> list[tuple[int, int]]:
     """Contiguous runs [start, stop) of sorted unique query indices."""
     out: list[tuple[int, int]] = []
@@ -314,11 +337,12 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
         pos = torch.arange(i0, i1, dtype=dt, device=dev) + call.c  # [bq] key position of each row
         pk = torch.zeros(B, h, i1 - i0, d, dtype=dt, device=dev) if (want.entropy and call.fast) else None  # Σ_j P k_j
         w = None if row_weight is None else row_weight[:, :, a:b_, None]  # [B, h, bq, 1]
+        sink_done = torch.zeros(B, h, i1 - i0, dtype=torch.bool, device=dev) if want.sink else None  # first key found
         for k0, k1, ka in call.k_tiles(bk):  # ka [B, h/G, bk, d+2]
             got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
             if got is None:
                 continue
-            P, _, diagonal = got
+            P, allowed, diagonal = got
             P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
             if diagonal is not None:
                 P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
@@ -345,8 +369,8 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
                 else:
                     D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
                     res["distance"][:, :, a:b_] += (P * D).sum(-1)
-            if want.sink and k0 == 0:
-                res["sink"][:, :, a:b_] = P[..., 0]
+            if sink_done is not None:
+                sink_done = _first_key(res["sink"][:, :, a:b_], sink_done, P, allowed, diagonal)
             for off, acc in offs.items():
                 _add_diagonal(acc, P, i0 + call.c - off - k0, a)  # row x's key pos(x) − off: column x + delta
             if want.window is not None:
