@@ -32,7 +32,9 @@ or nothing) adds ``g·P`` to dS: two more kernel calls per span, only when it is
 Refused (``why_not``): softcap, dropout, a bias that needs its gradient, non-CPU tensors, and an
 empty head dimension. NaN/inf in q, k or v: handed to the tiled backend (``hands_off``), as the
 torch adapter does. dv ≠ d: the narrower of v and (q, k) is padded with zero columns (the kernel
-wants one head size; zero columns change neither the scores nor the output).
+wants one head size; zero columns change neither the scores nor the output). The kernel takes any
+strides but the last dimension's, which it reads as 1: q, k or v whose last stride is not 1 (a
+slice of a wider buffer) is copied to a contiguous tensor once per call.
 """
 
 from __future__ import annotations
@@ -608,6 +610,7 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))  # [.., d] -> [.., dv]
     elif dv < d:
         v = F.pad(v, (0, d - dv))  # [.., dv] -> [.., d]; the extra output columns are 0
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel reads head columns as stride 1
     inputs = (q, k, v) + ((p.sinks,) if p.sinks is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         out, lse = _SpanAttention.apply(p, plan, q, k, v, p.sinks)
