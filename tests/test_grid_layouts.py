@@ -17,6 +17,7 @@ two layouts of every two roles, with the mask, the bias, GQA, head sizes and dty
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,12 +105,15 @@ class Case:
     QK: tuple[int, int] = (5, 7)
     dtype: torch.dtype = torch.float64
     lse: bool = False
+    sinks: bool = False
+    blocks: tuple[int, int] | None = None  # (block_q, block_k) for the span path and tiled: many small spans
     seed: int = 0
 
     def __str__(self) -> str:
         views = [f"{r}={getattr(self, r)}" for r in ("q", "k", "v", "dout", "mb") if getattr(self, r) != "contiguous"]
         bits = views + [self.mask, self.bias, f"Hkv{self.Hkv}", f"d{self.heads[0]}dv{self.heads[1]}",
-                        f"Q{self.QK[0]}K{self.QK[1]}", str(self.dtype).removeprefix("torch.")] + (["lse"] if self.lse else [])
+                        f"Q{self.QK[0]}K{self.QK[1]}", str(self.dtype).removeprefix("torch.")]
+        bits += [n for n in ("lse", "sinks") if getattr(self, n)] + ([f"blocks{self.blocks[0]}x{self.blocks[1]}"] if self.blocks else [])
         return "-".join(b for b in bits if b != "none")
 
 
@@ -117,7 +121,7 @@ B, H = 2, 4
 
 
 class Inputs(NamedTuple):
-    leaves: dict[str, torch.Tensor]  # q, k, v[, bias]: what the gradients are taken of
+    leaves: dict[str, torch.Tensor]  # q, k, v[, bias][, sinks]: what the gradients are taken of
     views: dict[str, torch.Tensor]  # q, k, v, dout[, bias][, dense]: what the call receives
 
 
@@ -148,6 +152,9 @@ def inputs(c: Case, grad: bool, exact: bool = False) -> Inputs:
             leaf.requires_grad_(True)
         leaves[role] = leaf
         views[role] = lay.view(leaf, shape)
+    if c.sinks:  # [H]: one logit per head in each row's softmax denominator
+        leaves["sinks"] = views["sinks"] = torch.linspace(-1.0, 2.0, H, dtype=c.dtype).to(
+            torch.float64 if exact else c.dtype).requires_grad_(grad)
     return Inputs(leaves, views)
 
 
@@ -158,7 +165,7 @@ class Result(NamedTuple):
 
 
 def _wrt(ins: Inputs) -> list[str]:
-    return [r for r in ("q", "k", "v", "bias") if r in ins.leaves and ins.leaves[r].requires_grad]
+    return [r for r in ("q", "k", "v", "bias", "sinks") if r in ins.leaves and ins.leaves[r].requires_grad]
 
 
 def _grads(out, lse, ins: Inputs) -> dict[str, torch.Tensor]:
@@ -174,12 +181,15 @@ def _grads(out, lse, ins: Inputs) -> dict[str, torch.Tensor]:
     return dict(zip(wrt, got))
 
 
+@functools.lru_cache(maxsize=64)
 def expected(c: Case, lse: bool, grad: bool) -> Result:
-    """The fp64 formula from the same values, through the same views (so gradients reach the same leaves)."""
+    """The fp64 formula from the same values, through the same views (so gradients reach the same
+    leaves); kept for the next backend of the same case."""
     ins = inputs(c, grad, exact=True)
     v_ = ins.views
     allowed = _allowed(c, v_)
-    out, got_lse = formula(v_["q"], v_["k"], v_["v"], allowed, scale=c.heads[0] ** -0.5, bias=v_.get("bias"))
+    out, got_lse = formula(v_["q"], v_["k"], v_["v"], allowed, scale=c.heads[0] ** -0.5, bias=v_.get("bias"),
+                           sinks=v_.get("sinks"))
     got_lse = got_lse if lse else None
     return Result(out.detach(), None if got_lse is None else got_lse.detach(), _grads(out, got_lse, ins) if grad else {})
 
@@ -203,12 +213,15 @@ def run_case(backend: str, c: Case) -> tuple[Result, bool, bool] | None:
         ins = inputs(c, grad)
         v_ = ins.views
         m = v_["dense"] if c.mask == "dense" else MASKS[c.mask]()
-        kw = {"bias": v_.get("bias"), "return_lse": lse}
+        kw = {"bias": v_.get("bias"), "return_lse": lse, "sinks": v_.get("sinks")}
+        if c.blocks:
+            kw.update(block_q=c.blocks[0], block_k=c.blocks[1])
 
         def call(v_=v_, m=m, kw=kw):
             return bhqk.attention(v_["q"], v_["k"], v_["v"], m, backend=backend, **kw)
 
-        reason = refusal(backend, prepare(v_["q"], v_["k"], v_["v"], m, v_.get("bias")), lse)
+        reason = refusal(backend, prepare(v_["q"], v_["k"], v_["v"], m, v_.get("bias"), sinks=v_.get("sinks"),
+                                          options={"block_q": c.blocks[0], "block_k": c.blocks[1]} if c.blocks else None), lse)
         if reason is not None:
             assert_refused(backend, reason, call)
             continue
@@ -250,9 +263,11 @@ FACTORS: dict[str, list] = {
     "bias": ["none", "bias", "bias_grad"],
     "heads": [(8, 6), (8, 8), (6, 8)],  # dv < d, =, > d (the span path pads the narrower to one head size)
     "Hkv": [2, 4],
-    "QK": [(5, 7), (7, 5)],
+    "QK": [(5, 7), (7, 5), (1, 9)],  # (1, 9): a decode step
     "dtype": [torch.float64, torch.float32],
     "lse": [False, True],
+    "sinks": [False, True],
+    "blocks": [None, (2, 3)],
 }
 CASES = [Case(**row, seed=i) for i, row in enumerate(pairwise(FACTORS))]
 
