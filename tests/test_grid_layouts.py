@@ -88,6 +88,7 @@ MASKS: dict[str, Callable[[], object]] = {  # "dense": the mask is a bool tensor
     "predicate": lambda: masks.predicate(_per_head, "per_head"),
     "window": lambda: masks.sliding_window(2, 1, align="bottom_right"),
     "dense": lambda: "dense",
+    "band": lambda: masks.sliding_window(192, 0, align="bottom_right"),  # for long calls: the span path's band plan
 }
 
 
@@ -259,7 +260,7 @@ def judge(backend: str, c: Case) -> None:
 ROLES = ("q", "k", "v", "dout", "mb")
 FACTORS: dict[str, list] = {
     **{role: list(LAYOUTS) for role in ROLES},
-    "mask": list(MASKS),
+    "mask": [m for m in MASKS if m != "band"],
     "bias": ["none", "bias", "bias_grad"],
     "heads": [(8, 6), (8, 8), (6, 8)],  # dv < d, =, > d (the span path pads the narrower to one head size)
     "Hkv": [2, 4],
@@ -293,3 +294,13 @@ def test_q_sliced_from_a_wider_buffer_gives_the_formula(backend, mask):
     """float64, B=2, H=4, Hkv=2, Q=5, K=7, d=8, dv=6, q = buf[..., ::2] of buf [B, H, Q, 2d]: the
     span path gave 1.15 (causal) and 1.47 (per-head predicate) off the reference."""
     judge(backend, Case(q="slice2", mask=mask, heads=(8, 6), Hkv=2, QK=(5, 7)))
+
+
+# ---- a long call: the span path's own plans (a band's blocks, the ramp, a backward plan of its own) --
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_long_banded_call_on_views_gives_the_formula(backend):
+    """Q = K = 512 under a window of 192: the span path runs its band plan (32-row blocks folded into
+    the batch, keys an ``unfold`` view, 192-row blocks for the backward) on views of every kind."""
+    judge(backend, Case(q="slice2", k="expand_H", v="transposed", dout="narrow", mask="band", QK=(512, 512),
+                        heads=(8, 8), Hkv=2, dtype=torch.float32))
