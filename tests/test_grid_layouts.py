@@ -114,7 +114,8 @@ class Case:
         views = [f"{r}={getattr(self, r)}" for r in ("q", "k", "v", "dout", "mb") if getattr(self, r) != "contiguous"]
         bits = views + [self.mask, self.bias, f"Hkv{self.Hkv}", f"d{self.heads[0]}dv{self.heads[1]}",
                         f"Q{self.QK[0]}K{self.QK[1]}", str(self.dtype).removeprefix("torch.")]
-        bits += [n for n in ("lse", "sinks") if getattr(self, n)] + ([f"blocks{self.blocks[0]}x{self.blocks[1]}"] if self.blocks else [])
+        bits += [n for n in ("lse", "sinks") if getattr(self, n)]
+        bits += [f"blocks{self.blocks[0]}x{self.blocks[1]}"] if self.blocks else []
         return "-".join(b for b in bits if b != "none")
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -180,22 +179,14 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-_LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
-_PLANS: PlanCache[Plan] = PlanCache("span_plans")
+_PLANS: PlanCache[Plan] = PlanCache("span_plans", last=True)  # hands_off, share and run of one call share one plan
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`)."""
-    ref, plan = _LAST
-    if ref is not None and ref() is p:
-        return plan
-    e = p.ext
-    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, p.scale_positive)
-    plan = _PLANS.get(p.mask, key, lambda: _plan(p))
-    _LAST[:] = [weakref.ref(p), plan]
-    return plan
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`, as the tiled backend's)."""
+    return _PLANS.for_call(p, (p.bias is None, p.scale_positive), lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:
