@@ -107,6 +107,7 @@ class Case:
     dtype: torch.dtype = torch.float64
     lse: bool = False
     sinks: bool = False
+    softcap: float | None = None
     blocks: tuple[int, int] | None = None  # (block_q, block_k) for the span path and tiled: many small spans
     seed: int = 0
 
@@ -114,7 +115,7 @@ class Case:
         views = [f"{r}={getattr(self, r)}" for r in ("q", "k", "v", "dout", "mb") if getattr(self, r) != "contiguous"]
         bits = views + [self.mask, self.bias, f"Hkv{self.Hkv}", f"d{self.heads[0]}dv{self.heads[1]}",
                         f"Q{self.QK[0]}K{self.QK[1]}", str(self.dtype).removeprefix("torch.")]
-        bits += [n for n in ("lse", "sinks") if getattr(self, n)]
+        bits += [n for n in ("lse", "sinks") if getattr(self, n)] + ([f"softcap{self.softcap}"] if self.softcap else [])
         bits += [f"blocks{self.blocks[0]}x{self.blocks[1]}"] if self.blocks else []
         return "-".join(b for b in bits if b != "none")
 
@@ -191,7 +192,7 @@ def expected(c: Case, lse: bool, grad: bool) -> Result:
     v_ = ins.views
     allowed = _allowed(c, v_)
     out, got_lse = formula(v_["q"], v_["k"], v_["v"], allowed, scale=c.heads[0] ** -0.5, bias=v_.get("bias"),
-                           sinks=v_.get("sinks"))
+                           softcap=c.softcap, sinks=v_.get("sinks"))
     got_lse = got_lse if lse else None
     return Result(out.detach(), None if got_lse is None else got_lse.detach(), _grads(out, got_lse, ins) if grad else {})
 
@@ -215,14 +216,14 @@ def run_case(backend: str, c: Case) -> tuple[Result, bool, bool] | None:
         ins = inputs(c, grad)
         v_ = ins.views
         m = v_["dense"] if c.mask == "dense" else MASKS[c.mask]()
-        kw = {"bias": v_.get("bias"), "return_lse": lse, "sinks": v_.get("sinks")}
+        kw = {"bias": v_.get("bias"), "return_lse": lse, "sinks": v_.get("sinks"), "softcap": c.softcap}
         if c.blocks:
             kw.update(block_q=c.blocks[0], block_k=c.blocks[1])
 
         def call(v_=v_, m=m, kw=kw):
             return bhqk.attention(v_["q"], v_["k"], v_["v"], m, backend=backend, **kw)
 
-        reason = refusal(backend, prepare(v_["q"], v_["k"], v_["v"], m, v_.get("bias"), sinks=v_.get("sinks"),
+        reason = refusal(backend, prepare(v_["q"], v_["k"], v_["v"], m, v_.get("bias"), softcap=c.softcap, sinks=v_.get("sinks"),
                                           options={"block_q": c.blocks[0], "block_k": c.blocks[1]} if c.blocks else None), lse)
         if reason is not None:
             assert_refused(backend, reason, call)
@@ -269,6 +270,7 @@ FACTORS: dict[str, list] = {
     "dtype": [torch.float64, torch.float32],
     "lse": [False, True],
     "sinks": [False, True],
+    "softcap": [None, 1.5],
     "blocks": [None, (2, 3)],
 }
 
