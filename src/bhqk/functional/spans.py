@@ -32,14 +32,15 @@ or nothing) adds ``g·P`` to dS: two more kernel calls per span, only when it is
 Refused (``why_not``): softcap, dropout, a bias that needs its gradient, non-CPU tensors, and an
 empty head dimension. NaN/inf in q, k or v: handed to the tiled backend (``hands_off``), as the
 torch adapter does. dv ≠ d: the narrower of v and (q, k) is padded with zero columns (the kernel
-wants one head size; zero columns change neither the scores nor the output).
+wants one head size; zero columns change neither the scores nor the output). The kernel takes any
+strides but the last dimension's, which it reads as 1: q, k or v whose last stride is not 1 (a
+slice of a wider buffer) is copied to a contiguous tensor once per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -190,22 +191,14 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-_LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
-_PLANS: PlanCache[Plan] = PlanCache("span_plans")
+_PLANS: PlanCache[Plan] = PlanCache("span_plans", last=True)  # hands_off, share and run of one call share one plan
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`)."""
-    ref, plan = _LAST
-    if ref is not None and ref() is p:
-        return plan
-    e = p.ext
-    key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, p.scale_positive)
-    plan = _PLANS.get(p.mask, key, lambda: _plan(p))
-    _LAST[:] = [weakref.ref(p), plan]
-    return plan
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`, as the tiled backend's)."""
+    return _PLANS.for_call(p, (p.bias is None, p.scale_positive), lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:
@@ -647,6 +640,7 @@ def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[t
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))  # [.., d] -> [.., dv]
     elif dv < d:
         v = F.pad(v, (0, d - dv))  # [.., dv] -> [.., d]; the extra output columns are 0
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel reads head columns as stride 1
     inputs = (q, k, v) + ((p.sinks,) if p.sinks is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         out, lse = _SpanAttention.apply(p, plan, q, k, v, p.sinks)

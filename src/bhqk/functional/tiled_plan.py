@@ -404,10 +404,7 @@ def plan_for(p: Problem) -> Plan:
     tensor, which callers hand to every layer) and call key: sizes, K/V heads, the block options,
     the device path, the thread count and the version of every tensor the mask holds, so writing
     into a mask's tensor in place makes a new plan."""
-    e = p.ext
-    key = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), on_device(p.q.device),
-           workers(p.q.device))
-    return _PLANS.get(p.mask, key, lambda: _plan(p))
+    return _PLANS.for_call(p, (on_device(p.q.device), workers(p.q.device)), lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:
