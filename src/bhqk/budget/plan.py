@@ -145,7 +145,9 @@ class Plan:
     def emulate(self, model: nn.Module) -> Iterator[None]:
         """Inside the block, the model's streaming heads see only what the plan keeps, by
         ``bhqk.edit(mask=...)`` on their query heads with an ordinary cache (nothing is saved: the
-        reference the budget cache must equal)."""
+        reference the budget cache must equal). The mask counts keys by their index in the cache, so
+        give ``generate`` a cache that keeps every position (``transformers.DynamicCache()``): the
+        default cache of a model with sliding-window layers drops old keys and re-indexes the rest."""
         from ..inspect import edit
 
         self.check(model)
