@@ -196,7 +196,8 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
     assert "| 1     | a.1  | 1       | -         | full      |" in text
     assert plan._repr_html_().count("<td") == 4
     back = Plan.load(plan.save(tmp_path / "plan.json"))
-    assert torch.equal(back.full, plan.full) and (back.sink, back.window, back.score, back.layers) == (4, 16, "induction", ["a.0", "a.1"])
+    assert torch.equal(back.full, plan.full)
+    assert (back.sink, back.window, back.score, back.layers) == (4, 16, "induction", ["a.0", "a.1"])
     torch.testing.assert_close(back.scores, scores, equal_nan=True)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(LoadError, match="not a bhqk budget plan"):

@@ -103,7 +103,8 @@ class GroupedKV(torch.Tensor):
             qi = torch.tensor(qh, device=query.device)
             q = query.index_select(1, qi)  # [B, H, Q, d] -> [B, h, Q, d]
             mask = self._mask(attention_mask, module, B, Q, K, g) if g.streaming else attention_mask
-            extra = {n: (None if s is None else s.reshape(H).index_select(0, qi.to(s.device))) for n, s in sinks.items()}  # [H] -> [h]
+            extra = {n: (None if s is None else s.reshape(H).index_select(0, qi.to(s.device)))  # [H] -> [h]
+                     for n, s in sinks.items()}
             o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
             outs.append(o)
             order += qh
@@ -283,21 +284,21 @@ class BudgetCache(Cache):
             stream = [g for g in range(plan.num_kv_heads) if not bool(plan.full[li, g])]
             layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li))
         super().__init__(layers=layers)  # type: ignore[arg-type]
-        self.plan = plan
+        self.plan, self.budget_layers = plan, layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise ShapeError(f"budget cache: the model wrote layer {layer_idx} but the plan has layers="
                              f"{len(self.layers)} (× Hkv={self.plan.num_kv_heads} K/V heads).")
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return self.budget_layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes of keys and values held now, over every layer."""
-        return sum(layer.nbytes() for layer in self.layers)  # type: ignore[attr-defined]
+        return sum(layer.nbytes() for layer in self.budget_layers)
 
     def positions(self, layer: int, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` of ``layer`` holds now."""
-        return self.layers[layer].positions(kv)  # type: ignore[attr-defined]
+        return self.budget_layers[layer].positions(kv)
 
     def __repr__(self) -> str:
         return f"BudgetCache({self.plan!r}; {self.nbytes()} bytes held)"

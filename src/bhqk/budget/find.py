@@ -4,10 +4,10 @@ Scores (each per query head from ``bhqk.capture`` on the fast path, then the max
 query heads — a K/V head's cache serves all of them, so it must stay full if any one of them reaches
 far):
 
-- ``induction``: on repeated random tokens (L tokens, then the same L), the attention mass from a
-  token of the second copy on the token after its match in the first copy (offset L − 1), the
-  ``induction (repeated)`` column of :func:`bhqk.inspect.detect`. L defaults to the window, so the
-  copy lies beyond a streaming head's window.
+- ``induction``: on repeated random tokens (L tokens, then the same L; L = 64 by default), the
+  attention mass from a token of the second copy on the token after its match in the first copy
+  (offset L − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`, with only the
+  second copy's rows captured and no control run.
 - ``retrieval`` (Wu et al., "Retrieval Head Mechanistically Explains Long-Context Factuality"): a
   needle of random tokens is placed at several depths of a random-token haystack and repeated at the
   end; over the repeated needle's steps where the model predicts the next needle token, the fraction
@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..inspect import capture, detect
+from ..inspect.capture import capture
+from ..inspect.heads import head_table
 from .plan import Plan, model_sizes
 
 SCORES = ("induction", "retrieval", "distant")
 
 
 @contextlib.contextmanager
-def _on_bhqk(model: nn.Module) -> Iterator[None]:
+def _on_bhqk(model: Any) -> Iterator[None]:
     """The model runs bhqk's attention inside the block (statistics are captured from it)."""
     impl = getattr(model.config, "_attn_implementation", None)
     if isinstance(impl, str) and impl.startswith("bhqk"):
@@ -51,21 +53,27 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _vocab(model: nn.Module) -> int:
+def _vocab(model: Any) -> int:
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return int(text.vocab_size)
 
 
-def _induction(model: nn.Module, length: int, batch: int, seed: int) -> torch.Tensor:
+def _induction(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
+    """Per query head [L, H]: P from each token of the second copy on the token after its match in the
+    first copy (offset length − 1), on ``batch`` repeated random sequences (only those rows captured)."""
     dev = _device(model)
     vocab = _vocab(model)
     low = min(100, vocab // 2)  # skip the first ids (special and byte tokens of real tokenizers)
-    table = detect(lambda ids: model(input_ids=ids.to(dev)), vocab, length=length, batch=batch, seed=seed,
-                   model=model, low=low)
-    return table["induction (repeated)"]  # [L, H]
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.randint(low, vocab, (batch, length), generator=g)  # [B, L]
+    x = torch.cat([seg, seg], 1)  # [B, 2L]
+    with torch.no_grad(), capture(what=("sink",), offsets=(length - 1,), rows=range(length, 2 * length),
+                                  model=model) as cap:
+        model(input_ids=x.to(dev))
+    return head_table(cap.records)[f"offset {length - 1}"]  # [L, H]
 
 
-def _retrieval(model: nn.Module, length: int, batch: int, seed: int, needle: int = 16) -> torch.Tensor:
+def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16) -> torch.Tensor:
     """Per query head [L, H]: the fraction of correctly copied needle tokens whose top-1 key is the
     token copied."""
     dev = _device(model)
@@ -117,7 +125,7 @@ def _text_ids(tokenizer, texts: Sequence[str] | None, length: int, batch: int) -
     return ids[:need].reshape(batch, length)  # [B, N]
 
 
-def _distant(model: nn.Module, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
+def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
     if tokenizer is None:
         raise ValueError("find(score='distant') reads real text: pass tokenizer= (and optionally texts=).")
     x = _text_ids(tokenizer, texts, length, batch)
@@ -139,7 +147,7 @@ def score_heads(model: nn.Module, score: str = "induction", *, window: int = 256
     try:
         with _on_bhqk(model):
             if score == "induction":
-                per_q = _induction(model, length or max(32, window), batch, seed)
+                per_q = _induction(model, length or 64, batch, seed)
             elif score == "retrieval":
                 per_q = _retrieval(model, length or max(256, 4 * window), batch, seed)
             else:
