@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .find import SCORES, find, score_heads
-from .plan import Plan, streaming_mask
+from .mask import streaming_mask
+from .plan import Plan
 
 
 def __getattr__(name: str) -> Any:

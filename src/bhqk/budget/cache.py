@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -31,10 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import masks
 from ..errors import BackendError, ShapeError
 from ..integrations.transformers import AllKeys, _mask_and_bias
-from .plan import streaming_mask
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from .mask import streaming_mask
 
 
 @dataclass
@@ -277,7 +274,7 @@ class BudgetCache(Cache):
     plan's full K/V heads keep every key and value, streaming heads their sink and window. The model
     must run bhqk's attention (``attn_implementation="bhqk"``)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Any) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
         layers = []
         for li in range(plan.num_layers):
             full = [g for g in range(plan.num_kv_heads) if bool(plan.full[li, g])]

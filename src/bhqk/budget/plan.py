@@ -24,14 +24,9 @@ from torch import nn
 from .. import masks
 from ..errors import LoadError, ShapeError
 from ..text import table
+from .mask import streaming_mask
 
 FORMAT = "bhqk.budget.Plan/1"
-
-
-def streaming_mask(sink: int, window: int) -> masks.Mask:
-    """What a streaming head may see (before the model's own mask): keys 0 … sink−1, and the
-    ``window`` keys before the query plus its own (the query at row i sits at key i + K − Q)."""
-    return ~masks.key_span(0, sink) | masks.sliding_window(window, align="bottom_right")
 
 
 def model_sizes(model: nn.Module) -> tuple[int, int, int, int, list[str]]:
