@@ -274,3 +274,19 @@ def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys)
     assert Plan.load(tmp_path / "plan.json").full.sum() == 2
     assert main(["budget", "--model", str(tmp_path / "nothing")]) == 2
     assert "not a local Hugging Face folder" in capsys.readouterr().err
+
+
+def test_attention_weights_come_back_in_the_models_head_order_with_evicted_keys_zero():
+    model = _llama()
+    ids, am = _inputs(N=20, B=1)
+    plan = _mixed(model)  # layer 0: K/V head 0 full (query heads 0-3), head 1 streams (4-7)
+    cache, ref = plan.cache(model), transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], cache=cache)
+        model(input_ids=ids[:, :14], cache=ref)
+        w = model(input_ids=ids[:, 14:], cache=cache, output_attentions=True).attentions[0]  # [B, H, 6, 20]
+        w_ref = model(input_ids=ids[:, 14:], cache=ref, output_attentions=True).attentions[0]
+    torch.testing.assert_close(w[:, :4], w_ref[:, :4])  # full heads of the first layer: the model's own weights
+    allowed = (streaming_mask(S, W) & masks.causal("bottom_right")).materialize(1, 1, 6, 20)[0, 0]  # [6, 20]
+    assert bool((w[:, 4:] * ~allowed).eq(0).all()) and not bool((w_ref[:, 4:] * ~allowed).eq(0).all())
+    torch.testing.assert_close(w[:, 4:].sum(-1), torch.ones(1, 4, 6))

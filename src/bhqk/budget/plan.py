@@ -171,7 +171,7 @@ class Plan:
     def summary(self) -> str:
         n, total = int(self.full.sum()), self.full.numel()
         by = f", chosen by {self.score}" if self.score else ""
-        return (f"Plan: {n} of {total} K/V heads full ({self.layers and len(self.layers) or self.num_layers} layers × "
+        return (f"Plan: {n} of {total} K/V heads full ({self.num_layers} layers × "
                 f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}")
 
     def __str__(self) -> str:
