@@ -15,7 +15,8 @@ LAYERS = {
     "nn": 3,
     "models": 4, "distributed": 4, "integrations": 4,
     "inspect": 5, "viz": 5,
-    "demo": 6, "cli": 6, "__init__": 7, "__main__": 7,
+    "budget": 6,  # plans from statistics, per-head caches: above inspect and integrations
+    "demo": 7, "cli": 7, "__init__": 8, "__main__": 8,
 }
 
 

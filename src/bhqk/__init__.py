@@ -3,7 +3,7 @@
 Scores live in [B, H, Q, K]; masks use True = may attend; errors name the dimension that is wrong.
 """
 
-from . import bias, distributed, masks
+from . import bias, budget, distributed, masks
 from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
 from .functional import Problem, attention, attention_weights, choose_backend, why_not
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "attention_weights", "why_not", "choose_backend", "merge", "Problem",
     "MultiHeadAttention", "KVCache", "split_heads", "merge_heads",
-    "masks", "bias", "distributed", "explain", "trace", "capture", "edit",
+    "masks", "bias", "budget", "distributed", "explain", "trace", "capture", "edit",
     "ShapeError", "MaskError", "BackendError", "LoadError",
 ]

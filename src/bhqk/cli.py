@@ -223,6 +223,9 @@ def parser() -> Parser:
     from .viz.stats_cli import add_stats_parser
 
     add_stats_parser(sub)
+    from .budget.cli import add_budget_parser
+
+    add_budget_parser(sub)
     for each in sub.choices.values():
         each.set_defaults(flags_=flags_of(each), parser_=each)
     return p

@@ -471,6 +471,13 @@ def attention_forward(
     already projected, any argument set to None) are ignored; any other raises a ``TypeError`` naming
     it. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names it by the
     module's path."""
+    attend = getattr(key, "bhqk_attend", None)  # keys a head-wise budget cache holds per group of heads (bhqk.budget)
+    if attend is not None:
+        return attend(attention_forward, module, query, value, attention_mask, dropout=dropout, scaling=scaling,
+                      is_causal=is_causal, softcap=softcap, position_bias=position_bias, s_aux=s_aux, sinks=sinks,
+                      sliding_window=sliding_window, indices=indices, position_ids=position_ids,
+                      cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, output_attentions=output_attentions,
+                      backend=backend, **kwargs)
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None) if kwargs.keys() - IGNORED else ()
     if unknown:  # an argument set to None asks for nothing
         raise TypeError(f"bhqk attention ({type(module).__name__}): keyword argument(s) {', '.join(map(repr, unknown))} "

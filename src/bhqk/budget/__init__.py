@@ -1,0 +1,24 @@
+"""Head-wise KV budgets (docs/design.md §2, "Per-head masks and budgets"; §9): a :class:`Plan` says
+which K/V heads of each layer keep every key (full) and which keep a sink and a recent window
+(streaming); :func:`find` chooses it from bhqk's head statistics; ``plan.cache()`` is a transformers
+``Cache`` that holds only what the plan keeps (:mod:`bhqk.budget.cache`, imported on first use:
+it imports transformers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .find import SCORES, find, score_heads
+from .mask import streaming_mask
+from .plan import Plan
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("BudgetCache", "GroupedKV"):
+        from . import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module 'bhqk.budget' has no attribute {name!r}")
+
+
+__all__ = ["Plan", "find", "score_heads", "SCORES", "BudgetCache", "GroupedKV", "streaming_mask"]

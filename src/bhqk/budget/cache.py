@@ -1,0 +1,304 @@
+"""A transformers ``Cache`` that holds only what a :class:`~bhqk.budget.Plan` keeps.
+
+Per layer, the full K/V heads store every key and value; the streaming K/V heads store their first
+``sink`` keys and the most recent ``window`` (positions as written: rotary embeddings stay as they
+were applied). ``update()`` cannot return one [B, Hkv, K, d] tensor (the groups hold different
+lengths), so it returns :class:`GroupedKV`: a storage-less tensor of the shape a plain cache would
+return, holding each group. bhqk's Hugging Face attention function (``attn_implementation="bhqk"``)
+recognises it (``bhqk_attend``) and runs one attention call per group — full heads with the model's
+mask, streaming heads with the model's mask gathered at the positions they hold, ANDed with the
+streaming mask — and puts the query heads back in the model's order. Any other attention
+implementation gets a ``BackendError`` on its first use of the keys, never a wrong answer.
+
+Layout of a streaming group (n stored positions, Q new keys, P positions written before):
+
+- P ≤ sink + window (nothing evicted yet): positions 0 … P+Q−1, so the model's mask applies as it is
+  and the streaming mask is ``~key_span(0, S) | sliding_window(W, align="bottom_right")``;
+- P > sink + window: positions 0 … S−1, then P−W … P+Q−1 (contiguous): the same streaming mask on
+  these K' = S+W+Q columns is exactly what each query may see, and the model's mask is taken at
+  those columns (a [B, 1, Q, K'] gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import masks
+from ..errors import BackendError, ShapeError
+from ..integrations.transformers import AllKeys, _mask_and_bias
+from .mask import streaming_mask
+
+
+@dataclass
+class Group:
+    """K/V heads of one layer that share a layout: ``kv`` their indices in the model's order, ``keys``
+    [B, h, K_g, d] and ``values`` [B, h, K_g, dv]; ``columns`` None (positions 0 … K−1 of the call)
+    or int64 [K_g] (the positions held, for an evicted streaming group); ``streaming``: whether the
+    streaming mask applies."""
+
+    kv: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    columns: torch.Tensor | None
+    streaming: bool
+
+
+class GroupedKV(torch.Tensor):
+    """The keys (or values) ``update()`` returns for a layer with streaming heads: to shape queries it
+    is [B, Hkv, K, d] (K = every position written), but it holds no data of its own; ``groups`` does.
+    Only bhqk's attention function reads it (``bhqk_attend``); any torch operation raises."""
+
+    _is_param = False
+    groups: list[Group]
+    sink: int
+    window: int
+    role: str
+
+    @staticmethod
+    def __new__(cls, groups: list[Group], shape: tuple[int, ...], like: torch.Tensor, sink: int, window: int, role: str):
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device, requires_grad=False)
+        self.groups, self.sink, self.window, self.role = groups, sink, window, role
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise _refuse(func)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise _refuse(func)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # noqa: ARG002
+        parts = ", ".join(f"{'streaming' if g.streaming else 'full'} kv {g.kv}: {g.keys.shape[-2]} keys" for g in self.groups)
+        return f"GroupedKV({self.role} {list(self.shape)}; {parts})"
+
+    def bhqk_attend(self, attend: Callable, module, query: torch.Tensor, value: torch.Tensor, attention_mask,
+                    **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of ``query`` [B, H, Q, d] over each group with ``attend`` (bhqk's attention function,
+        same contract) → (out [B, Q, H, dv], weights [B, H, Q, K] or None), heads in the model's order."""
+        if not isinstance(value, GroupedKV) or value.groups is not self.groups:
+            raise BackendError("bhqk budget cache: keys and values of different caches reached the attention function.")
+        for k in ("position_bias", "indices"):
+            if kw.get(k) is not None:
+                raise TypeError(f"bhqk budget cache: {k!r} is not supported with a head-wise budget cache.")
+        B, H, Q, _ = query.shape
+        Hkv, K = self.shape[1], self.shape[2]
+        G = H // Hkv  # query heads per K/V head
+        want_w = bool(kw.pop("output_attentions", False))
+        sinks = {n: kw.pop(n, None) for n in ("s_aux", "sinks")}
+        outs, weights, order = [], [], []
+        for g in self.groups:
+            qh = [kv * G + j for kv in g.kv for j in range(G)]
+            qi = torch.tensor(qh, device=query.device)
+            q = query.index_select(1, qi)  # [B, H, Q, d] -> [B, h, Q, d]
+            mask = self._mask(attention_mask, module, B, Q, K, g) if g.streaming else attention_mask
+            extra = {n: (None if s is None else s.reshape(H).index_select(0, qi.to(s.device)))  # [H] -> [h]
+                     for n, s in sinks.items()}
+            o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
+            outs.append(o)
+            order += qh
+            if want_w:
+                assert w is not None
+                if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the positions held
+                    w = w.new_zeros(B, len(qh), Q, K).index_copy(3, g.columns.to(w.device), w)
+                weights.append(w)
+        inv = torch.empty(H, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(H)  # model head h is column inv[h] of the concatenation
+        inv = inv.to(query.device)
+        out = torch.cat(outs, 2).index_select(2, inv)  # [B, Q, H, dv] in the model's head order
+        wt = torch.cat(weights, 1).index_select(1, inv) if want_w else None  # [B, H, Q, K]
+        return out, wt
+
+    def _mask(self, attention_mask, module, B: int, Q: int, K: int, g: Group):
+        """The streaming group's mask: the model's mask (at the held positions) & the streaming mask."""
+        m, bias, _ = _mask_and_bias(attention_mask, module, None, Q)
+        stream = streaming_mask(self.sink, self.window)
+        if g.columns is None and bias is None:  # positions 0 … K−1: structured, as the model's mask
+            return stream if m is None else m & stream
+        K2 = g.keys.shape[-2]
+        cols = torch.arange(K) if g.columns is None else g.columns
+        dev = g.keys.device
+        allowed = stream.materialize(1, 1, Q, K2, dev)  # [1, 1, Q, K']
+        if m is not None:
+            blk = m.block(masks.Extent(B, 1, Q, K), 0, Q, 0, K, dev)  # [.., Q, K]
+            while blk.dim() < 4:
+                blk = blk[None]
+            allowed = allowed & blk.index_select(3, cols.to(dev))  # [#B, #H, Q, K']
+        if bias is not None:  # an additive mask: its values at the held positions, forbidden entries lowest
+            b = bias.index_select(-1, cols.to(bias.device))  # [.., Q, K']
+            return torch.where(allowed.to(b.device), b, torch.finfo(b.dtype).min)
+        if bool(allowed.all()):
+            return AllKeys(K2)
+        return masks.dense(allowed)
+
+
+def _refuse(func) -> BackendError:
+    name = getattr(func, "__name__", str(func))
+    return BackendError(
+        f"keys/values of a head-wise budget cache (bhqk.budget) reached {name}: full and streaming K/V heads hold "
+        f"different numbers of keys, so only bhqk's attention function can read them. Load the model with "
+        f"attn_implementation=\"bhqk\" (bhqk.integrations.transformers.register()), or use an ordinary cache.")
+
+
+_T = torch.Tensor
+_METADATA = frozenset({
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__get__, _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_meta.__get__,  # type: ignore[attr-defined]
+    _T.size, _T.dim, _T.numel, _T.element_size, _T.is_floating_point, _T.get_device, _T.__len__, _T.__hash__,
+})
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=-2)  # [B, h, n, d] + [B, h, Q, d] -> [B, h, n + Q, d]
+
+
+class BudgetLayer(CacheLayerMixin):
+    """One layer of a :class:`BudgetCache`: full K/V heads ``full`` keep every position, streaming
+    heads ``stream`` the first ``sink`` and the last ``window`` (see the module doc for the layout)."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int) -> None:
+        super().__init__()
+        self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
+        self.length = 0  # positions written
+        self.fk: torch.Tensor | None = None  # [B, h_full, length, d]
+        self.fv: torch.Tensor | None = None
+        self.sk: torch.Tensor | None = None  # [B, h_stream, min(length, S + W), d]
+        self.sv: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"BudgetLayer({self.index}: full kv {self.full}, streaming kv {self.stream}, {self.length} written)"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write Q new positions (key_states [B, Hkv, Q, d], value_states [B, Hkv, Q, dv]); return what
+        this call's queries may read: plain tensors if every head is full, else :class:`GroupedKV`."""
+        Hkv = len(self.full) + len(self.stream)
+        if key_states.dim() != 4 or key_states.shape[1] != Hkv or value_states.shape[1] != Hkv:
+            raise ShapeError(f"budget cache layer {self.index}: the plan has Hkv={Hkv} K/V heads but the model "
+                             f"wrote keys of shape {list(key_states.shape)} ([B, Hkv, Q, d]).")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        P, Q = self.length, key_states.shape[-2]
+        self.length = P + Q
+        if not self.stream:  # every head full: a plain growing cache
+            self.fk, self.fv = _cat(self.fk, key_states), _cat(self.fv, value_states)
+            return self.fk, self.fv
+        groups = []
+        if self.full:
+            fi = torch.tensor(self.full, device=key_states.device)
+            self.fk = _cat(self.fk, key_states.index_select(1, fi))  # [B, h_full, P + Q, d]
+            self.fv = _cat(self.fv, value_states.index_select(1, fi))  # [B, h_full, P + Q, dv]
+            groups.append(Group(self.full, self.fk, self.fv, None, False))
+        si = torch.tensor(self.stream, device=key_states.device)
+        n = 0 if self.sk is None else self.sk.shape[-2]
+        kk = _cat(self.sk, key_states.index_select(1, si))  # [B, h_stream, n + Q, d]
+        vv = _cat(self.sv, value_states.index_select(1, si))  # [B, h_stream, n + Q, dv]
+        S, W = self.sink, self.window
+        cols = None
+        if n < P:  # evicted before: positions 0 … S−1, then P − W … P + Q − 1
+            cols = torch.cat([torch.arange(S), torch.arange(P - W, P + Q)]).to(key_states.device)  # [S + W + Q]
+        groups.append(Group(self.stream, kk, vv, cols, True))
+        if n + Q <= S + W:
+            self.sk, self.sv = kk, vv
+        else:  # keep the first S and the last W positions
+            end = kk.shape[-2]
+            self.sk = torch.cat([kk[..., :S, :], kk[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, d]
+            self.sv = torch.cat([vv[..., :S, :], vv[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, dv]
+        shape_k = (key_states.shape[0], Hkv, P + Q, key_states.shape[-1])
+        shape_v = (value_states.shape[0], Hkv, P + Q, value_states.shape[-1])
+        return (GroupedKV(groups, shape_k, key_states, S, W, "keys"),
+                GroupedKV(groups, shape_v, value_states, S, W, "values"))
+
+    def positions(self, kv: int) -> torch.Tensor:
+        """The positions K/V head ``kv`` holds now (int64, ascending)."""
+        if kv in self.full or self.length <= self.sink + self.window:
+            return torch.arange(self.length)
+        if kv not in self.stream:
+            raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
+        return torch.cat([torch.arange(self.sink), torch.arange(self.length - self.window, self.length)])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.fk, self.fv, self.sk, self.sv) if t is not None)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # the model's mask spans every position; streaming heads gather theirs
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length, self.fk, self.fv, self.sk, self.sv = 0, None, None, None, None
+        self.is_initialized = False
+
+    def _each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fk, self.fv, self.sk, self.sv = (None if t is None else fn(t) for t in (self.fk, self.fv, self.sk, self.sv))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))  # [B, h, n, d] rows reordered
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._each(lambda t: t.repeat_interleave(repeats, dim=0))  # [B, h, n, d] -> [B·r, h, n, d]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._each(lambda t: t[indices, ...])  # [B, h, n, d] -> [b, h, n, d]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a budget cache cannot be cropped: its streaming heads have evicted keys.")
+
+    def offload(self):
+        raise NotImplementedError("a budget cache is not offloaded.")
+
+    def prefetch(self):
+        pass
+
+
+class BudgetCache(Cache):
+    """A transformers ``Cache`` for ``model.generate(..., past_key_values=plan.cache())``: per layer, the
+    plan's full K/V heads keep every key and value, streaming heads their sink and window. The model
+    must run bhqk's attention (``attn_implementation="bhqk"``)."""
+
+    def __init__(self, plan: Any) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
+        layers = []
+        for li in range(plan.num_layers):
+            full = [g for g in range(plan.num_kv_heads) if bool(plan.full[li, g])]
+            stream = [g for g in range(plan.num_kv_heads) if not bool(plan.full[li, g])]
+            layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li))
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.plan, self.budget_layers = plan, layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ShapeError(f"budget cache: the model wrote layer {layer_idx} but the plan has layers="
+                             f"{len(self.layers)} (× Hkv={self.plan.num_kv_heads} K/V heads).")
+        return self.budget_layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held now, over every layer."""
+        return sum(layer.nbytes() for layer in self.budget_layers)
+
+    def positions(self, layer: int, kv: int) -> torch.Tensor:
+        """The positions K/V head ``kv`` of ``layer`` holds now."""
+        return self.budget_layers[layer].positions(kv)
+
+    def __repr__(self) -> str:
+        return f"BudgetCache({self.plan!r}; {self.nbytes()} bytes held)"
+
+
+__all__ = ["BudgetCache", "BudgetLayer", "GroupedKV", "Group"]

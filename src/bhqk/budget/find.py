@@ -1,0 +1,184 @@
+"""Choose a plan from bhqk's head statistics: score every layer × K/V head, keep the top fraction full.
+
+Scores (each per query head from ``bhqk.capture`` on the fast path, then the max over a K/V head's
+query heads — a K/V head's cache serves all of them, so it must stay full if any one of them reaches
+far):
+
+- ``induction``: on repeated random tokens (L tokens, then the same L; L = 64 by default), the
+  attention mass from a token of the second copy on the token after its match in the first copy
+  (offset L − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`, with only the
+  second copy's rows captured and no control run.
+- ``retrieval`` (Wu et al., "Retrieval Head Mechanistically Explains Long-Context Factuality"): a
+  needle of random tokens is placed at several depths of a random-token haystack and repeated at the
+  end; over the repeated needle's steps where the model predicts the next needle token, the fraction
+  in which the head's most-attended key is that token in the first needle (the token being copied).
+- ``distant``: on real text (``pydoc_data.topics``, or ``texts``), the attention mass outside the
+  window and off key 0: ``1 − local − sink`` (needs a tokenizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..inspect.capture import capture
+from ..inspect.heads import head_table
+from .plan import Plan, model_sizes
+
+SCORES = ("induction", "retrieval", "distant")
+
+
+@contextlib.contextmanager
+def _on_bhqk(model: Any) -> Iterator[None]:
+    """The model runs bhqk's attention inside the block (statistics are captured from it)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if isinstance(impl, str) and impl.startswith("bhqk"):
+        yield
+        return
+    from ..integrations.transformers import register
+
+    register()
+    model.set_attn_implementation("bhqk")  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)  # type: ignore[operator]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _vocab(model: Any) -> int:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(text.vocab_size)
+
+
+def _induction(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
+    """Per query head [L, H]: P from each token of the second copy on the token after its match in the
+    first copy (offset length − 1), on ``batch`` repeated random sequences (only those rows captured)."""
+    dev = _device(model)
+    vocab = _vocab(model)
+    low = min(100, vocab // 2)  # skip the first ids (special and byte tokens of real tokenizers)
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.randint(low, vocab, (batch, length), generator=g)  # [B, L]
+    x = torch.cat([seg, seg], 1)  # [B, 2L]
+    with torch.no_grad(), capture(what=("sink",), offsets=(length - 1,), rows=range(length, 2 * length),
+                                  model=model) as cap:
+        model(input_ids=x.to(dev))
+    return head_table(cap.records)[f"offset {length - 1}"]  # [L, H]
+
+
+def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16) -> torch.Tensor:
+    """Per query head [L, H]: the fraction of correctly copied needle tokens whose top-1 key is the
+    token copied."""
+    dev = _device(model)
+    vocab = _vocab(model)
+    low = min(100, vocab // 2)
+    g = torch.Generator().manual_seed(seed)
+    hay = torch.randint(low, vocab, (batch, length), generator=g)  # [B, N]
+    ndl = torch.randint(low, vocab, (batch, needle), generator=g)  # [B, m]
+    depth = torch.linspace(0.1, 0.9, batch)  # one depth per sequence
+    ids, src = [], []
+    for b in range(batch):
+        a = int(depth[b] * (length - needle))
+        ids.append(torch.cat([hay[b, :a], ndl[b], hay[b, a:], ndl[b]]))  # [N + 2m]
+        src.append(a)
+    x = torch.stack(ids)  # [B, N + 2m]
+    start = length + needle  # first row of the repeated needle
+    rows = list(range(start, start + needle - 1))  # row start + j predicts needle token j + 1
+    with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, model=model) as cap:
+        logits = model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
+    pred = logits[:, rows].argmax(-1).cpu()  # [B, m − 1]
+    target = ndl[:, 1:]  # [B, m − 1]
+    ok = (pred == target).double()  # [B, m − 1]: the steps where the model copies
+    want = torch.tensor(src)[:, None] + torch.arange(1, needle)  # [B, m − 1] position of the token being copied
+    L, H = len({r.name for r in cap.records}), None
+    out = []
+    for r in cap.records:
+        assert r.topk_keys is not None
+        top = r.topk_keys[..., 0].cpu()  # [B, h, m − 1]
+        hit = (top == want[:, None]).double() * ok[:, None]  # [B, h, m − 1]
+        H = r.sizes["H"]
+        out.append(hit.sum((0, 2)) / ok.sum().clamp(min=1))  # [h]
+    assert H is not None and len(out) == L
+    return torch.stack(out).float()  # [L, H]
+
+
+def _text_ids(tokenizer, texts: Sequence[str] | None, length: int, batch: int) -> torch.Tensor:
+    if texts is None:
+        from pydoc_data.topics import topics
+
+        texts = [topics[k] for k in sorted(topics)]
+    joined = "\n\n".join(texts)
+    ids = tokenizer(joined, return_tensors="pt")["input_ids"][0]  # [T]
+    need = length * batch
+    if ids.numel() < need:
+        from ..errors import ShapeError
+
+        raise ShapeError(f"find(score='distant'): the texts give {ids.numel()} tokens but {batch} × {length} are needed; "
+                         f"pass longer texts or a smaller length.")
+    return ids[:need].reshape(batch, length)  # [B, N]
+
+
+def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
+    if tokenizer is None:
+        raise ValueError("find(score='distant') reads real text: pass tokenizer= (and optionally texts=).")
+    x = _text_ids(tokenizer, texts, length, batch)
+    with torch.no_grad(), capture(what=("sink",), window=window, model=model) as cap:
+        model(input_ids=x.to(_device(model)))
+    table = cap.head_table()
+    return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
+
+
+def score_heads(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
+                texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
+                batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per K/V head [L, Hkv] = max over its query heads, per query head [L, H]) of ``score``."""
+    if score not in SCORES:
+        raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
+    L, H, Hkv, _, _ = model_sizes(model)
+    was = model.training
+    model.eval()
+    try:
+        with _on_bhqk(model):
+            if score == "induction":
+                per_q = _induction(model, length or 64, batch, seed)
+            elif score == "retrieval":
+                per_q = _retrieval(model, length or max(256, 4 * window), batch, seed)
+            else:
+                per_q = _distant(model, tokenizer, texts, length or max(512, 4 * window), batch, window)
+    finally:
+        model.train(was)
+    if tuple(per_q.shape) != (L, H):
+        from ..errors import ShapeError
+
+        raise ShapeError(f"find: captured {list(per_q.shape)} layer × head scores but the model has layers={L}, H={H}.")
+    per_q = torch.nan_to_num(per_q, nan=0.0)
+    return per_q.reshape(L, Hkv, H // Hkv).amax(-1), per_q  # [L, H] -> [L, Hkv, G] -> [L, Hkv]
+
+
+def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "induction", *,
+         tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
+         batch: int = 4) -> Plan:
+    """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of K/V heads
+    by ``score`` (module doc) full and streams the rest with ``sink`` + ``window``. ``length``,
+    ``batch``: the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
+    if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
+        raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
+    L, _, Hkv, _, paths = model_sizes(model)
+    scores, _ = score_heads(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
+                            length=length, batch=batch)
+    n = round(full * L * Hkv)
+    order = torch.argsort(scores.flatten(), descending=True, stable=True)[:n]  # [L·Hkv] index = layer·Hkv + head
+    mask = torch.zeros(L * Hkv, dtype=torch.bool)
+    mask[order] = True
+    return Plan(mask.reshape(L, Hkv), sink, window, scores, score, paths or None,
+                {"fraction": full, "seed": seed})
+
+
+__all__ = ["find", "score_heads", "SCORES"]

@@ -1,0 +1,292 @@
+"""Head-wise KV budgets (bhqk.budget): plans, their errors and files; the budget cache holds exactly
+what each K/V head can still see, and generation with it equals generation with an ordinary cache
+and the streaming heads restricted by ``bhqk.edit(mask=...)`` (tiny random models, fp32, no network)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from bhqk import masks
+from bhqk.budget import BudgetCache, GroupedKV, Plan, find, score_heads, streaming_mask
+from bhqk.errors import BackendError, LoadError, ShapeError
+from bhqk.integrations.transformers import register
+from tolerance import assert_models_close
+
+register()
+V = 100
+S, W = 3, 5  # small sink and window: a 20-token prompt and 10 new tokens go well past them
+
+
+def _llama(H=8, Hkv=2, layers=2):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=H,
+        num_key_value_heads=Hkv, max_position_embeddings=256, attn_implementation="bhqk")).eval()
+
+
+def _mistral():  # every layer a sliding window of 7 keys (the model's own), wider than W and narrower than S + W
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=7, max_position_embeddings=256, attn_implementation="bhqk")).eval()
+
+
+def _qwen2():  # one full layer, one sliding layer
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=7, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"], max_position_embeddings=256,
+        attn_implementation="bhqk")).eval()
+
+
+MODELS = {"mha": lambda: _llama(4, 4), "gqa": _llama, "mistral-window": _mistral, "qwen2-mixed": _qwen2}
+
+
+def _inputs(B=2, N=20, pad=4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (B, N), generator=g)
+    am = torch.ones_like(ids)
+    if B > 1:
+        ids[1, :pad], am[1, :pad] = 0, 0  # left padding
+    return ids, am
+
+
+def _generate(model, ids, am, n=10, **kw):
+    out = model.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences, torch.stack(out.logits)  # [B, N + n], [n, B, V]
+
+
+def _mixed(model) -> Plan:
+    L, Hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    full = torch.zeros(L, Hkv, dtype=torch.bool)
+    full[0, 0] = full[-1, -1] = True  # a full head in some layers, every layer some streaming
+    return Plan(full, sink=S, window=W)
+
+
+# ---- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, kind", [("mha", "streaming"), ("gqa", "mixed"), ("mistral-window", "mixed"),
+                                        ("qwen2-mixed", "mixed")])
+def test_generation_with_the_budget_cache_equals_the_edited_model(name, kind):
+    model = MODELS[name]()
+    ids, am = _inputs()
+    plan = _mixed(model)
+    if kind == "streaming":  # StreamingLLM: every head sink + window
+        plan = Plan(torch.zeros_like(plan.full), sink=S, window=W)
+    seq, logits = _generate(model, ids, am, cache=plan.cache(model))
+    with plan.emulate(model):  # a cache whose key index is the position (a sliding-window layer re-indexes)
+        ref_seq, ref = _generate(model, ids, am, cache=transformers.DynamicCache())
+    assert_models_close(logits, ref, width=96, layers=2, msg=f"{name}, {kind}: budget cache vs edit(mask=...)")
+    assert torch.equal(seq, ref_seq)
+    if kind == "streaming":
+        _, plain = _generate(model, ids, am)
+        assert (plain - ref).abs().max() > 1e-3, "the streaming mask must change something (else the test proves nothing)"
+
+
+def test_an_all_full_plan_is_the_models_own_generation():
+    model = _llama()
+    ids, am = _inputs()
+    plan = Plan(torch.ones(2, 2, dtype=torch.bool), sink=S, window=W)
+    seq, logits = _generate(model, ids, am, cache=plan.cache(model))
+    ref_seq, ref = _generate(model, ids, am)
+    assert torch.equal(logits, ref) and torch.equal(seq, ref_seq)
+
+
+def test_a_second_prefill_after_eviction_reads_the_kept_keys():
+    """Q > 1 new tokens after the streaming heads evicted keys (chunked prefill): the model's mask is
+    taken at the positions held."""
+    model = _llama()
+    ids, am = _inputs(N=30)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], attention_mask=am[:, :14], cache=cache)
+        out = model(input_ids=ids[:, 14:], attention_mask=am, cache=cache).logits  # [B, 16, V]
+        with plan.emulate(model):
+            ref = model(input_ids=ids, attention_mask=am).logits[:, 14:]  # [B, 16, V]
+    assert_models_close(out, ref, width=96, layers=2)
+    assert cache.positions(0, 1).tolist() == [0, 1, 2, 25, 26, 27, 28, 29]
+
+
+# ---- what the cache holds ---------------------------------------------------------------------------
+
+
+def test_the_cache_holds_the_sink_and_the_window_of_streaming_heads_and_everything_of_full_heads():
+    model = _llama()
+    ids, am = _inputs(N=6)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    _generate(model, ids, am, n=1, cache=cache)  # prefill of 6 < S + W: nothing evicted yet
+    assert cache.positions(0, 1).tolist() == list(range(6))
+    cache = plan.cache(model)
+    seq, _ = _generate(model, ids, am, n=20, cache=cache)
+    written = 6 + 20 - 1  # the last token is generated, not written
+    assert cache.get_seq_length() == written
+    assert cache.positions(0, 0).tolist() == list(range(written))  # full
+    assert cache.positions(0, 1).tolist() == [0, 1, 2] + list(range(written - W, written))  # streaming
+    # the keys held are the keys written at those positions (rotary as applied then)
+    with torch.no_grad():
+        ref = transformers.DynamicCache()
+        full_am = torch.cat([am, torch.ones(2, written - 6, dtype=am.dtype)], 1)  # [B, written]
+        pos = (full_am.cumsum(-1) - 1).masked_fill(full_am == 0, 1)  # generate's positions under left padding
+        model(input_ids=seq[:, :written], attention_mask=full_am, position_ids=pos, cache=ref)
+    layer, real = cache.layers[0], full_am.bool()  # [B, written]: keys at padding positions are never read
+    kept = cache.positions(0, 1)
+    held, want = layer.sk, ref.layers[0].keys[:, [1]][:, :, kept]  # [B, 1, S + W, d]
+    torch.testing.assert_close(held[real[:, kept][:, None]], want[real[:, kept][:, None]])
+    torch.testing.assert_close(layer.fk[real[:, None]], ref.layers[0].keys[:, [0]][real[:, None]])
+    B, d = 2, 8
+    per = 2 * d * 4 * B  # key + value, float32, both rows of the batch
+    full_heads, stream_heads = 2, 2
+    assert cache.nbytes() == per * (full_heads * written + stream_heads * (S + W))
+    held, full = plan.nbytes(written, model, batch=B)
+    assert held == cache.nbytes() and full == per * 4 * written
+
+
+def test_grouped_keys_refuse_any_other_attention_implementation():
+    model = _llama()
+    ids, am = _inputs()
+    plan = _mixed(model)
+    for impl in ("eager", "sdpa"):
+        model.set_attn_implementation(impl)
+        with pytest.raises(BackendError, match="attn_implementation=\"bhqk\""):
+            _generate(model, ids, am, n=2, cache=plan.cache(model))
+    model.set_attn_implementation("bhqk")
+    k = plan.cache(model).layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))[0]
+    assert isinstance(k, GroupedKV) and k.shape == (1, 2, 3, 8)
+    with pytest.raises(BackendError):
+        k + 1
+
+
+# ---- plans ----------------------------------------------------------------------------------------
+
+
+def test_plan_errors_name_layers_and_kv_heads():
+    model = _llama()
+    with pytest.raises(ShapeError, match=r"layers=3, Hkv=2.*layers=2, Hkv=2"):
+        Plan(torch.ones(3, 2, dtype=torch.bool)).check(model)
+    with pytest.raises(ShapeError, match="Hkv=4"):
+        Plan(torch.ones(2, 4, dtype=torch.bool)).cache(model)
+    with pytest.raises(ShapeError, match="bool tensor"):
+        Plan(torch.ones(2, 2))
+    with pytest.raises(ShapeError, match=r"\[layers, Hkv\]"):
+        Plan(torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sink"):
+        Plan(torch.ones(2, 2, dtype=torch.bool), sink=-1)
+    ids, am = _inputs()
+    with pytest.raises(ShapeError, match="Hkv=4"):  # a cache made without the model: refused at the first write
+        _generate(model, ids, am, n=1, cache=Plan(torch.zeros(2, 4, dtype=torch.bool)).cache())
+    with pytest.raises(ShapeError, match="layer 1 .*layers=1"):
+        _generate(model, ids, am, n=1, cache=Plan(torch.zeros(1, 2, dtype=torch.bool)).cache())
+
+
+def test_plan_prints_renders_saves_and_loads(tmp_path):
+    scores = torch.tensor([[0.9, 0.1], [0.2, float("nan")]], dtype=torch.float64)
+    plan = Plan(torch.tensor([[True, False], [False, True]]), sink=4, window=16, scores=scores, score="induction",
+                layers=["a.0", "a.1"])
+    text = str(plan)
+    assert "2 of 4 K/V heads full" in text and "sink=4 + window=16" in text
+    assert "| 0     | a.0  | 0       | 0.900     | full      |" in text
+    assert "| 1     | a.1  | 1       | -         | full      |" in text
+    assert plan._repr_html_().count("<td") == 4
+    back = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert torch.equal(back.full, plan.full)
+    assert (back.sink, back.window, back.score, back.layers) == (4, 16, "induction", ["a.0", "a.1"])
+    torch.testing.assert_close(back.scores, scores, equal_nan=True)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(LoadError, match="not a bhqk budget plan"):
+        Plan.load(tmp_path / "bad.json")
+    (tmp_path / "worse.json").write_text('{"format": "bhqk.budget.Plan/1", "full": [[1, 0]]}')
+    with pytest.raises(LoadError, match="malformed"):
+        Plan.load(tmp_path / "worse.json")
+
+
+def test_the_streaming_mask_is_sink_plus_window_plus_own_key():
+    m = streaming_mask(2, 3).materialize(1, 1, 8, 8)[0, 0]  # [Q, K]
+    for i in range(8):
+        seen = [j for j in range(8) if m[i, j] and j <= i]
+        assert seen == sorted(set(range(min(2, i + 1))) | set(range(max(0, i - 3), i + 1)))
+    assert torch.equal(streaming_mask(2, 3).materialize(1, 1, 8, 8),
+                       (~masks.key_span(0, 2) | masks.sliding_window(3, align="bottom_right")).materialize(1, 1, 8, 8))
+
+
+# ---- finding a plan ---------------------------------------------------------------------------------
+
+
+class _CharTokenizer:
+    def __call__(self, text, return_tensors="pt"):
+        return {"input_ids": torch.tensor([[1 + ord(c) % (V - 1) for c in text]])}
+
+
+@pytest.mark.parametrize("score", ["induction", "retrieval", "distant"])
+def test_find_keeps_the_top_fraction_by_the_kv_heads_max_score(score):
+    model = _llama(layers=2)
+    plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=_CharTokenizer(), length=32, batch=2)
+    assert plan.full.shape == (2, 2) and int(plan.full.sum()) == 2 and plan.score == score
+    assert plan.layers == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert float(plan.scores[plan.full].min()) >= float(plan.scores[~plan.full].max())
+    kv, per_q = score_heads(model, score, window=W, tokenizer=_CharTokenizer(), length=32, batch=2)
+    torch.testing.assert_close(kv, per_q.reshape(2, 2, 4).amax(-1))  # a K/V head: the max of its 4 query heads
+    torch.testing.assert_close(kv.double(), plan.scores)
+    assert model.config._attn_implementation == "bhqk"
+
+
+def test_find_on_a_model_loaded_with_another_attention_restores_it():
+    model = _llama()
+    model.set_attn_implementation("sdpa")
+    plan = find(model, full=0.25, length=16, batch=1)
+    assert int(plan.full.sum()) == 1 and model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="tokenizer"):
+        find(model, score="distant")
+    with pytest.raises(ValueError, match="full"):
+        find(model, full=1.5)
+
+
+def test_budget_cache_repr_and_type():
+    model = _llama()
+    cache = _mixed(model).cache(model)
+    assert isinstance(cache, BudgetCache) and isinstance(cache, transformers.Cache)
+    assert "0 bytes held" in repr(cache)
+
+
+# ---- the command line -------------------------------------------------------------------------------
+
+
+def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys):
+    from bhqk.cli import main
+
+    folder = tmp_path / "tiny"
+    _llama().save_pretrained(folder)
+    argv = ["budget", "--model", str(folder), "--full", "0.5", "--sink", "4", "--window", "8", "--length", "1024",
+            "--save", str(tmp_path / "plan.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 of 4 K/V heads full" in out and "| 1     | model.layers.1.self_attn |" in out
+    # 2 full heads × 1024 + 2 streaming × 12 positions, of 4 × 1024; d = 8, fp32, key + value
+    assert f"plan {(2 * 1024 + 2 * 12) * 64 / 2**20:,.1f} MiB" in out and "full cache 0.2 MiB" in out
+    assert Plan.load(tmp_path / "plan.json").full.sum() == 2
+    assert main(["budget", "--model", str(tmp_path / "nothing")]) == 2
+    assert "not a local Hugging Face folder" in capsys.readouterr().err
+
+
+def test_attention_weights_come_back_in_the_models_head_order_with_evicted_keys_zero():
+    model = _llama()
+    ids, am = _inputs(N=20, B=1)
+    plan = _mixed(model)  # layer 0: K/V head 0 full (query heads 0-3), head 1 streams (4-7)
+    cache, ref = plan.cache(model), transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], cache=cache)
+        model(input_ids=ids[:, :14], cache=ref)
+        w = model(input_ids=ids[:, 14:], cache=cache, output_attentions=True).attentions[0]  # [B, H, 6, 20]
+        w_ref = model(input_ids=ids[:, 14:], cache=ref, output_attentions=True).attentions[0]
+    torch.testing.assert_close(w[:, :4], w_ref[:, :4])  # full heads of the first layer: the model's own weights
+    allowed = (streaming_mask(S, W) & masks.causal("bottom_right")).materialize(1, 1, 6, 20)[0, 0]  # [6, 20]
+    assert bool((w[:, 4:] * ~allowed).eq(0).all()) and not bool((w_ref[:, 4:] * ~allowed).eq(0).all())
+    torch.testing.assert_close(w[:, 4:].sum(-1), torch.ones(1, 4, 6))
