@@ -278,4 +278,11 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     return _load_hf(folder, attn_implementation, f"delete the cache folder (rm -r '{folder}') and load again.")
 
 
-__all__ = ["pretrained", "is_pretrained", "NAMES", "Wheel", "cache_root", "cache_folder", "wheel_file", "sha256_of"]
+def load_for_cli(source: str | Path, backend: str = "auto") -> tuple[Any, Any]:
+    """What a command's ``--model`` loads when :func:`is_pretrained`: ``pretrained(source)`` on bhqk's
+    attention with ``backend`` (``auto``: ``"bhqk"``, else ``"bhqk:<backend>"``)."""
+    return pretrained(source, attn_implementation="bhqk" if backend == "auto" else f"bhqk:{backend}")
+
+
+__all__ = ["pretrained", "is_pretrained", "load_for_cli", "NAMES", "Wheel", "cache_root", "cache_folder", "wheel_file",
+           "sha256_of"]
