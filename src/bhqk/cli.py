@@ -16,7 +16,7 @@ import torch
 
 from . import masks
 from .explain import explain
-from .models.cli import attention_progress, int_at_least, int_list
+from .models.cli import BACKEND_HELP, attention_progress, backend_name, int_at_least, int_list
 
 USER_ERRORS = (ValueError, OSError, ImportError)  # a bad value, a file that cannot be read or written, a missing extra
 MAX_DRAW_CELLS = 2**18  # bhqk mask draws one character per (batch, query, key): at most 512 × 512
@@ -149,6 +149,83 @@ def with_attention_progress(func, desc: str):
     return run
 
 
+# --- bhqk needle --------------------------------------------------------------------------------
+
+
+def fraction_list(text: str) -> list[float]:
+    """An argparse type: comma-separated numbers in [0, 1]; ``a,b,...,z`` is the progression a, b, … up to z."""
+    parts = [x.strip() for x in text.replace(" ", ",").split(",") if x.strip()]
+    try:
+        if len(parts) == 4 and parts[2] == "...":
+            a, b, z = float(parts[0]), float(parts[1]), float(parts[3])
+            if not b > a:
+                raise argparse.ArgumentTypeError(f"a progression a,b,...,z needs b > a, got {text!r}")
+            n = int(round((z - a) / (b - a)))
+            values = [round(a + i * (b - a), 10) for i in range(n + 1)]
+        else:
+            values = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0,0.5,1 or 0,0.1,...,1, "
+                                         f"got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"every depth must be a number in [0, 1], got {text!r}")
+    return values
+
+
+def load_plan(path: str):
+    """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``; bhqk.budget is imported only here)."""
+    import importlib
+
+    try:
+        budget = importlib.import_module("bhqk.budget")
+    except ModuleNotFoundError:
+        raise ImportError("--plan needs bhqk.budget (head-wise KV budgets), which this version of bhqk does not have; "
+                          "run without --plan, or update bhqk.") from None
+    return budget.Plan.load(path)
+
+
+def cmd_needle(a: argparse.Namespace) -> str:
+    from .inspect import needle
+    from .models.cli import load_model, progress_enabled
+    from .models.real import load_for_cli
+
+    pairs = needle.parse_edit(a.edit) if a.edit is not None else None
+    plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
+    model, tok = load_model(lambda: load_for_cli(a.model, a.backend), str(a.model), a.model)
+    result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
+                         edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
+                         progress=progress_enabled())
+    result.meta.update({"model": str(a.model), "backend": a.backend, "edit": a.edit, "plan": a.plan})
+    what = " ".join(x for x in (f"edit {a.edit}" if a.edit else "", f"plan {a.plan}" if a.plan else "") if x)
+    js, png = result.save(a.out, title=f"{a.model}: pass key found (%)" + (f", {what}" if what else ""))
+    return f"{a.model}, seed {a.seed}, {a.trials} trial(s) per cell\n{result.table()}\nwrote {js} and {png}"
+
+
+def add_needle_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("needle", help="needle in a haystack: pass-key retrieval over prompt lengths × depths",
+                       description="Hide a random pass key at each depth of a prompt of each length (filler: Python's "
+                                   "own documentation), ask for it through the chat template, greedy-decode the "
+                                   "answer; print the table of keys found and write OUT/needle.json (one entry per "
+                                   "trial) and OUT/needle.png (the heatmap). Deterministic given --seed.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a .gguf file or a Llama-family Hugging Face folder")
+    p.add_argument("--lengths", type=int_list(64), default=[1024, 2048, 4096, 8192],
+                   help="prompt lengths in tokens, template included (default 1024,2048,4096,8192)")
+    p.add_argument("--depths", type=fraction_list, default=fraction_list("0,0.1,...,1"),
+                   help="needle depths, fractions of the filler before it (default 0,0.1,...,1)")
+    p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts (keys) per cell (default 1)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the keys and haystacks (default 0)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of each answer (default 16)")
+    p.add_argument("--out", default="bhqk-needle", help="folder for needle.json and needle.png (default bhqk-needle)")
+    p.add_argument("--edit", default=None, metavar="zero:L.H,...",
+                   help="zero the outputs of these query heads (layer.head) during every generation, e.g. zero:5.0,12.3")
+    p.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="generate with the KV cache of a head-wise budget plan (bhqk.budget.Plan.load)")
+    p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
+    p.set_defaults(func=cmd_needle)
+    return p
+
+
 # --- the parser ---------------------------------------------------------------------------------
 
 
@@ -223,6 +300,7 @@ def parser() -> Parser:
     from .viz.stats_cli import add_stats_parser
 
     add_stats_parser(sub)
+    add_needle_parser(sub)
     from .budget.cli import add_budget_parser
 
     add_budget_parser(sub)

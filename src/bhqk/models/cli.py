@@ -257,12 +257,44 @@ def add_embed_parser(sub) -> argparse.ArgumentParser:
 # --- bhqk generate ------------------------------------------------------------------------------
 
 
+def generate_pretrained(a: argparse.Namespace) -> str:
+    """``bhqk generate --model smollm2-135m "prompt"``: transformers' model on bhqk's attention, the
+    prompt asked through the chat template (``--ids``: raw token ids, no template), the new tokens
+    streamed to stdout as they are decoded."""
+    from transformers import TextStreamer
+
+    from .real import load_for_cli
+
+    model, tok = load_model(lambda: load_for_cli(a.model, a.backend), str(a.model), a.model)
+    if a.prompt is not None:
+        ids = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]  # [1, n]
+    else:
+        ids = torch.tensor([a.ids])  # [1, n]
+    vocab = model.config.vocab_size
+    if ids.numel() == 0 or not bool(((ids >= 0) & (ids < vocab)).all()):
+        raise ValueError(f"token ids must be in [0, {vocab}) for this model, got {ids[0].tolist()}.")
+    if a.seed is not None:
+        torch.manual_seed(a.seed)
+    sample = a.temperature > 0
+    extra = {"temperature": a.temperature, "top_k": a.top_k} if sample else {}
+    eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id
+    streamer = None if a.show_ids else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=sample,
+                             eos_token_id=eos, pad_token_id=eos, streamer=streamer, **extra)  # [1, n + new]
+    return ",".join(map(str, out[0].tolist())) if a.show_ids else ""
+
+
 def cmd_generate(a: argparse.Namespace) -> str:
     from .bert import load_tokenizer
     from .gpt2 import GPT2
+    from .real import is_pretrained
 
     if (a.prompt is None) == (a.ids is None):
         raise ValueError("give either a prompt (needs tokenizer.json in the model folder) or --ids, not both.")
+    if is_pretrained(a.model):
+        return generate_pretrained(a)
     model = load_model(lambda: GPT2.from_pretrained(a.model, backend=a.backend), "GPT-2", a.model)
     tok = None
     if a.prompt is not None:
@@ -287,11 +319,17 @@ def cmd_generate(a: argparse.Namespace) -> str:
 
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("generate", help="continue a prompt with a local GPT-2 folder (KV-cache decoding)",
+    p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, a GGUF file)",
                        description="Continue a prompt with a local Hugging Face GPT-2 folder, one token at a time "
-                                   "with a KV cache: greedy by default, sampled with --temperature and --top-k.")
-    p.add_argument("prompt", nargs="?", default=None, help="text (tokenized with the folder's tokenizer.json)")
-    p.add_argument("--model", required=True, help="a local Hugging Face GPT-2 folder (config.json + weights)")
+                                   "with a KV cache: greedy by default, sampled with --temperature and --top-k. "
+                                   "With a pretrained chat model (smollm2-135m, a .gguf file, a Llama-family folder: "
+                                   "bhqk.models.pretrained) the prompt is asked through its chat template and the "
+                                   "answer streams as it is generated.")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="text (tokenized with the folder's tokenizer.json; a chat model: the user's message)")
+    p.add_argument("--model", required=True,
+                   help="a local Hugging Face GPT-2 folder (config.json + weights), or a pretrained model: "
+                        "smollm2-135m, a .gguf file, a Llama-family Hugging Face folder")
     p.add_argument("--ids", type=int_list(0), default=None,
                    help="prompt token ids, comma-separated, when there is no tokenizer.json (e.g. 464,3797)")
     p.add_argument("--max-new-tokens", "-n", type=int_at_least(0), default=32, help="tokens to generate (default 32)")
