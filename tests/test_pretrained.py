@@ -199,3 +199,20 @@ def test_damaged_cache_folder_says_delete_it(smollm2, tmp_path):
     (folder / "model.safetensors").write_bytes((good / "model.safetensors").open("rb").read(4096))  # cut short
     with pytest.raises(LoadError, match=r"cannot load.*rm -r"):
         pretrained("smollm2-135m", cache_dir=tmp_path)
+
+
+def test_bhqk_stats_takes_the_model_name(smollm2, monkeypatch, tmp_path):
+    """``bhqk stats --model smollm2-135m`` finds the real model by its name (the session's copy here, so
+    the test does not load it twice) and reports its 30 layers × 9 heads."""
+    import bhqk.models.real as real
+    from bhqk.viz import stats_cli
+
+    asked = []
+    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": asked.append((source, backend)) or smollm2)
+    from pydoc_data import topics
+
+    text = " ".join(topics.topics["assert"].split()[:200])
+    report, files = stats_cli.run("smollm2-135m", text, out=tmp_path, max_tokens=96, top=3)
+    assert asked == [("smollm2-135m", "auto")]
+    assert "30 layers × 9 heads" in report
+    assert files and all(p.is_file() for p in files.values())

@@ -25,11 +25,16 @@ TOP_COLUMNS = ("sink", "prev", "local", "entropy")  # what --top N ranks (entrop
 
 def load(model: str | Path | None, backend: str = "auto"):
     """The model ``bhqk stats`` reads, on bhqk (``backend``): None is the bundled all-MiniLM-L6-v2, else a
-    local Hugging Face folder (config.json, weights, tokenizer files). The one place the command finds
+    model name (``smollm2-135m``), a GGUF file, or a local Hugging Face folder (config.json, weights,
+    tokenizer files). The one place the command finds
     its model (model names join here). A folder without tokenizer files is refused before its weights load."""
-    from ..integrations.transformers import TOKENIZER_FILES, load_folder
+    from ..integrations.transformers import TOKENIZER_FILES, Loaded, load_folder
     from ..models.bert import bundled_model_dir
+    from ..models.real import NAMES, is_pretrained, load_for_cli
 
+    if model is not None and (str(model) in NAMES or (is_pretrained(model) and not (Path(model) / "config.json").is_file())):
+        lm, tok = load_for_cli(model, backend)  # a model name or a GGUF file: converted once into bhqk's cache
+        return Loaded(lm, tok, True, Path(lm.name_or_path or str(model)))
     folder = bundled_model_dir() if model is None else Path(model)
     if not folder.is_dir():
         raise LoadError(f"--model {folder}: not a folder (a local Hugging Face model: config.json, weights, tokenizer).")
@@ -138,8 +143,8 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="attention statistics of every layer and head of a local model, at any length",
                        description=__doc__)
     s.add_argument("text", nargs="?", default=None, help="the text (or --file)")
-    s.add_argument("--model", default=None, help="a local Hugging Face model folder (config.json, weights, tokenizer); "
-                                                 "default: the bundled all-MiniLM-L6-v2")
+    s.add_argument("--model", default=None, help="smollm2-135m, a GGUF file, or a local Hugging Face model folder "
+                                                 "(config.json, weights, tokenizer); default: the bundled all-MiniLM-L6-v2")
     s.add_argument("--file", default=None, help="read the text from this file (UTF-8)")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the pictures and the page (default {DEFAULT_OUT})")
     s.add_argument("--max-tokens", type=int_at_least(MIN_TEXT_TOKENS), default=None,
