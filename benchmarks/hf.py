@@ -84,7 +84,7 @@ def register_spans() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from bhqk.integrations import transformers as integration
+    from bhqk.integrations import hf_attention as integration
 
     AttentionInterface.register("bhqk:spans", integration._attention_for("spans"))
     AttentionMaskInterface.register("bhqk:spans", integration.build_mask)

@@ -75,7 +75,7 @@ def hf_functions(g: torch.Generator) -> dict | None:
         from transformers.masking_utils import causal_mask_function
     except ImportError:
         return None
-    from bhqk.integrations import transformers as integration
+    from bhqk.integrations import hf_attention as integration
 
     integration.register()
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=768, intermediate_size=64, num_hidden_layers=1,

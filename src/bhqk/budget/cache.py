@@ -30,7 +30,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import masks
 from ..errors import BackendError, ShapeError
-from ..integrations.transformers import AllKeys, _mask_and_bias
+from ..integrations.hf_attention import _mask_and_bias
+from ..integrations.hf_mask import AllKeys
 from .mask import streaming_mask
 
 

@@ -8,8 +8,6 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import LoadError
 from .find import SCORES, find
 from .plan import model_sizes
@@ -17,25 +15,14 @@ from .plan import model_sizes
 
 def load_model(source: str):
     """(model, tokenizer) for a model name, a ``.gguf`` file or a local Hugging Face folder, running
-    bhqk's attention. Names come from ``bhqk.models.pretrained`` where this bhqk has it."""
-    from .. import models
+    bhqk's attention (a folder may lack tokenizer files: the induction score needs none)."""
+    from ..models.real import from_gguf, load_for_cli
 
-    pretrained = getattr(models, "pretrained", None)
-    if pretrained is not None:
-        return pretrained(source)
+    if from_gguf(source):
+        return load_for_cli(source)
     path = Path(source)
-    if path.suffix == ".gguf" and path.is_file():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from ..integrations.transformers import register
-
-        register()
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                     attn_implementation="bhqk").eval()
-        return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not path.is_dir():
-        raise LoadError(f"--model {source}: not a local Hugging Face folder or .gguf file (named models need "
-                        f"bhqk.models.pretrained, which this bhqk does not have).")
+        raise LoadError(f"--model {source}: not a model name, a .gguf file or a local Hugging Face folder.")
     from ..integrations.transformers import load_folder
 
     loaded = load_folder(path)

@@ -122,6 +122,12 @@ def is_pretrained(source: str | Path) -> bool:
     return config.get("model_type") != "gpt2" and any(str(a).endswith("ForCausalLM") for a in archs)
 
 
+def from_gguf(source: str | Path) -> bool:
+    """``source`` names a GGUF model :func:`pretrained` converts: a name of :data:`NAMES`, a ``.gguf``
+    file, or a folder holding one and no ``config.json`` (a Hugging Face folder loads as it is)."""
+    return str(source) in NAMES or (is_pretrained(source) and not (Path(source) / "config.json").is_file())
+
+
 def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
     """(GGUF path, the sha256 it must have or None, how to get it again) for a name, a .gguf file or a
     folder holding one; None for a Hugging Face folder."""
@@ -284,5 +290,5 @@ def load_for_cli(source: str | Path, backend: str = "auto") -> tuple[Any, Any]:
     return pretrained(source, attn_implementation="bhqk" if backend == "auto" else f"bhqk:{backend}")
 
 
-__all__ = ["pretrained", "is_pretrained", "load_for_cli", "NAMES", "Wheel", "cache_root", "cache_folder", "wheel_file",
-           "sha256_of"]
+__all__ = ["pretrained", "is_pretrained", "from_gguf", "load_for_cli", "NAMES", "Wheel", "cache_root", "cache_folder",
+           "wheel_file", "sha256_of"]

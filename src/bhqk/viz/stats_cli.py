@@ -30,9 +30,9 @@ def load(model: str | Path | None, backend: str = "auto"):
     its model (model names join here). A folder without tokenizer files is refused before its weights load."""
     from ..integrations.transformers import TOKENIZER_FILES, Loaded, load_folder
     from ..models.bert import bundled_model_dir
-    from ..models.real import NAMES, is_pretrained, load_for_cli
+    from ..models.real import from_gguf, load_for_cli
 
-    if model is not None and (str(model) in NAMES or (is_pretrained(model) and not (Path(model) / "config.json").is_file())):
+    if model is not None and from_gguf(model):
         lm, tok = load_for_cli(model, backend)  # a model name or a GGUF file: converted once into bhqk's cache
         return Loaded(lm, tok, True, Path(lm.name_or_path or str(model)))
     folder = bundled_model_dir() if model is None else Path(model)
