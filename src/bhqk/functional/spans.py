@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from ..bias import Bias, dense_parts
 from ..masks import And, Causal, Extent, Mask, Not, Or, SlidingWindow, top_left_count
 from ..shapes import all_finite
+from ..shortcuts import Cache, Shortcut, declare
 from .merge import merge_, with_sinks
 from .plan_cache import PlanCache
 from .problem import Problem
@@ -178,21 +179,29 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-_LAST: list = [None, None]  # (weakref to the last Problem planned, its plan): hands_off and run share one plan
-_PLANS: PlanCache[Plan] = PlanCache("span_plans")
+_PLANS: PlanCache[Plan] = PlanCache("span plans", "the span path's plan: its kernel calls (and the call masks kept in it)")
+CALL_PLANS: Cache[tuple[weakref.ref, Plan]] = Cache(  # share, hands_off and run of one call plan once
+    "span plan of a live call", "planning a call again for its hands_off and run after share", "the Problem object "
+    "(by identity, held weakly)", 8, "the Problem freed: its entry (and the plan's call masks) go with it")
+declare(CALL_PLANS)
+MASKS = declare(Shortcut(
+    "span call masks", "building a masked span's additive mask again at the next call", "kept in its plan: "
+    "q's dtype and device, the group and its blocks (the plan's key holds the mask and sizes); not with a bias",
+    f"{KEEP_ELEMS} entries per plan", "with the plan"))
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`)."""
-    ref, plan = _LAST
-    if ref is not None and ref() is p:
-        return plan
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`), and for the call
+    itself while it lives (:data:`CALL_PLANS`)."""
+    hit = CALL_PLANS.lookup(id(p))
+    if hit is not None and hit[0]() is p:
+        return hit[1]
     e = p.ext
     key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, p.scale_positive)
     plan = _PLANS.get(p.mask, key, lambda: _plan(p))
-    _LAST[:] = [weakref.ref(p), plan]
+    CALL_PLANS.put(id(p), (weakref.ref(p, lambda _, k=id(p): CALL_PLANS.discard(k)), plan))
     return plan
 
 
@@ -449,7 +458,7 @@ def _kept_mask(p: Problem, plan: Plan, i: int, j0: int, j1: int) -> tuple[torch.
     """:func:`_mask` of blocks j0:j1 of group i, kept in the plan while the plan's masks stay under
     ``KEEP_ELEMS`` entries: without a bias it depends only on the mask and the sizes, which key the
     plan (a dense mask's band, gathered from its tensor, collapses to one block's mask)."""
-    if p.bias is not None:
+    if p.bias is not None or not MASKS.on:
         return _mask(p, plan.groups[i], j0, j1)
     key = (p.q.dtype, p.q.device, i, j0, j1)
     got = plan.masks.get(key)
