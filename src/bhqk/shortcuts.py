@@ -25,6 +25,7 @@ class Shortcut:
 
     def __init__(self, name: str, what: str, key: str, bound: str, invalidation: str) -> None:
         self.name, self.what, self.key, self.bound, self.invalidation = name, what, key, bound, invalidation
+        self.hits = 0  # calls it answered (a cache hit, a fast path taken): what tests check it was exercised by
 
     @property
     def on(self) -> bool:
@@ -49,7 +50,10 @@ class Cache(Shortcut, Generic[T]):
 
     def lookup(self, key: Hashable) -> T | None:
         """The value kept for ``key`` (None: none, or turned off)."""
-        return self._store.get(key) if self.on else None
+        hit = self._store.get(key) if self.on else None
+        if hit is not None:
+            self.hits += 1
+        return hit
 
     def put(self, key: Hashable, value: T) -> None:
         if not self.on:

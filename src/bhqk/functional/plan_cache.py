@@ -45,7 +45,9 @@ class PlanCache(Shortcut, Generic[T]):
             store = self._masks.setdefault(mask, {})
         full = (key, versions, self._epoch)
         plan = store.get(full)
-        if plan is None:
+        if plan is not None:
+            self.hits += 1
+        else:
             plan = make()
             if len(store) >= KEPT:
                 for old in list(store)[: KEPT // 2]:

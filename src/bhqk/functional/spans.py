@@ -462,7 +462,9 @@ def _kept_mask(p: Problem, plan: Plan, i: int, j0: int, j1: int) -> tuple[torch.
         return _mask(p, plan.groups[i], j0, j1)
     key = (p.q.dtype, p.q.device, i, j0, j1)
     got = plan.masks.get(key)
-    if got is None:
+    if got is not None:
+        MASKS.hits += 1
+    else:
         got = _mask(p, plan.groups[i], j0, j1)
         if got[0].numel() + sum(a.numel() for a, _ in plan.masks.values()) <= KEEP_ELEMS:
             plan.masks[key] = got

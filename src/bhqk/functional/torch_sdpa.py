@@ -129,6 +129,7 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
     Hkv = k.shape[1]
     if Q == 1 and Hkv != H and attn_mask is None and not is_causal and PACKING.on:  # one query, nothing masked: the G query heads
         G = H // Hkv  # of a K/V head become G queries of one call, which reads each K/V head once (not G times)
+        PACKING.hits += 1
         q = p.q.reshape(B, Hkv, G, p.q.shape[-1])  # [B, H, 1, d] -> [B, Hkv, G, d]
         out = F.scaled_dot_product_attention(q, k, v, None, p.dropout_p, False, scale=p.scale)  # [B, Hkv, G, dv]
         return out.reshape(B, H, 1, v.shape[-1]), None  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]
