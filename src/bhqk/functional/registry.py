@@ -15,7 +15,6 @@ import torch
 
 from ..errors import BackendError
 from ..masks import Causal, Mask
-from ..shapes import Sizes
 from ..shortcuts import Cache, declare
 from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
@@ -112,7 +111,11 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
     SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never."""
     key = _structure(p, need_lse)
-    if key is not None and (hit := CLAIMS.lookup(key)) is not None:
+    try:
+        hit = None if key is None else CLAIMS.lookup(key)
+    except TypeError:  # an option that is no value: not kept
+        key = hit = None
+    if hit is not None:
         return _handed_off(hit, p)
     refused: dict[str, str] = {}
     claims: list[tuple[float, int, Backend]] = []
@@ -162,29 +165,34 @@ _NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})
 
 def _structure(p: Problem, need_lse: bool) -> tuple | None:
     """All a claim depends on, for a call without a bias, sinks or a mask but causal: the registry,
-    need_lse, grad mode and every compared field of ``p`` (:func:`_part`); None where not kept."""
+    need_lse, grad mode and every compared field of ``p`` (:func:`_part`; ``sizes`` is derived from
+    q, k, v's shapes); None where not kept (and where the key turns out unhashable: see :func:`decide`)."""
     if p.bias is not None or p.sinks is not None or not (p.mask is None or isinstance(p.mask, Causal)):
         return None
-    key = (tuple(map(id, _REGISTRY.values())), need_lse, p.needs_grad,
-           *(_part(getattr(p, f.name)) for f in dataclasses.fields(p) if f.compare))
-    try:
-        hash(key)
-    except TypeError:  # an option that is no value: not kept
-        return None
-    return key
+    key = [tuple(map(id, _REGISTRY.values())), need_lse, p.needs_grad]
+    for name in _FIELDS:
+        x = getattr(p, name)
+        key.append(x if type(x) in _VALUES else _part(x))
+    return tuple(key)
+
+
+_DERIVED = {"sizes"}  # bound from q, k, v's shapes and the layout, which the key holds
+_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.compare and f.name not in _DERIVED)  # what a claim reads
+_VALUES = frozenset({float, int, bool, str, type(None)})  # fields that are their own key
 
 
 def _part(x: Any) -> Any:
     """What a claim reads of one field of a call: a tensor's shape, dtype, device and requires_grad
-    (not its values), the named sizes, a mask's type and attributes, a dict's items, else the value."""
+    (not its values), a mask's type and attributes, a dict's items (in their order: another order is
+    only a miss), else the value (an unhashable one: not kept)."""
+    if type(x) in _VALUES:
+        return x
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad)
-    if isinstance(x, Sizes):
-        return ("sizes", tuple(sorted(x.size.items())))
+        return ("tensor", x.shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, dict):
-        return ("dict", tuple(sorted((k, _part(v)) for k, v in x.items())))
+        return ("dict", *[(k, _part(v)) for k, v in x.items()])
     if isinstance(x, Mask):
-        return (type(x), tuple(sorted((k, _part(v)) for k, v in vars(x).items())))
+        return (type(x), *[(k, _part(v)) for k, v in vars(x).items()])
     return x
 
 

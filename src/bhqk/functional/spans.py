@@ -201,7 +201,12 @@ def plan_for(p: Problem) -> Plan:
     e = p.ext
     key = ((e.B, e.H, e.Q, e.K), _blocks(p), p.bias is None, p.scale_positive)
     plan = _PLANS.get(p.mask, key, lambda: _plan(p))
-    CALL_PLANS.put(id(p), (weakref.ref(p, lambda _, k=id(p): CALL_PLANS.discard(k)), plan))
+    key_p = id(p)
+
+    def gone(_: weakref.ref) -> None:  # the call freed: its plan (and call masks) leave with it
+        CALL_PLANS.discard(key_p)
+
+    CALL_PLANS.put(key_p, (weakref.ref(p, gone), plan))
     return plan
 
 
