@@ -211,9 +211,11 @@ CHANGES: dict[str, tuple[str | None, Callable[[dict], None]]] = {  # name -> (th
 }
 
 
-def _check(sc: Scenario, msg: str) -> None:
-    out = sc.run(sc.inputs)
-    assert_close(out, sc.reference(), dtype=torch.float32, n=sc.inputs["k"].shape[2], msg=msg)
+def _check(sc: Scenario, msg: str, ref: torch.Tensor | None = None) -> torch.Tensor:
+    """The call through the shortcut against the reference (``ref``: already computed for these inputs)."""
+    ref = sc.reference() if ref is None else ref
+    assert_close(sc.run(sc.inputs), ref, dtype=torch.float32, n=sc.inputs["k"].shape[2], msg=msg)
+    return ref
 
 
 @pytest.mark.parametrize("c", CASES, ids=[f"{c.shortcut}-{c.name}" for c in CASES])
@@ -225,14 +227,13 @@ def test_first_repeated_and_changed_calls_equal_the_reference(c: Case, monkeypat
     for change_name, change in changes.items():
         shortcuts.clear()
         sc = c.build(monkeypatch, tmp_path)
-        _check(sc, f"{c.shortcut} {c.name}: first call")
+        ref = _check(sc, f"{c.shortcut} {c.name}: first call")
         before = shortcut.hits
-        _check(sc, f"{c.shortcut} {c.name}: repeated call")
+        _check(sc, f"{c.shortcut} {c.name}: repeated call", ref)
         assert (shortcut.hits > before) == sc.hits, (
             f"{c.shortcut} {c.name}: the repeated call was {'not ' if sc.hits else ''}answered by the shortcut")
         change(sc.inputs)
         _check(sc, f"{c.shortcut} {c.name}: repeated after {change_name}")
-        _check(sc, f"{c.shortcut} {c.name}: repeated again after {change_name}")
 
 
 def test_every_declared_shortcut_has_a_case():
