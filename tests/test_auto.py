@@ -208,7 +208,7 @@ def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, mon
         return dataclasses.replace(old or FAKE, sdpa_backward=4.0, tiled_backward=3.0) if grad else FAKE
 
     monkeypatch.setattr(calibrate, "measure", measure)
-    monkeypatch.setattr(costs, "_MEMO", {})
+    costs.MEMO.clear()
     path = tmp_path / "costs.json"
     monkeypatch.setenv("BHQK_COSTS", str(path))
     cpu = torch.device("cpu")
@@ -216,7 +216,7 @@ def test_costs_are_cached_per_machine_in_the_file_named_by_the_env(tmp_path, mon
     assert calibrate.costs(cpu, torch.float32) == FAKE and calls == [False]  # in-process memo
     with_grad = calibrate.costs(cpu, torch.float32, grad=True)
     assert (with_grad.sdpa_backward, with_grad.tiled_backward, calls) == (4.0, 3.0, [False, True])
-    monkeypatch.setattr(costs, "_MEMO", {})  # a new process: read from the file, nothing measured
+    costs.MEMO.clear()  # a new process: read from the file, nothing measured
     assert calibrate.costs(cpu, torch.float32, grad=True) == with_grad and len(calls) == 2
     data = json.loads(path.read_text())
     (key,) = data
@@ -261,7 +261,7 @@ def test_cli_calibrate_says_what_it_measured_and_where_it_keeps_it(tmp_path, mon
     from bhqk import cli
 
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
-    monkeypatch.setattr(costs, "_MEMO", {})
+    costs.MEMO.clear()
     monkeypatch.setattr(calibrate, "measure", lambda dev, dt, grad=False, old=None: dataclasses.replace(
         FAKE, sdpa_backward=3.5, tiled_backward=6.0))  # the measuring itself: test_measuring_gives_positive_finite_costs
     assert cli.main(["calibrate"]) == 0
@@ -321,14 +321,15 @@ def test_a_gqa_decode_step_runs_the_query_heads_of_a_kv_head_as_one_call_and_equ
 
 
 def test_claims_keep_being_kept_past_their_bound(reference_costs, no_span_path, monkeypatch):
-    monkeypatch.setattr(registry, "_CLAIMED", {})
-    monkeypatch.setattr(registry, "_CLAIMED_MAX", 3)
+    registry.CLAIMS.clear()
+    monkeypatch.setattr(registry.CLAIMS, "size", 3)
     step = masks.causal("bottom_right")
     for K in range(1, 8):  # a generation: a new K, so a new structure, per decode step
         q, k, v = qkv(1, 2, None, 1, K, d=8, dtype=torch.float32)
         assert bhqk.choose_backend(q, k, v, step).name == "torch"
-        assert len(registry._CLAIMED) <= 3
-        assert any(key[4] == k.shape for key in registry._CLAIMED)  # this step's claim is kept (key[4]: k's shape)
+        assert len(registry.CLAIMS) <= 3
+        p = prepare(q, k, v, step)
+        assert registry.CLAIMS.lookup(registry._structure(p, False)) is not None  # this step's claim is kept
 
 
 def test_a_kept_claim_is_not_reused_for_another_scale():

@@ -250,7 +250,7 @@ def test_auto_does_not_weigh_flex_where_it_cannot_run(flex_costs, no_span_path):
 
 def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkeypatch, no_span_path):
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
-    monkeypatch.setattr(costs, "_MEMO", {})
+    costs.MEMO.clear()
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))  # the eager path builds [1, 4, N, N]: keep it small
     monkeypatch.setattr(calibrate, "N", 256)  # decide measures SDPA and tiled for this file too: smaller
     with flex.uncompiled():
@@ -258,7 +258,7 @@ def test_measure_flex_keeps_its_costs_and_auto_then_weighs_flex(tmp_path, monkey
     assert all(math.isfinite(x) and x >= 0 for x in (c.compile, c.call, c.elem)) and c.elem > 0 and c.backward is None
     saved = json.loads((tmp_path / "costs.json").read_text())
     assert any("flex float32" in entry for entry in saved.values())
-    monkeypatch.setattr(costs, "_MEMO", {})  # a new process: read back from the file
+    costs.MEMO.clear()  # a new process: read back from the file
     assert costs.kept(torch.device("cpu"), torch.float32, costs.FlexCosts) == c
     q, k, v = qkv(1, 2, None, 600, 600, 64, dtype=torch.float32)
     with torch.no_grad(), costs.fixed(flex=dataclasses.replace(c, compile=12.5)):
@@ -270,7 +270,7 @@ def test_cli_calibrate_measures_flex_and_says_so(tmp_path, monkeypatch, capsys):
     from bhqk import cli
 
     monkeypatch.setenv("BHQK_COSTS", str(tmp_path / "costs.json"))
-    monkeypatch.setattr(costs, "_MEMO", {})
+    costs.MEMO.clear()
     monkeypatch.setattr(calibrate, "FLEX_N", (256, 512))
     monkeypatch.setattr(calibrate, "measure", lambda dev, dt, grad=False, old=None: costs.REFERENCE[torch.float32])
     with flex.uncompiled():

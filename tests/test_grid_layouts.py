@@ -340,3 +340,27 @@ def test_a_long_banded_call_on_views_gives_the_formula(backend):
     the batch, keys an ``unfold`` view, 192-row blocks for the backward) on views of every kind."""
     judge(backend, Case(q="slice2", k="expand_H", v="transposed", dout="narrow", mask="band", QK=(512, 512),
                         heads=(8, 8), Hkv=2, dtype=torch.float32))
+
+
+# ---- statistics: the row lse they start from, on views ---------------------------------------------
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_the_row_lse_of_statistics_is_the_formula_on_views(layout, mask):
+    """``rowstats.row_lse`` (the lse every statistic is computed from) takes PyTorch's fused kernel
+    where it can: q and k of every layout give the formula's lse (a q sliced from a wider buffer gave
+    lse 2–3 off: the kernel reads the head dimension at stride 1)."""
+    from bhqk.inspect import rowstats
+
+    gen = torch.Generator().manual_seed(7)
+    B, H, Hkv, N, d = 2, 4, 2, 9, 8
+    m = None if mask is None else masks.causal()
+    shapes = {"q": (B, H, N, d), "k": (B, Hkv, N, d)}
+    lay = LAYOUTS[layout]
+    q, k = (lay.view(torch.randn(lay.leaf(s), generator=gen, dtype=torch.float64), s) for s in shapes.values())
+    v = torch.randn(B, Hkv, N, d, generator=gen, dtype=torch.float64)
+    got = rowstats.row_lse(prepare(q, k, v, m), list(range(H)), None)  # [B, H, N]
+    S = q @ k.repeat_interleave(H // Hkv, 1).transpose(-1, -2) * d ** -0.5  # [B, H, N, N]
+    if m is not None:
+        S = S.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
+    assert_close(got, S.logsumexp(-1), n=N)

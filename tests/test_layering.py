@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "bhqk"
 
 # layer of each top-level part of the package (lower numbers are lower layers)
 LAYERS = {
-    "errors": 0, "dims": 0, "text": 0, "observe": 0, "explain": 0,
+    "errors": 0, "dims": 0, "text": 0, "observe": 0, "explain": 0, "shortcuts": 0,
     "shapes": 1, "masks": 1, "bias": 1,
     "functional": 2,
     "nn": 3,

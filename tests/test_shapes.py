@@ -52,12 +52,12 @@ def test_errors_are_not_kept():
 
 
 def test_the_kept_calls_are_bounded(monkeypatch):
-    monkeypatch.setattr(shapes, "_CHECKED", {})
-    monkeypatch.setattr(shapes, "_CHECKED_MAX", 3)
+    shapes.CHECKED.clear()
+    monkeypatch.setattr(shapes.CHECKED, "size", 3)
     for K in range(1, 8):  # a decode loop: one new K per step
         q, k, v = _qkv(K=K)
         assert shapes.check_qkv(q, k, v)["K"] == K
-        assert len(shapes._CHECKED) <= 3
+        assert len(shapes.CHECKED) <= 3
 
 
 def test_a_problems_extent_is_bound_once_and_follows_a_replace():

@@ -12,6 +12,7 @@ import torch
 
 from .dims import WHY_AGREE, meaning
 from .errors import ShapeError
+from .shortcuts import Cache, declare
 from .text import named_shape
 
 LAYOUTS = {
@@ -95,8 +96,10 @@ def _bind_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) ->
     return sizes
 
 
-_CHECKED: dict[tuple, Sizes] = {}  # calls that passed check_qkv, by shapes, dtypes, devices and layout -> their sizes
-_CHECKED_MAX = 256  # distinct call signatures kept (a model's decode steps repeat a few); cleared when full
+CHECKED: Cache[Sizes] = Cache(  # a model's decode steps repeat a few signatures
+    "checked sizes", "check_qkv's checks and bound sizes", "layout, and the shapes, dtypes and devices of q, k, v "
+    "(all the checks read)", 256, "none needed: the key is everything the checks read; errors are never kept")
+declare(CHECKED)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhnd") -> Sizes:
@@ -111,12 +114,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "
     if torch.compiler.is_compiling():  # traced once per graph: no cache to guard on
         return _check_qkv(q, k, v, layout)
     key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
-    if (hit := _CHECKED.get(key)) is not None:
+    if (hit := CHECKED.lookup(key)) is not None:
         return hit.copy()
     sizes = _check_qkv(q, k, v, layout)
-    if len(_CHECKED) >= _CHECKED_MAX:
-        _CHECKED.clear()
-    _CHECKED[key] = sizes.copy()
+    CHECKED.put(key, sizes.copy())
     return sizes
 
 

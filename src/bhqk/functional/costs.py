@@ -15,6 +15,8 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+from ..shortcuts import Cache, declare
+
 VERSION = 7  # bump when what is measured changes: old cache entries are then ignored
 
 
@@ -58,7 +60,11 @@ REFERENCE = {
 }
 
 _C = TypeVar("_C", Costs, FlexCosts)
-_MEMO: dict[tuple[str, str], Costs | FlexCosts | None] = {}  # (device type, "float32" or "flex float32") -> kept
+MEMO: Cache[tuple[Costs | FlexCosts | None]] = Cache(
+    "cost memo", "reading the costs file at every call auto weighs", "device type, cost kind and dtype, "
+    "torch.get_num_threads(), BHQK_COSTS (what machine_key and the file's path depend on in-process)", 64,
+    "a new thread count or BHQK_COSTS is a new key; keep() replaces its entry")
+declare(MEMO)
 _FIXED: list[tuple[dict[torch.dtype, Costs], FlexCosts | None] | None] = [None]  # set by fixed()
 
 
@@ -69,20 +75,33 @@ def mode() -> str:  # BHQK_COSTS
 def kept(device: torch.device | str, dtype: torch.dtype, kind: type[_C]) -> _C | None:
     """The costs of ``kind`` kept for this machine (fixed, reference, in-process or in the file), or None."""
     if (fx := _FIXED[0]) is not None:
-        return fx[1] if kind is FlexCosts else fx[0].get(dtype, fx[0][torch.float32])  # type: ignore[return-value]
+        if kind is FlexCosts:
+            return fx[1]  # type: ignore[return-value]
+        return fx[0].get(dtype) or fx[0].get(torch.float32) or REFERENCE.get(dtype, REFERENCE[torch.float32])  # type: ignore[return-value]
     if mode() == "reference":
         return REFERENCE.get(dtype, REFERENCE[torch.float32]) if kind is Costs else None  # type: ignore[return-value]
-    k = torch.device(device).type, ("flex " if kind is FlexCosts else "") + str(dtype).removeprefix("torch.")
-    if k not in _MEMO and mode() != "measure":
-        entry = _read().get(machine_key(k[0]), {}).get(k[1])
-        _MEMO[k] = kind(**entry) if entry and set(entry) == {f.name for f in fields(kind)} else None
-    return _MEMO.get(k)  # type: ignore[return-value]
+    k = _memo_key(device, dtype, kind)
+    if (hit := MEMO.lookup(k)) is not None:
+        return hit[0]  # type: ignore[return-value]
+    if mode() == "measure":  # measured per process: only what keep() put in the memo
+        return None
+    entry = _read().get(machine_key(k[0]), {}).get(k[1])
+    got = kind(**entry) if entry and set(entry) == {f.name for f in fields(kind)} else None
+    MEMO.put(k, (got,))
+    return got  # type: ignore[return-value]
+
+
+def _memo_key(device: torch.device | str, dtype: torch.dtype, kind: type) -> tuple:
+    """(device type, "float32" or "flex float32", threads, BHQK_COSTS): :data:`MEMO`'s key."""
+    return (torch.device(device).type, ("flex " if kind is FlexCosts else "") + str(dtype).removeprefix("torch."),
+            torch.get_num_threads(), mode())
 
 
 def keep(device: torch.device | str, dtype: torch.dtype, c: Costs | FlexCosts) -> None:
     """Keep ``c`` for this machine: in-process, and in the file unless BHQK_COSTS says otherwise."""
-    k = torch.device(device).type, ("flex " if isinstance(c, FlexCosts) else "") + str(dtype).removeprefix("torch.")
-    _MEMO[k], data, path = c, _read(), _path()
+    k = _memo_key(device, dtype, type(c))
+    data, path = _read(), _path()
+    MEMO.put(k, (c,))
     if stored_in() is not None:
         data.setdefault(machine_key(k[0]), {})[k[1]] = asdict(c)
         with contextlib.suppress(OSError):  # a read-only home: the in-process memo still holds

@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ..masks import Dense, tensor_versions
+from ..shortcuts import Shortcut, declare
 
 if TYPE_CHECKING:
     from .problem import Problem
@@ -15,37 +16,35 @@ T = TypeVar("T")
 KEPT = 16  # plans kept per mask (and without a mask); more: the oldest half is dropped
 
 
-class PlanCache(Generic[T]):
+class PlanCache(Shortcut, Generic[T]):
     """Plans kept per mask object (every layer of a model shares one; a dense mask per tensor, which
     callers hand to every layer and wrap anew at each call) and call key, with the version of every
     tensor the mask holds in the key, so writing into it in place plans anew. A mask that holds an
-    inference tensor (no version counter) is planned at every call. ``last``: the plan of the last
-    problem planned is kept for that problem object (its ``hands_off``, ``share`` and ``run`` ask in
-    turn within one call)."""
+    inference tensor (no version counter), or a predicate given no ``key=`` (its function may read a
+    tensor the caller writes), is planned at every call. Declared in :mod:`bhqk.shortcuts`."""
 
-    def __init__(self, name: str, last: bool = False) -> None:
-        self.name = name  # the key of a dense mask's own store (in its ``_grids``)
+    def __init__(self, name: str, what: str) -> None:
+        super().__init__(
+            name, what, "the mask object; the version of every tensor it holds and a predicate's key= "
+            "(masks.tensor_versions); the call's sizes and options", f"{KEPT} plans per mask object, the older "
+            "half dropped when full; kept while the mask object lives",
+            "an in-place write into a tensor the mask holds (a new version); never kept for a predicate without "
+            "key= or a mask holding an inference tensor")
         self._masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {key: plan}
         self._unmasked: dict[Hashable, T] = {}
-        self._last: list | None = [None, None] if last else None  # [weakref to the last Problem planned, its plan]
+        self._epoch = 0  # clear(): a dense mask's own store is forgotten by a new epoch in the key
+        declare(self)
 
     def for_call(self, p: Problem, key: Hashable, make: Callable[[], T]) -> T:
         """The plan of the call ``p``, kept per its mask and the call key: its sizes (B, H, Q, K),
         K/V heads and block options, and the backend's own ``key``."""
-        if self._last is not None:
-            ref, plan = self._last
-            if ref is not None and ref() is p:
-                return plan
         e = p.ext
         call = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), key)
-        plan = self.get(p.mask, call, make)
-        if self._last is not None:
-            self._last[:] = [weakref.ref(p), plan]
-        return plan
+        return self.get(p.mask, call, make)
 
     def get(self, mask, key: Hashable, make: Callable[[], T]) -> T:
         """The plan kept for (``mask``, ``key``), else ``make()``, kept."""
-        versions = tensor_versions(mask)
+        versions = tensor_versions(mask) if self.on else None
         if versions is None:
             return make()
         if mask is None:
@@ -54,15 +53,22 @@ class PlanCache(Generic[T]):
             store = mask._grids.setdefault(self.name, {})
         else:
             store = self._masks.setdefault(mask, {})
-        full = (key, versions)
+        full = (key, versions, self._epoch)
         plan = store.get(full)
-        if plan is None:
+        if plan is not None:
+            self.hits += 1
+        else:
             plan = make()
             if len(store) >= KEPT:
                 for old in list(store)[: KEPT // 2]:
                     del store[old]
             store[full] = plan
         return plan
+
+    def clear(self) -> None:
+        self._masks = weakref.WeakKeyDictionary()
+        self._unmasked.clear()
+        self._epoch += 1
 
 
 __all__ = ["KEPT", "PlanCache"]

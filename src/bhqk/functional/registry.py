@@ -4,6 +4,7 @@ may claim it by structure (``share``) or estimate its cost (its own model, in it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import BackendError
+from ..masks import Mask
+from ..shortcuts import Cache, declare
 from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
 from .problem import Problem, prepare
@@ -108,7 +111,11 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
     SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never."""
     key = _structure(p, need_lse)
-    if key is not None and (hit := _CLAIMED.get(key)) is not None:
+    try:
+        hit = None if key is None else CLAIMS.lookup(key)
+    except TypeError:  # an option that is no value: not kept
+        key = hit = None
+    if hit is not None:
         return _handed_off(hit, p)
     refused: dict[str, str] = {}
     claims: list[tuple[float, int, Backend]] = []
@@ -127,9 +134,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         why = f"{be.name}: PyTorch's fused kernel computes this call exactly, {share:.0%} of the scores"
         why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o in others) + _nots(refused)
         if key is not None:
-            if len(_CLAIMED) >= _CLAIMED_MAX:  # a long generation makes a new K per step: start afresh, keep caching
-                _CLAIMED.clear()
-            _CLAIMED[key] = Choice(be, why, _NOTHING_WEIGHED, by_auto=True)  # handed out again: read-only
+            CLAIMS.put(key, Choice(be, why, _NOTHING_WEIGHED, by_auto=True))  # handed out again: read-only
         return _handed_off(Choice(be, why, {}, by_auto=True), p)
     grad, found = p.needs_grad, {}
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
@@ -149,19 +154,47 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     return _handed_off(Choice(_REGISTRY[ranked[0]], why, estimates, found[ranked[0]].plan, True), p)
 
 
-_CLAIMED: dict[tuple, Choice] = {}  # claims by call structure where they read no data (a model's decode steps)
+CLAIMS: Cache[Choice] = Cache(  # claims where they read no data (a model's decode steps)
+    "claims", "asking every backend's why_not and share again", "the registry's entries, need_lse, grad mode, and "
+    "every compared field of the Problem (tensors by shape, dtype, device, requires_grad; the mask by type and "
+    "attributes): derived from the dataclass, not written by hand", 1024,
+    "a new registry entry or any field of the call; never kept with a bias, sinks or a mask but causal (they read data)")
+declare(CLAIMS)
 _NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})
-_CLAIMED_MAX = 1024  # structures kept; cleared when full (each decode step of a generation has its own K)
 
 
 def _structure(p: Problem, need_lse: bool) -> tuple | None:
-    """All a claim depends on without a bias, sinks or a mask but causal: the registry, shapes, scale, settings."""
+    """All a claim depends on, for a call without a bias, sinks or a mask but causal: the registry,
+    need_lse, grad mode and every compared field of ``p`` (:func:`_part`; ``sizes`` is derived from
+    q, k, v's shapes); None where not kept (and where the key turns out unhashable: see :func:`decide`)."""
     diagonal = None if p.mask is None else p.mask.causal_diagonal(p.ext)  # the mask is exactly key ≤ query + diagonal
     if p.bias is not None or p.sinks is not None or (p.mask is not None and diagonal is None):
         return None
-    return (tuple(map(id, _REGISTRY.values())), p.mask is None, diagonal, p.q.shape, p.k.shape,
-            p.v.shape[-1], p.scale, p.q.dtype, p.q.device, need_lse, p.needs_grad, p.softcap, p.dropout_p,
-            tuple(p.options.items()))
+    key = [tuple(map(id, _REGISTRY.values())), need_lse, p.needs_grad]
+    for name in _FIELDS:
+        x = getattr(p, name)
+        key.append(x if type(x) in _VALUES else _part(x))
+    return tuple(key)
+
+
+_DERIVED = {"sizes"}  # bound from q, k, v's shapes and the layout, which the key holds
+_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.compare and f.name not in _DERIVED)  # what a claim reads
+_VALUES = frozenset({float, int, bool, str, type(None)})  # fields that are their own key
+
+
+def _part(x: Any) -> Any:
+    """What a claim reads of one field of a call: a tensor's shape, dtype, device and requires_grad
+    (not its values), a mask's type and attributes, a dict's items (in their order: another order is
+    only a miss), else the value (an unhashable one: not kept)."""
+    if type(x) in _VALUES:
+        return x
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.shape, x.dtype, x.device, x.requires_grad)
+    if isinstance(x, dict):
+        return ("dict", *[(k, _part(v)) for k, v in x.items()])
+    if isinstance(x, Mask):
+        return (type(x), *[(k, _part(v)) for k, v in vars(x).items()])
+    return x
 
 
 def _nots(refused: dict[str, str]) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 from ..bias import Bias, dense_parts
 from ..masks import Extent, Mask, top_left_count
 from ..shapes import Sizes, all_finite
+from ..shortcuts import Cache, Shortcut, declare
 from .merge import merge_, with_sinks
 from .plan_cache import PlanCache
 from .problem import Problem
@@ -191,14 +193,33 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-_PLANS: PlanCache[Plan] = PlanCache("span_plans", last=True)  # hands_off, share and run of one call share one plan
+_PLANS: PlanCache[Plan] = PlanCache("span plans", "the span path's plan: its kernel calls (and the call masks kept in it)")
+CALL_PLANS: Cache[tuple[weakref.ref, Plan]] = Cache(  # share, hands_off and run of one call plan once
+    "span plan of a live call", "planning a call again for its hands_off and run after share", "the Problem object "
+    "(by identity, held weakly)", 8, "the Problem freed: its entry (and the plan's call masks) go with it")
+declare(CALL_PLANS)
+MASKS = declare(Shortcut(
+    "span call masks", "building a masked span's additive mask again at the next call", "kept in its plan: "
+    "q's dtype and device, the group and its blocks (the plan's key holds the mask and sizes); not with a bias",
+    f"{KEEP_ELEMS} entries per plan", "with the plan"))
 
 
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`, as the tiled backend's)."""
-    return _PLANS.for_call(p, (p.bias is None, p.scale_positive), lambda: _plan(p))
+    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`), and for the call
+    itself while it lives (:data:`CALL_PLANS`)."""
+    hit = CALL_PLANS.lookup(id(p))
+    if hit is not None and hit[0]() is p:
+        return hit[1]
+    plan = _PLANS.for_call(p, (p.bias is None, p.scale_positive), lambda: _plan(p))
+    key_p = id(p)
+
+    def gone(_: weakref.ref) -> None:  # the call freed: its plan (and call masks) leave with it
+        CALL_PLANS.discard(key_p)
+
+    CALL_PLANS.put(key_p, (weakref.ref(p, gone), plan))
+    return plan
 
 
 def _plan(p: Problem) -> Plan:
@@ -479,11 +500,13 @@ def _kept_mask(p: Problem, plan: Plan, i: int, j0: int, j1: int) -> tuple[torch.
     """:func:`_mask` of blocks j0:j1 of group i, kept in the plan while the plan's masks stay under
     ``KEEP_ELEMS`` entries: without a bias it depends only on the mask and the sizes, which key the
     plan (a dense mask's band, gathered from its tensor, collapses to one block's mask)."""
-    if p.bias is not None:
+    if p.bias is not None or not MASKS.on:
         return _mask(p, plan.groups[i], j0, j1)
     key = (p.q.dtype, p.q.device, i, j0, j1)
     got = plan.masks.get(key)
-    if got is None:
+    if got is not None:
+        MASKS.hits += 1
+    else:
         got = _mask(p, plan.groups[i], j0, j1)
         if got[0].numel() + sum(a.numel() for a, _ in plan.masks.values()) <= KEEP_ELEMS:
             plan.masks[key] = got

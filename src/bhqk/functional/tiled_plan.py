@@ -390,7 +390,7 @@ def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     return max(1, min(bq, ext.Q)), bk
 
 
-_PLANS: PlanCache[Plan] = PlanCache("plans")
+_PLANS: PlanCache[Plan] = PlanCache("tiled plans", "the tiled backend's plan: its rectangles and their classification")
 
 
 def plan_for(p: Problem) -> Plan:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..bias import Bias
 from ..masks import Causal, to_sdpa, top_left_count
 from ..shapes import all_finite, per_query_head
+from ..shortcuts import Shortcut, declare
 from .costs import Costs, Estimate
 from .problem import Problem
 
@@ -51,6 +52,11 @@ def share(p: Problem) -> float | None:
         return 1.0
     return top_left_count(Q, K) / (Q * K)  # is_causal is top-left: row i sees keys 0..i
 
+
+PACKING = declare(Shortcut(
+    "decode GQA packing", "reading each K/V head G times at a decode step", "applies to one query, no mask or bias "
+    "to build (a decode step), Hkv < H: the G query heads of a K/V head become G queries of one SDPA call",
+    "nothing kept", "none needed: computed from the call's own tensors"))
 
 DENSE_LIMIT = 1 << 24  # entries of a dense mask/bias above which auto never hands one to SDPA
 
@@ -121,8 +127,9 @@ def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor 
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
     k, v = p.k, p.v
     Hkv = k.shape[1]
-    if Q == 1 and Hkv != H and attn_mask is None and not is_causal:  # one query, nothing masked: the G query heads
+    if Q == 1 and Hkv != H and attn_mask is None and not is_causal and PACKING.on:  # one query, nothing masked: the G query heads
         G = H // Hkv  # of a K/V head become G queries of one call, which reads each K/V head once (not G times)
+        PACKING.hits += 1
         q = p.q.reshape(B, Hkv, G, p.q.shape[-1])  # [B, H, 1, d] -> [B, Hkv, G, d]
         out = F.scaled_dot_product_attention(q, k, v, None, p.dropout_p, False, scale=p.scale)  # [B, Hkv, G, dv]
         return out.reshape(B, H, 1, v.shape[-1]), None  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]

@@ -216,8 +216,7 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     """The lse [B, h, r] from PyTorch's fused CPU flash kernel (which returns it), where it computes the
     call as bhqk does (no mask or a causal one it aligns the same way, no bias, softcap or dropout;
     the sinks are added after), else None."""
-    from ..functional.torch_sdpa import structure_free
-    from ..masks import Causal
+    from ..functional.torch_sdpa import all_allowed, structure_free
 
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if (op is None or p.q.device.type != "cpu" or p.softcap is not None or not structure_free(p)
@@ -228,8 +227,10 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
         return None  # the causal offset of a row subset is not SDPA's top-left
     q = p.q if rows is None and len(heads) == H else heads_rows(p.q, heads, rows)  # [B, H, Q, d] -> [B, h, r, d]
     k = per_query_head(p.k, H, heads)  # [B, Hkv, K, d] -> [B, h, K, d]: head h reads K/V head h // G
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))  # the kernel reads d at stride 1 (design.md §4)
     try:
-        lse = op(q, k, k, 0.0, isinstance(p.mask, Causal), scale=p.scale)[1]  # [B, h, r]; v = k: only the lse is kept
+        # is_causal is top-left: only for a causal mask that is not a decode step (which sees every key)
+        lse = op(q, k, k, 0.0, not all_allowed(p), scale=p.scale)[1]  # [B, h, r]; v = k: only the lse is kept
     except RuntimeError:  # a shape or dtype the kernel refuses: the online pass computes it
         return None
     if p.sinks is not None:

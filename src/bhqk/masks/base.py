@@ -459,12 +459,17 @@ class Not(Mask):
 
 
 def tensor_versions(mask: object) -> tuple | None:
-    """(address, in-place version) of every tensor ``mask`` holds, its parts' included: what a plan
-    kept for the mask is keyed by, so writing into its tensor in place makes a new plan. None when
-    one is an inference tensor (it has no version counter): such a mask cannot be kept."""
+    """(address, in-place version) of every tensor ``mask`` holds, its parts' included, and the
+    ``cache_key()`` of a mask that has one (a predicate's ``key=``): what a plan kept for the mask is
+    keyed by, so writing into its tensor in place makes a new plan. None when one is an inference
+    tensor (it has no version counter) or a ``cache_key()`` is None: such a mask cannot be kept."""
     if mask is None:
         return ()
     out: list = []
+    if callable(own := getattr(mask, "cache_key", None)):  # a mask whose answer reads more than it holds (a predicate)
+        if (extra := own()) is None:
+            return None
+        out.append(extra)
     for value in vars(mask).values():
         if isinstance(value, torch.Tensor):  # alive while its owner is: its address names it
             if value.is_inference():

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -43,12 +43,22 @@ class Predicate(Mask):
 
         return Predicate(on_heads, f"{self.name}[heads {heads}]")
 
-    def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None, key: Hashable | torch.Tensor = None) -> None:
         if not callable(fn):
             raise MaskError(f"predicate: fn must be a function fn(b, h, q_idx, k_idx) -> bool tensor, got {type(fn).__name__}.")
         if name is not None and not isinstance(name, str):
             raise MaskError(f"predicate: name must be a string, got {type(name).__name__}.")
-        self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+        try:
+            hash(_key_of(key))
+        except TypeError:
+            raise MaskError(f"predicate: key must be a tensor fn reads, a tuple of tensors and hashable values, or a "
+                            f"hashable value, got {type(key).__name__}.") from None
+        self.fn, self.name, self.key = fn, name or getattr(fn, "__name__", "fn"), key
+
+    def cache_key(self) -> Hashable | None:
+        """What a plan kept for this mask is keyed by beyond the mask object (``masks.tensor_versions``):
+        None (never kept) without ``key=``, else the key with each tensor as (address, version)."""
+        return None if self.key is None else _key_of(self.key)
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         b = torch.arange(ext.B, device=device)[:, None, None, None]  # [B, 1, 1, 1]
@@ -77,6 +87,34 @@ class Predicate(Mask):
         return Dense(self.block(ext, 0, ext.Q, 0, ext.K)).classify_grid(ext, block_q, block_k)  # O(Q·K), as create_block_mask
 
 
-def predicate(fn: Callable[..., torch.Tensor], name: str | None = None) -> Predicate:
-    """``fn(b, h, q_idx, k_idx)`` gets broadcastable index tensors and returns bool (True = may attend)."""
-    return Predicate(fn, name)
+def _key_of(key) -> Hashable | None:
+    """``key`` with each tensor as ("tensor", address, in-place version); None for an inference tensor
+    (no version counter: never kept)."""
+    if isinstance(key, torch.Tensor):
+        return None if key.is_inference() else ("tensor", key.data_ptr(), key._version)
+    if isinstance(key, tuple):
+        parts = []
+        for x in key:
+            got = _key_of(x)
+            if got is None and x is not None:  # an inference tensor in it
+                return None
+            parts.append(got)
+        return tuple(parts)
+    return key
+
+
+def predicate(fn: Callable[..., torch.Tensor], name: str | None = None, *, key: Hashable | torch.Tensor = None) -> Predicate:
+    """``fn(b, h, q_idx, k_idx)`` gets broadcastable index tensors and returns bool (True = may attend).
+
+    ``key``: what ``fn``'s answer depends on besides its index arguments; plans and call masks the
+    backends build from the mask are kept across calls only with one. None (the default): ``fn`` may
+    read anything (a tensor the caller writes in place between calls), so every call plans anew (a
+    classification of O(Q·K)). A tensor, or a tuple of tensors and hashable values: the tensors ``fn``
+    reads; what was kept is used until one of them is written in place (a new ``_version``)::
+
+        ids = torch.tensor([0, 0, 1, 1])  # document of each position
+        m = masks.predicate(lambda b, h, q, k: ids[q] == ids[k], key=ids)  # ids[:] = ... plans anew
+
+    Any other hashable value (``key="pure"``) promises that ``fn`` reads nothing that changes: kept
+    for the life of the mask object."""
+    return Predicate(fn, name, key)
