@@ -111,12 +111,15 @@ def retrieval(
     ``retrieval hits`` (the hit counts); ``notes`` say how many needle tokens were copied. A ValueError
     if no trial copied any needle token (the score is then undefined).
     """
+    prompts: list[torch.Tensor]
+    spans: list[tuple[int, int]]
+    answers: list[torch.Tensor] | None
     if isinstance(ids, torch.Tensor):
-        prompts, spans = [_one(ids)], [needle]
-        answers = None if answer is None else [answer]
+        prompts, spans = [_one(ids)], [needle]  # type: ignore[list-item]
+        answers = None if answer is None else [answer]  # type: ignore[list-item]
     else:
         prompts, spans = [_one(x) for x in ids], list(needle)  # type: ignore[arg-type]
-        answers = None if answer is None else list(answer)  # type: ignore[arg-type]
+        answers = None if answer is None else list(answer)
     if len(spans) != len(prompts) or (answers is not None and len(answers) != len(prompts)):
         raise ValueError(f"retrieval: {len(prompts)} prompts need as many needle spans (got {len(spans)})"
                          + ("" if answers is None else f" and answers (got {len(answers)})") + ".")
@@ -131,7 +134,7 @@ def retrieval(
         s, e = int(span[0]), int(span[1])
         if not 0 <= s < e <= N:
             raise ValueError(f"retrieval: needle span ({s}, {e}) of trial {n} is not inside its prompt of N={N} tokens.")
-        gen = greedy(model, x, max_new_tokens, eos) if answers is None else answers[n].reshape(-1).to(x.device)
+        gen = greedy(model, x, max_new_tokens, eos) if answers is None else torch.as_tensor(answers[n]).reshape(-1).to(x.device)
         gen = gen.to(x.dtype)  # [T]
         T = gen.numel()
         answered += T
