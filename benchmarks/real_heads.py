@@ -16,6 +16,7 @@ the pictures (layers × heads overview; attention received per key).
     flock /tmp/bhqk-cpu.lock python benchmarks/real_heads.py --out benchmarks/results/real_heads.json \
         --pictures docs/real_heads
     python benchmarks/real_heads.py --quick     # N=1024, a small needle set: a smoke run
+    python benchmarks/real_heads.py --report benchmarks/results/real_heads.json   # the condensed table
 """
 
 from __future__ import annotations
@@ -162,6 +163,37 @@ def top_heads(v: torch.Tensor, n: int) -> list[list]:
     return [[int(i) // H, int(i) % H, round(float(flat[i]), 4)] for i in idx]
 
 
+ROLES = (  # (role, column, threshold that names a head)
+    ("sink (P on key 0, pydoc text)", "text sink", 0.5),
+    ("previous token (pydoc text)", "text prev", 0.5),
+    ("previous token (random tokens)", "random prev", 0.5),
+    ("local (P within 8 keys, pydoc text)", "text local", 0.9),
+    ("induction (repeated − control)", "random induction", 0.3),
+    ("retrieval (pass-key copying)", "retrieval", 0.3),
+)
+
+
+def report(info: dict) -> str:
+    """The condensed head table (Markdown): per role the top heads, the median head, the heads above a
+    threshold and the layers they sit in; then each layer's mean sink."""
+    lines = ["| role | top heads (layer.head = score) | median head | heads ≥ threshold (layers) |",
+             "|---|---|---|---|"]
+    for role, col, thr in ROLES:
+        if col not in info["columns"]:
+            continue
+        v = torch.tensor(info["columns"][col])  # [L, H]
+        top = ", ".join(f"L{li}.H{h} = {x:.2f}" for li, h, x in top_heads(v, 5))
+        above = (v >= thr).nonzero().tolist()
+        layers = sorted({li for li, _ in above})
+        lines.append(f"| {role} | {top} | {float(v.median()):.3f} | {len(above)} ≥ {thr} (layers "
+                     f"{', '.join(map(str, layers)) or '-'}) |")
+    if "text sink" in info["columns"]:
+        v = torch.tensor(info["columns"]["text sink"])  # [L, H]
+        lines += ["", "mean sink per layer (P on key 0, mean of the 9 heads): " + ", ".join(
+            f"{li}: {x:.2f}" for li, x in enumerate(v.mean(1).tolist()))]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--N", type=int, default=8192, help="tokens of pydoc prose for the statistics")
@@ -175,7 +207,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--pictures", type=Path, default=None, help="prefix of the PNG files")
+    ap.add_argument("--report", type=Path, default=None, help="print the condensed table of a JSON written before")
     a = ap.parse_args()
+    if a.report:
+        print(report(json.loads(a.report.read_text())))
+        return
     if a.quick:
         a.N, a.induction_length, a.lengths, a.depths, a.keys = 1024, 64, "512", "0.5", 1
     torch.set_grad_enabled(False)
@@ -229,6 +265,7 @@ def main() -> None:
         received_png(records, f"{a.pictures}_received.png")
         info["pictures"] = [f"{a.pictures}_overview.png", f"{a.pictures}_received.png"]
     add({}, table.layers)
+    print(report(info))
     if a.out:
         print(f"wrote {a.out}")
 
