@@ -91,7 +91,7 @@ def test_retrieval_errors():
         retrieval(model, ids, (18, 25), answer=torch.tensor([3]))
     with pytest.raises(ValueError, match="as many needle spans"):
         retrieval(model, [ids, ids], [(6, 8)])
-    with pytest.raises(ValueError, match="ran no bhqk attention"):
+    with pytest.raises(ValueError, match="ran no bhqk attention|no attention call ran on bhqk"):  # capture may say it first
         retrieval(lambda x: nn.functional.one_hot(x, 40).float(), ids, (6, 8), answer=torch.tensor([3]))
 
 
