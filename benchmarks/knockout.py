@@ -9,6 +9,7 @@ chosen on the questions they are graded on. Exact match: the key is one of the n
 
     python benchmarks/knockout.py --scores benchmarks/results/real_heads.json --k 10 \\
         --out benchmarks/results/knockout.json
+    python benchmarks/knockout.py --report benchmarks/results/knockout.json    # the table again
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def grid(model, tok, prompts: list[tuple], layers: list[str], heads: list[tuple[
     return {"label": label, "heads": [list(h) for h in heads], "accuracy": acc, "trials": trials}
 
 
+def report(info: dict) -> str:
+    """The knockout table (Markdown): accuracy per condition, the heads, their retrieval scores."""
+    lines = ["| heads zeroed | pass-key accuracy | heads (layer.head) | their retrieval scores (mean) |",
+             "|---|---|---|---|"]
+    for r in info["runs"]:
+        n = len(r["trials"])
+        heads = ", ".join(f"{li}.{h}" for li, h in r["heads"]) or "-"
+        sc = f"{sum(r['scores']) / len(r['scores']):.3f}" if r.get("scores") else "-"
+        lines.append(f"| {r['label']} | {r['accuracy']:.2f} ({sum(t['found'] for t in r['trials'])}/{n}) | {heads} | {sc} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scores", type=Path, default=Path("benchmarks/results/real_heads.json"))
@@ -65,7 +78,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, help="print the table of a JSON written before")
     a = ap.parse_args()
+    if a.report:
+        print(report(json.loads(a.report.read_text())))
+        return
     torch.set_grad_enabled(False)
     torch.set_num_threads(a.threads)
     scores = json.loads(a.scores.read_text())
@@ -103,6 +120,7 @@ def main() -> None:
             run = grid(model, tok, prompts, layers, pick, f"{k} random heads (draw {s})")
             run["scores"] = [float(ret[li, h]) for li, h in pick]
             save(run | {"k": k, "kind": "random", "draw": s})
+    print(report(info))
     if a.out:
         print(f"wrote {a.out}")
 
