@@ -40,13 +40,14 @@ def knocked(model, layers: list[str], heads: list[tuple[int, int]]):
     return stack
 
 
-def grid(model, tok, prompts: list[tuple], layers: list[str], heads: list[tuple[int, int]], label: str) -> dict:
+def grid(model, tok, prompts: list[tuple], layers: list[str], heads: list[tuple[int, int]], label: str,
+         max_new_tokens: int = 16) -> dict:
     """Pass-key accuracy with ``heads`` knocked out, over ``prompts`` [(length, depth, key, ids)]."""
     trials = []
     t0 = time.perf_counter()
     for L, d, key, ids in prompts:
         with knocked(model, layers, heads), torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
         ans = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         trials.append({"length": L, "depth": d, "key": key, "answer": ans, "found": real_heads.found(ans, key)})
     acc = sum(t["found"] for t in trials) / len(trials)
@@ -71,7 +72,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scores", type=Path, default=Path("benchmarks/results/real_heads.json"))
     ap.add_argument("--k", type=int, nargs="+", default=[10])
-    ap.add_argument("--draws", type=int, default=3, help="random draws of k heads")
+    ap.add_argument("--draws", type=int, nargs="+", default=[0, 1, 2], help="seeds of the random draws of k heads")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--only-random", action="store_true", help="skip the unedited and the top-k runs")
     ap.add_argument("--lengths", default="1024")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     ap.add_argument("--keys", type=int, default=2, help="keys per (length, depth)")
@@ -107,17 +110,20 @@ def main() -> None:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(info, indent=1))
 
-    save(grid(model, tok, prompts, layers, [], "no edit") | {"k": 0, "kind": "none"})
+    m = a.max_new_tokens
+    if not a.only_random:
+        save(grid(model, tok, prompts, layers, [], "no edit", m) | {"k": 0, "kind": "none"})
     for k in a.k:
         top = order[:k]
-        run = grid(model, tok, prompts, layers, top, f"top-{k} retrieval")
-        run["scores"] = [float(ret[li, h]) for li, h in top]
-        save(run | {"k": k, "kind": "retrieval"})
+        if not a.only_random:
+            run = grid(model, tok, prompts, layers, top, f"top-{k} retrieval", m)
+            run["scores"] = [float(ret[li, h]) for li, h in top]
+            save(run | {"k": k, "kind": "retrieval"})
         rest = order[k:]
-        for s in range(a.draws):
+        for s in a.draws:
             g = torch.Generator().manual_seed(s)
             pick = sorted(rest[int(i)] for i in torch.randperm(len(rest), generator=g)[:k])
-            run = grid(model, tok, prompts, layers, pick, f"{k} random heads (draw {s})")
+            run = grid(model, tok, prompts, layers, pick, f"{k} random heads (draw {s})", m)
             run["scores"] = [float(ret[li, h]) for li, h in pick]
             save(run | {"k": k, "kind": "random", "draw": s})
     print(report(info))
