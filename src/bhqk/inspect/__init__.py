@@ -6,8 +6,9 @@ from .capture import Capture, Record, capture
 from .detect import detect
 from .edit import Edit, edit
 from .heads import HeadTable, head_table
+from .retrieval import retrieval
 from .stats import HeadStats, head_stats
 from .trace import Trace, trace
 
 __all__ = ["Trace", "trace", "Capture", "Record", "capture", "Edit", "edit", "HeadStats", "head_stats", "HeadTable",
-           "head_table", "detect"]
+           "head_table", "detect", "retrieval"]
