@@ -26,7 +26,7 @@ every pass over a score tile costs about as much as a pass of the matmuls, so th
   (in the backward ``[q·scale, -lse]`` and ``[dO, -delta] · [v, 1]ᵀ = dP - delta``);
 - m starts at a stand-in 0, not -inf (the folded column must stay finite);
 - lazy rescaling: m is raised only where a tile's row max exceeds it by more than ``TAU`` (base 2)
-  or at a row's first finite score (``_max_pass``, the one max pass of both paths);
+  or at a row's first finite score (``_max_pass``, the one max pass of every path);
 - the optimistic exponent: once every row of a group has a real m (``settled``), a rectangle is
   exponentiated with the old m, skipping the max pass; if a row sum exceeds 2^24 (a max that grew
   by more than 24), its scores are recomputed and it takes the max pass after all. Accepted tiles
@@ -71,9 +71,9 @@ host (the optimistic check, ``settled``, whether any row needs rescaling, whethe
 a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
 those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
 inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
-rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_max_pass`` without
-its host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only when a row's max
-grew by more than TAU or it sees its first finite score); unreachable key rows always masked on the
+rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_exponent_device``:
+the max pass without host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only
+when a row's max grew by more than TAU or it sees its first finite score); unreachable key rows always masked on the
 non-finite path; the mask's and bias's tensors moved to the device once per pass (``_staged``), so
 no tile copies between devices.
 The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
