@@ -73,9 +73,9 @@ those inside the tile loops (``_forward_part``, ``_backward_part``): one worker,
 inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
 rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_exponent_device``:
 the max pass without host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only
-when a row's max grew by more than TAU or it sees its first finite score); unreachable key rows always masked on the
-non-finite path; the mask's and bias's tensors moved to the device once per pass (``_staged``), so
-no tile copies between devices.
+when a row's max grew by more than TAU or it sees its first finite score); unreachable key rows
+always masked on the non-finite path; the mask's and bias's tensors moved to the device once per
+pass (``_staged``), so no tile copies between devices.
 The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
 Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
 (``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
