@@ -436,7 +436,10 @@ def test_online_softmax_step_keeps_the_softmax_of_the_keys_so_far(shift, device_
         work = tiled._ForwardWork(kn, [group], d, d, nonfinite_v=False)
         st = tiled._start_group(kn, work, group, tiled._grouped(p.q, kn))
         for rect in rects:
-            tiled._step(kn, work, st, 0, rect, p.k, p.v, None)
+            # line 9's variant, as _forward_part chooses it: exact until the group is settled, then optimistic
+            exponent = (tiled._exponent_device if device_path
+                        else tiled._exponent_optimistic if st.settled else tiled._exponent_exact)
+            tiled._step(kn, work, st, 0, rect, p.k, p.v, None, exponent)
             seen[rect.r0:rect.r1] = rect.k1
             for r in range(Q):
                 keys = slice(0, int(seen[r]))

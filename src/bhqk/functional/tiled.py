@@ -26,7 +26,7 @@ every pass over a score tile costs about as much as a pass of the matmuls, so th
   (in the backward ``[q·scale, -lse]`` and ``[dO, -delta] · [v, 1]ᵀ = dP - delta``);
 - m starts at a stand-in 0, not -inf (the folded column must stay finite);
 - lazy rescaling: m is raised only where a tile's row max exceeds it by more than ``TAU`` (base 2)
-  or at a row's first finite score (``_max_pass``, the one max pass of both paths);
+  or at a row's first finite score (``_max_pass``, the one max pass of every path);
 - the optimistic exponent: once every row of a group has a real m (``settled``), a rectangle is
   exponentiated with the old m, skipping the max pass; if a row sum exceeds 2^24 (a max that grew
   by more than 24), its scores are recomputed and it takes the max pass after all. Accepted tiles
@@ -71,11 +71,11 @@ host (the optimistic check, ``settled``, whether any row needs rescaling, whethe
 a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
 those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
 inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
-rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_max_pass`` without
-its host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only when a row's max
-grew by more than TAU or it sees its first finite score); unreachable key rows always masked on the
-non-finite path; the mask's and bias's tensors moved to the device once per pass (``_staged``), so
-no tile copies between devices.
+rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_exponent_device``:
+the max pass without host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only
+when a row's max grew by more than TAU or it sees its first finite score); unreachable key rows
+always masked on the non-finite path; the mask's and bias's tensors moved to the device once per
+pass (``_staged``), so no tile copies between devices.
 The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
 Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
 (``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
@@ -94,9 +94,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -378,12 +379,37 @@ class _Running:
     queries: torch.Tensor  # [n, R, d+1]: Q_i·scale·log2(e) and the folded column -m
     has_max: torch.Tensor  # [n, R]: the row has seen a finite score (m is real)
     hits: torch.Tensor | None  # [n, R, 3·dv]: NaN/inf values the row attends (non-finite v only)
-    settled: bool = False  # every row's m is real: rectangles may skip the max pass (CPU path only)
+    settled: bool = False  # every row's m is real (CPU path only): the group's later steps take the optimistic exponent
+
+
+class _Tile(NamedTuple):
+    """One step's score tile and what line 9 may need of it: S [n, rows, kw] (held as S - m, base 2),
+    the row sums ``rowsum`` [n, rows] line 9 fills, its rows a:b of the group, and K_j and the
+    rectangle, to recompute S (the optimistic exponent's redo)."""
+
+    S: torch.Tensor
+    rowsum: torch.Tensor
+    a: int
+    b: int
+    K_j: torch.Tensor
+    rect: Rect
+
+
+# Alg. 1, line 9 (m_new, the rescale of l and O by exp(m - m_new), P̃ = exp(S - m_new) and its row
+# sums) for one step: ``(kn, work, st, tile) -> P̃``, one of ``_exponent_exact``, ``_exponent_optimistic``
+# and ``_exponent_device``, chosen outside the step loop (``_forward_part``), never inside a step.
+_Exponent = Callable[[_Kernel, _ForwardWork, _Running, _Tile], torch.Tensor]
 
 
 def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The row groups ``rows`` of one worker's slice (Alg. 1's outer loop, line 3), written into out and lse."""
+    """The row groups ``rows`` of one worker's slice (Alg. 1's outer loop, line 3), written into out and lse.
+
+    Like Triton's fused-attention ``_attn_fwd_inner`` (one inner loop per stage, each compiled for
+    its kind of block), the variant of line 9 is chosen here, once per call and kind of step, and
+    the loop body is the online-softmax step alone: the device path's exponent for every rectangle;
+    on the CPU the exact one until every row of the group has a real m (``settled``), then the
+    optimistic one for the group's remaining rectangles."""
     if not any(group.rects for group in rows):
         return  # every query of these groups is fully masked: out stays 0, lse -inf
     p = kn.p
@@ -392,13 +418,20 @@ def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: tor
     flags = flags[kn.b, kn.hkv] if flags is not None else None  # [Bw, Hkvw, K, 3·dv]
     out5, lse5 = _grouped(out, kn), _grouped(lse, kn)  # [Bw, Hkvw, G, Q, dv], [Bw, Hkvw, G, Q]
     work = _ForwardWork(kn, rows, k.shape[-1], v.shape[-1], flags is not None)
+    unsettled: _Exponent = _exponent_device if kn.on_device else _exponent_exact
+    settled: _Exponent = _exponent_optimistic  # only after the CPU's exact exponent settles a group
     for group in rows:
         # Δ from Alg. 1: the plan skips the key blocks a mask leaves empty (a group with none keeps out 0, lse -inf)
         # and joins full ones into tall rectangles (tiled_plan)
         if group.rects:
             st = _start_group(kn, work, group, q5)
-            for rect in group.rects:  # line 6
-                _step(kn, work, st, group.q0, rect, k, v, flags)
+            rects = iter(group.rects)
+            for rect in rects:  # line 6, until every row's m is real (on the device path: every rectangle)
+                _step(kn, work, st, group.q0, rect, k, v, flags, unsettled)
+                if st.settled:
+                    break
+            for rect in rects:  # line 6, the group's remaining rectangles
+                _step(kn, work, st, group.q0, rect, k, v, flags, settled)
             _finish_group(kn, st, group, out5, lse5)
 
 
@@ -429,10 +462,11 @@ def _scores(kn: _Kernel, S: torch.Tensor, queries: torch.Tensor, keys: torch.Ten
 
 
 def _step(kn: _Kernel, work: _ForwardWork, st: _Running, q0: int, rect: Rect,
-          k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> None:
+          k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None, exponent: _Exponent) -> None:
     """One online-softmax step, Alg. 1 lines 7-10, for one rectangle of the group (its rows a:b, keys k0:k1):
     S = Q_i K_jᵀ; m_new = max(m, rowmax S); P̃ = exp(S - m_new); l = exp(m - m_new)·l + rowsum P̃;
-    O = exp(m - m_new)·O + P̃ V_j. Base 2 throughout (exp2, log2(e) folded into Q_i)."""
+    O = exp(m - m_new)·O + P̃ V_j. Base 2 throughout (exp2, log2(e) folded into Q_i). Line 9 is
+    ``exponent``, the variant the caller chose for this kind of step."""
     a, b, kw = kn.G * (rect.r0 - q0), kn.G * (rect.r1 - q0), rect.k1 - rect.k0  # its rows (q g) of the group
     R = st.O.shape[1]
     # Δ from Alg. 1: a rectangle may cover only some of the group's rows (the diagonal blocks of a
@@ -447,23 +481,10 @@ def _step(kn: _Kernel, work: _ForwardWork, st: _Running, q0: int, rect: Rect,
         reach = (S > _NEG_INF).to(S.dtype)  # [n, rows, kw]
         st.hits[:, a:b] += torch.bmm(reach, flags[:, :, rect.k0:rect.k1].reshape(kn.n, kw, -1))  # [n, rows, 3·dv]
     rowsum = work.rowsum.take(kn.n, R)[:, a:b]
-    accepted = False
-    if st.settled:
-        # Δ from Alg. 1, the optimistic exponent (CPU path): once every row's m is real, skip the max
-        # pass and exponentiate with the old m (m_new = m), because the max pass costs about as much
-        # as the exp2 pass and the max rarely grows much. Accepted while every row sum stays <= 2^24:
-        # then no entry 2^(S - m) exceeded 2^24, far from overflow, and the result is exact to rounding.
-        P = S.exp2_()
-        torch.sum(P, dim=-1, out=rowsum)
-        accepted = not bool((rowsum > _SUM_LIMIT).any())  # a host read
-        if not accepted:  # some row's max grew by more than 24: recompute S (P overwrote it), take the max pass
-            _scores(kn, S, queries, K_j, m, rect)
-    if not accepted:
-        _max_pass(kn, work, st, S, a, b)  # line 9: m_new = max(m, rowmax S), O and l rescaled by exp(m - m_new)
-        P = S.exp2_()  # line 9: P̃ = exp(S - m_new)
-        torch.sum(P, dim=-1, out=rowsum)
-    l.add_(rowsum)  # line 9: l += rowsum P̃ (l was rescaled in the max pass)
-    # line 10: O += P̃ V_j (O was rescaled in the max pass). Δ from Alg. 1: with dropout, P̃'s dropped
+    # line 9: m_new = max(m, rowmax S), l and O rescaled by exp(m - m_new), P̃ = exp(S - m_new), rowsum P̃
+    P = exponent(kn, work, st, _Tile(S, rowsum, a, b, K_j, rect))
+    l.add_(rowsum)  # line 9: l += rowsum P̃ (l was rescaled with m_new)
+    # line 10: O += P̃ V_j (O was rescaled with m_new). Δ from Alg. 1: with dropout, P̃'s dropped
     # entries are zeroed here, after its row sum: l, and so lse, has no dropout
     _add_mm(O, _dropped(work, P, q0, rect), V_j, work.pv)  # [n, rows, kw] x [n, kw, dv] -> [n, rows, dv]
 
@@ -476,30 +497,75 @@ def _dropped(work: _ForwardWork, P: torch.Tensor, q0: int, rect: Rect) -> torch.
     return drop_(P, work.dropout.bits(G * rect.r0, G * rect.r1, rect.k0, rect.k1))
 
 
-def _max_pass(kn: _Kernel, work: _ForwardWork, st: _Running, S: torch.Tensor, a: int, b: int) -> None:
-    """Alg. 1, line 9's m_new = max(m, rowmax S) and the rescale of l and O by exp(m - m_new) (line 10)
-    for the rows a:b; ``S`` (held as S - m) is shifted to S - m_new to match.
+# ---- line 9, three variants: each a straight sequence of the pieces below ------------------------------
+
+
+def _exponent_exact(kn: _Kernel, work: _ForwardWork, st: _Running, t: _Tile) -> torch.Tensor:
+    """Line 9 on the CPU path while some row of the group has no real m: the max pass, noting each
+    row's first finite score (``settled`` once every row has one), the rescale where some row is
+    raised (two host reads), then P̃."""
+    tile_max, rescale = _max_pass(kn, work, st, t.S, t.a, t.b)
+    _first_scores(st, tile_max, rescale, t.a, t.b)
+    st.settled = bool(st.has_max.all())  # a host read
+    if bool(rescale.any()):  # a host read: most tiles raise no row, and skip the rescale
+        _rescale(kn, st, t.S, tile_max, rescale, t.a, t.b)
+    return _exp2_rowsum(t)
+
+
+def _exponent_optimistic(kn: _Kernel, work: _ForwardWork, st: _Running, t: _Tile) -> torch.Tensor:
+    """Line 9 on the CPU path once the group is settled.
+
+    Δ from Alg. 1, the optimistic exponent (CPU path): once every row's m is real, skip the max
+    pass and exponentiate with the old m (m_new = m), because the max pass costs about as much
+    as the exp2 pass and the max rarely grows much. Accepted while every row sum stays <= 2^24:
+    then no entry 2^(S - m) exceeded 2^24, far from overflow, and the result is exact to rounding."""
+    P = _exp2_rowsum(t)
+    if not bool((t.rowsum > _SUM_LIMIT).any()):  # a host read
+        return P
+    # some row's max grew by more than 24: recompute S (P overwrote it), take the max pass
+    _scores(kn, t.S, st.queries[:, t.a:t.b], t.K_j, st.m[:, t.a:t.b], t.rect)
+    tile_max, rescale = _max_pass(kn, work, st, t.S, t.a, t.b)
+    if bool(rescale.any()):  # a host read
+        _rescale(kn, st, t.S, tile_max, rescale, t.a, t.b)
+    return _exp2_rowsum(t)
+
+
+def _exponent_device(kn: _Kernel, work: _ForwardWork, st: _Running, t: _Tile) -> torch.Tensor:
+    """Line 9 on the device path, every rectangle: the max pass with no host read; rows not raised
+    get raise_by = 0, alpha = 1, so the rescale always runs and leaves them as they were."""
+    tile_max, rescale = _max_pass(kn, work, st, t.S, t.a, t.b)
+    _first_scores(st, tile_max, rescale, t.a, t.b)
+    _rescale(kn, st, t.S, tile_max, rescale, t.a, t.b)
+    return _exp2_rowsum(t)
+
+
+def _max_pass(kn: _Kernel, work: _ForwardWork, st: _Running, S: torch.Tensor, a: int,
+              b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 1, line 9's m_new = max(m, rowmax S) for the rows a:b, as which rows are raised
+    (``rescale`` [n, rows]) and the tile's row max relative to m (``tile_max`` [n, rows], from S held as S - m).
 
     Δ from Alg. 1, lazy rescaling: a row's m is raised only when the tile's row max exceeds it by
-    more than TAU (2^12), or at the row's first finite score; otherwise m_new = m, and entries of
-    P̃ may reach 2^TAU, far from overflow. It saves the rescale of O, which costs a pass over [rows, dv].
-
-    The CPU path reads the device twice (``host_reads``): it tracks ``has_max`` only until every row
-    is settled, and skips the rescale ops when no row is raised (most tiles). The device path reads
-    nothing: rows not raised get raise_by = 0, alpha = 1, so the rescale ops always run and leave them as they were."""
-    host_reads = not kn.on_device
+    more than TAU (2^12), or at the row's first finite score (``_first_scores``); otherwise m_new = m,
+    and entries of P̃ may reach 2^TAU, far from overflow. It saves the rescale of O, which costs a
+    pass over [rows, dv]."""
     R = st.O.shape[1]
     tile_max = torch.amax(S, dim=-1, out=work.tile_max.take(kn.n, R)[:, a:b])  # [n, rows]: rowmax(S) - m
     rescale = torch.gt(tile_max, TAU, out=work.rescale.take(kn.n, R)[:, a:b])  # [n, rows]
-    if not st.settled:  # always, on the device path
-        seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
-        has_max = st.has_max[:, a:b]
-        rescale |= seen & ~has_max
-        has_max |= seen
-        if host_reads:
-            st.settled = bool(st.has_max.all())
-    if host_reads and not bool(rescale.any()):
-        return
+    return tile_max, rescale
+
+
+def _first_scores(st: _Running, tile_max: torch.Tensor, rescale: torch.Tensor, a: int, b: int) -> None:
+    """Raise the rows a:b at their first finite score (their stand-in m becomes real) and note them
+    in ``has_max``: the CPU path until the group is settled, the device path always."""
+    seen = tile_max > _NEG_INF  # NaN and -inf rows have not seen a finite score
+    has_max = st.has_max[:, a:b]
+    rescale |= seen & ~has_max
+    has_max |= seen
+
+
+def _rescale(kn: _Kernel, st: _Running, S: torch.Tensor, tile_max: torch.Tensor, rescale: torch.Tensor, a: int, b: int) -> None:
+    """Lines 9-10's rescale for the rows a:b: m = m_new, l and O multiplied by exp(m - m_new), and
+    ``S`` (held as S - m) shifted to S - m_new to match; rows not in ``rescale`` keep their m."""
     raise_by = torch.where(rescale, tile_max, 0.0)  # [n, rows]: m_new - m
     S.sub_(raise_by[..., None])  # S - m_new; raise_by [n, rows] -> [n, rows, 1]
     alpha = torch.exp2(-raise_by).clamp_(max=1.0)  # exp(m - m_new); rows with nothing accumulated may get any value
@@ -508,6 +574,13 @@ def _max_pass(kn: _Kernel, work: _ForwardWork, st: _Running, S: torch.Tensor, a:
     st.m[:, a:b].add_(raise_by)
     if kn.fold:
         st.queries[:, a:b, -1].sub_(raise_by)  # the folded column: -m_new
+
+
+def _exp2_rowsum(t: _Tile) -> torch.Tensor:
+    """Line 9's P̃ = exp(S - m_new), in place of S, and its row sums into ``t.rowsum``."""
+    P = t.S.exp2_()
+    torch.sum(P, dim=-1, out=t.rowsum)
+    return P
 
 
 def _finish_group(kn: _Kernel, st: _Running, group: RowGroup, out5: torch.Tensor, lse5: torch.Tensor) -> None:
