@@ -205,5 +205,8 @@ def test_real_model_retrieval_heads_are_induction_heads(smollm2, needle, detecte
     v = t["retrieval"]
     li, h, best = t.top("retrieval", 1)[0]
     assert best >= 0.8 and float(v.median()) == 0.0, t
-    assert float(detected["induction"][li, h]) > 0.3  # the head that copies the needle copies on random text too
+    # the heads that copy the needle best (a tie of several: 5 key tokens score in steps of 0.2) include
+    # heads that copy on random text too
+    tied = [(l_, h_) for l_, h_, x in t.top("retrieval", 10) if x == best]
+    assert max(float(detected["induction"][l_, h_]) for l_, h_ in tied) > 0.3, tied
     assert int((v >= 0.5).sum()) <= 27  # few heads retrieve (at most a tenth)
