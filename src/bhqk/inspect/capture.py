@@ -65,8 +65,8 @@ class Record:
     key the row may attend (key 0 unless masked: a left-padded row's first real key),
     :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
     (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
-    Σ over the captured real rows of P, ``mass`` [B, h, r] Σ_k P (1 − a sink logit's
-    share), ``real`` [B, h, r] the rows that count (they may attend a key and are not padding).
+    Σ over the captured real rows of P, ``max`` [B, h, r] max_k P, ``mass`` [B, h, r] Σ_k P (1 − a sink
+    logit's share), ``real`` [B, h, r] the rows that count (they may attend a key and are not padding).
     Every name and its axes: :data:`AXES` (from :data:`bhqk.inspect.rowstats.STATISTICS`).
     """
 

@@ -453,6 +453,14 @@ class _TopK(_Stat):
         return {"topk_weights": self.p.clamp_(min=0.0), "topk_keys": self.k}  # K = 0: [B, h, r, 0], no key to rank
 
 
+class _Max(_Stat):
+    name = "max"
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        acc = self.acc[:, :, blk.a:blk.b]
+        torch.maximum(acc, t.P.amax(-1), out=acc)  # [B, h, bq]; P >= 0, so 0 for a row that may attend nothing
+
+
 ROW = ("B", "H", "Q")  # the named axes of a per-row statistic (H and Q: the captured heads and rows)
 
 
@@ -508,6 +516,7 @@ STATISTICS: dict[str, Statistic] = {
     "received": Statistic({"received": ("B", "H", "K")}, after=_received),  # Σ over the real rows of P
     "offset": Statistic({}, _Offsets, option="offsets"),  # {o: P on key pos(i) − o}
     "topk": Statistic({"topk_weights": ("B", "H", "Q", "t"), "topk_keys": ("B", "H", "Q", "t")}, _TopK, option="topk"),
+    "max": Statistic({"max": ROW}, _Max, column=True),  # max_j P: the largest weight of the row
 }
 
 
