@@ -285,3 +285,18 @@ def test_lse_from_the_fused_kernel_equals_the_online_pass(case, monkeypatch):
     monkeypatch.setattr(rowstats, "_fused_lse", lambda *a: None)
     online = row_lse(p, heads, rows, block_q=2, block_k=4)
     assert_paths_close(fused, online, n=9, magnitude=float(online.abs().max()))  # two fp32 paths
+
+
+@pytest.mark.parametrize("kind", ["none", "causal_br", "key_padding", "window", "document", "dense", "~causal"])
+def test_max_is_the_largest_weight_of_each_row(kind):
+    # one entry of rowstats.STATISTICS: max_k P [B, h, r], 0 for a row that may attend nothing
+    B, H, Hkv, Q, K = 2, 4, 2, 9, 11
+    q, k, v = qkv(B, H, Hkv, Q, K, 8, 6)
+    m = None if kind == "none" else mask_kinds(B, H, Q, K)[kind]
+    with capture(what=("max",), heads=[0, 3], block_q=4, block_k=3) as cap:
+        bhqk.attention(q, k, v, m, backend="tiled")
+    rec = cap[0]
+    P = bhqk.attention_weights(q, k, m)[:, [0, 3]]  # [B, h, Q, K]: the reference backend's weights
+    assert_close(rec["max"], P.amax(-1), n=K, msg=kind)
+    assert rec.max is rec["max"] and rec.captured() == ["mass", "real", "max"]
+    assert "max" in cap.head_table().columns

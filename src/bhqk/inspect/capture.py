@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,33 +33,27 @@ from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
 from .heads import HeadTable, head_table, received_curve, record_sums, sparkline
 from .layers import Selection, heads_rows, selected, sub_call, value_heads
-from .rowstats import Want, row_stats, runs
+from .rowstats import STATISTICS, Want, row_stats, runs
 from .stats import head_stats, summary_table
 
 MATRICES = ("scores", "weights", "lse", "head_outputs")
-STATS = ("entropy", "distance", "sink", "received", "offset", "local", "topk")
+STATS = tuple(n for n, s in STATISTICS.items() if not s.always)  # what= may name these (rowstats.STATISTICS)
 WHAT = MATRICES + STATS
-# The named axes of each intermediate (H and Q hold only the captured heads and rows).
+# The named axes of each intermediate (H and Q hold only the captured heads and rows): the matrices,
+# then each statistic's tensors as rowstats.STATISTICS declares them.
 AXES = {
     "scores": ("B", "H", "Q", "K"),
     "weights": ("B", "H", "Q", "K"),
     "lse": ("B", "H", "Q"),
     "head_outputs": ("B", "H", "Q", "dv"),
-    "entropy": ("B", "H", "Q"),
-    "distance": ("B", "H", "Q"),
-    "sink": ("B", "H", "Q"),
-    "local": ("B", "H", "Q"),
-    "mass": ("B", "H", "Q"),
-    "real": ("B", "H", "Q"),
-    "received": ("B", "H", "K"),
-    "topk_weights": ("B", "H", "Q", "t"),
-    "topk_keys": ("B", "H", "Q", "t"),
+    **{name: axes for s in STATISTICS.values() for name, axes in s.outputs.items()},
 }
 
 
 @dataclass
 class Record:
-    """One captured attention call.
+    """One captured attention call; it reads like a mapping of its tensors: ``rec["entropy"]`` (or
+    ``rec.entropy``; None when not captured), ``rec["offset(1)"]``, ``list(rec)`` = :meth:`captured`.
 
     ``heads`` are the query-head indices kept (axis H of every tensor here), ``rows`` the query indices
     kept (axis Q; ``None`` = all). ``scores`` S and ``weights`` P are [B, h, r, K] (float32, float64
@@ -71,8 +65,9 @@ class Record:
     key the row may attend (key 0 unless masked: a left-padded row's first real key),
     :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
     (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
-    Σ over the captured real rows of P, ``mass`` [B, h, r] Σ_k P (1 − a sink logit's share), ``real``
-    [B, h, r] the rows that count (they may attend a key and are not padding).
+    Σ over the captured real rows of P, ``max`` [B, h, r] max_k P, ``mass`` [B, h, r] Σ_k P (1 − a sink
+    logit's share), ``real`` [B, h, r] the rows that count (they may attend a key and are not padding).
+    Every name and its axes: :data:`AXES` (from :data:`bhqk.inspect.rowstats.STATISTICS`).
     """
 
     index: int  # order of the attention call inside the capture block
@@ -82,21 +77,43 @@ class Record:
     heads: list[int]
     rows: list[int] | None
     mask: Mask | str | None = None  # a loaded record (load_records) holds the mask's text
-    scores: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    head_outputs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    distance: torch.Tensor | None = None
-    sink: torch.Tensor | None = None
-    local: torch.Tensor | None = None
-    received: torch.Tensor | None = None
-    mass: torch.Tensor | None = None
-    real: torch.Tensor | None = None
-    topk_weights: torch.Tensor | None = None
-    topk_keys: torch.Tensor | None = None
     offsets: dict[int, torch.Tensor] | None = None
     window: int | None = None
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # name (of AXES) -> tensor, captured only
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        """``rec.entropy``: the tensor named in :data:`AXES`, None when not captured."""
+        if name in AXES and "values" in self.__dict__:
+            return self.values.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in AXES:
+            if value is None:
+                self.values.pop(name, None)
+            else:
+                self.values[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``rec["entropy"]``, ``rec["offset(1)"]``: a captured tensor (KeyError, saying how to capture it, if not)."""
+        if name.startswith("offset(") and name.endswith(")"):
+            return self.offset(int(name[7:-1]))
+        if name not in AXES:
+            raise KeyError(f"no tensor {name!r}; a record holds {list(AXES)} and offset(o).")
+        if name not in self.values:
+            raise KeyError(f"{name!r} was not captured for {self.name!r} (captured: {self.captured()}).")
+        return self.values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.captured()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.captured())
+
+    def keys(self) -> list[str]:
+        return self.captured()
 
     def offset(self, o: int) -> torch.Tensor:
         """[B, h, r]: P on key pos(i) − ``o`` (0 where that key does not exist)."""
@@ -108,7 +125,7 @@ class Record:
 
     def captured(self) -> list[str]:
         """The names of the tensors this record holds."""
-        names = [w for w in AXES if getattr(self, w) is not None]
+        names = [w for w in AXES if w in self.values]
         return names + [f"offset({o})" for o in sorted(self.offsets or {})]
 
     @property
@@ -118,7 +135,7 @@ class Record:
 
     def shape(self, what: str = "weights") -> str:
         """The named shape of a captured tensor, e.g. ``[B=1, H=1 of 12, Q=9, K=9]``."""
-        t = getattr(self, what)
+        t = self.values.get(what)
         if t is None:
             return f"{what}: not captured"
         names = AXES[what]
@@ -133,13 +150,13 @@ class Record:
         the call (not a position in ``heads``)."""
         if h not in self.heads:
             raise KeyError(f"head {h} was not captured for {self.name!r}; captured heads: {self.heads}.")
-        t = getattr(self, what)
+        t = self.values.get(what)
         if t is None:
             raise KeyError(f"{what!r} was not captured; pass what=(..., {what!r}) to capture().")
         return t[b, self.heads.index(h)]
 
     def __repr__(self) -> str:
-        got = ", ".join(f"{w} {self.shape(w)}" for w in AXES if getattr(self, w) is not None)
+        got = ", ".join(f"{w} {self.shape(w)}" for w in AXES if w in self.values)
         if self.offsets:
             got += ", offsets " + str(sorted(self.offsets))
         return f"Record(#{self.index} {self.name!r}, backend={self.backend!r}, {got})"
@@ -159,7 +176,7 @@ class Record:
         s = self.sizes
         sizes = ", ".join(f"{k}={v}" for k, v in s.items())
         shapes = "".join(f"<li><code>{html.escape(n)}</code> {html.escape(self.shape(n))}</li>"
-                         for n in AXES if getattr(self, n) is not None)
+                         for n in AXES if n in self.values)
         parts = [f"<div><b>Record #{self.index}</b> <code>{html.escape(self.name)}</code> ({html.escape(self.backend)}; "
                  f"{html.escape(sizes)})<ul>{shapes}</ul>"]
         means = self.head_means()
@@ -245,22 +262,13 @@ class Capture:
             raise ValueError(f"{who}: window must be a whole number of keys >= 1, got {window!r}.")
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
             raise ValueError(f"{who}: topk must be a whole number >= 0, got {topk!r}.")
-        wants = set(self.what)
-        if self.offsets:
-            wants.add("offset")
-        if window is not None:
-            wants.add("local")
-        if topk:
-            wants.add("topk")
-        if "offset" in wants and not self.offsets:
-            raise ValueError("capture: what='offset' needs offsets=(o, ...): P on key pos(i) − o.")
-        if "local" in wants and window is None:
-            raise ValueError("capture: what='local' needs window=W: the mass on keys with |pos(i) − k| < W.")
-        if "topk" in wants and not topk:
-            raise ValueError("capture: what='topk' needs topk=t: the t largest weights of each row.")
-        self.want = None if not wants & set(STATS) else Want(
-            "entropy" in wants, "distance" in wants, "sink" in wants, "received" in wants,
-            self.offsets, window, topk)
+        want = Want(tuple(w for w in self.what if w in STATS), self.offsets, window, topk)
+        given = {n for n, s in STATISTICS.items() if s.option and getattr(want, s.option)}  # offset, local, topk
+        for n in STATS:
+            option = STATISTICS[n].option
+            if option and n in self.what and n not in given:
+                raise ValueError(f"capture: what={n!r} needs {option}={_NEEDS[option]}.")
+        self.want = want if (set(self.what) | given) & set(STATS) else None
         self.blocks = (block_q, block_k)
         self.selection = Selection(who, layers, heads, model, rows)  # the same selection and errors as edit
         self.layers, self.heads, self.rows = self.selection.layers, self.selection.heads, self.selection.rows
@@ -288,11 +296,11 @@ class Capture:
         with torch.no_grad():
             if {"scores", "weights", "lse"} & set(self.what):
                 S, P, lse = recompute(p, heads, rows, data.get("lse"))
-                rec.scores = S.detach() if "scores" in self.what else None
-                rec.weights = P.detach() if "weights" in self.what else None
-                rec.lse = lse.detach() if "lse" in self.what else None
+                for n, t in (("scores", S), ("weights", P), ("lse", lse)):
+                    if n in self.what:
+                        rec.values[n] = t.detach()
             if "head_outputs" in self.what:
-                rec.head_outputs = heads_rows(data["out"].detach(), heads, rows)  # [B, H, Q, dv] -> [B, h, r, dv]
+                rec.values["head_outputs"] = heads_rows(data["out"].detach(), heads, rows)  # [B, H, Q, dv] -> [B, h, r, dv]
             if self.want is not None:
                 self._statistics(rec, p, heads, rows, data.get("lse"))
         self.records.append(rec)
@@ -301,16 +309,12 @@ class Capture:
         w = self.want
         assert w is not None  # called only when statistics were asked for
         st = row_stats(p, heads, rows, lse, w, block_q=self.blocks[0], block_k=self.blocks[1])
-        rec.entropy = st.get("entropy") if w.entropy else None
-        rec.distance = st.get("distance") if w.distance else None
-        rec.sink = st.get("sink") if w.sink else None
-        rec.received = st.get("received") if w.received else None
-        rec.local, rec.window = st.get("local"), w.window
-        rec.topk_weights, rec.topk_keys = st.get("topk_weights"), st.get("topk_keys")
-        rec.offsets = st.get("offset")
-        rec.mass, rec.real = st["mass"], st["real"]
-        if "lse" in self.what and rec.lse is None:
-            rec.lse = st["lse"]
+        for n in w.names():
+            for out in STATISTICS[n].outputs:
+                rec.values[out] = st[out]
+        rec.window, rec.offsets = w.window, st.get("offset")
+        if "lse" in self.what and "lse" not in rec.values:
+            rec.values["lse"] = st["lse"]
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -396,12 +400,12 @@ class Capture:
         lines = [f"capture: {len(self.records)} of {self.calls} attention calls"]
         for r in self.records:
             lines.append(f"  #{r.index} {r.name} ({r.backend}): " + ", ".join(
-                f"{w} {r.shape(w)}" for w in AXES if getattr(r, w) is not None))
+                f"{w} {r.shape(w)}" for w in AXES if w in r.values))
         return "\n".join(lines)
 
 
-_TENSORS = ("scores", "weights", "lse", "head_outputs", "entropy", "distance", "sink", "local", "received", "mass", "real",
-            "topk_weights", "topk_keys")
+_NEEDS = {"offsets": "(o, ...): P on key pos(i) − o", "window": "W: the mass on keys with |pos(i) − k| < W",
+          "topk": "t: the t largest weights of each row"}
 
 
 def save_records(records: Iterable[Record], path: str | Path) -> Path:
@@ -412,7 +416,7 @@ def save_records(records: Iterable[Record], path: str | Path) -> Path:
                              "heads": list(r.heads), "rows": None if r.rows is None else list(r.rows),
                              "mask": None if r.mask is None else repr(r.mask), "window": r.window,
                              "offsets": None if r.offsets is None else {int(o): t.cpu() for o, t in r.offsets.items()}}
-        d.update({n: None if getattr(r, n) is None else getattr(r, n).cpu() for n in _TENSORS})
+        d.update({n: r.values[n].cpu() if n in r.values else None for n in AXES})
         data.append(d)
     path = Path(path)
     torch.save({"bhqk.records": 1, "records": data}, path)
@@ -428,7 +432,11 @@ def load_records(path: str | Path) -> list[Record]:
         raise ValueError(f"{path}: not a file of bhqk records ({type(e).__name__}: {e}).") from None
     if not isinstance(blob, dict) or blob.get("bhqk.records") != 1:
         raise ValueError(f"{path}: not a file of bhqk records (written by Capture.save / save_records).")
-    return [Record(**d) for d in blob["records"]]
+    out = []
+    for d in blob["records"]:
+        values = {n: d.pop(n) for n in list(d) if n in AXES}  # tensors by name (a file may lack newer names)
+        out.append(Record(**d, values={n: t for n, t in values.items() if t is not None}))
+    return out
 
 
 @contextlib.contextmanager

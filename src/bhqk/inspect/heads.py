@@ -37,8 +37,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..text import table
+from .rowstats import STATISTICS
 
-ROW_STATS = ("entropy", "distance", "sink", "local")
+# The per-row statistics the head table averages over the real rows, as rowstats.STATISTICS marks them.
+ROW_STATS = tuple(n for n, s in STATISTICS.items() if s.column)
 # What a score must reach for :meth:`HeadTable.roles` to name the role: ``prev``, ``sink``, ``local`` are
 # a share of each row's attention (P mass, 0 … 1); ``induction`` is P on the induction target on the
 # repeated sequence minus the same offset's P on the control.

@@ -25,6 +25,7 @@ out are skipped. Memory: O(B·h·(r + K)) besides one [B, h, bq, bk] tile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +41,18 @@ NARROW = 32  # a window up to this wide is summed from its diagonals, not from a
 
 @dataclass(frozen=True)
 class Want:
-    """Which statistics to compute."""
+    """Which statistics to compute: the names in ``what`` (of :data:`STATISTICS`) that take no option,
+    and each statistic whose option is given (``offsets``, ``window``, ``topk``)."""
 
-    entropy: bool = True
-    distance: bool = True
-    sink: bool = True
-    received: bool = True
+    what: tuple[str, ...] = ("entropy", "distance", "sink", "received")
     offsets: tuple[int, ...] = ()
     window: int | None = None  # local: mass on keys with |pos(i) − j| < window
     topk: int = 0
+
+    def names(self) -> list[str]:
+        """The statistics of :data:`STATISTICS` this asks for (``mass`` and ``real`` always), in table order."""
+        return [n for n, s in STATISTICS.items()
+                if s.always or (getattr(self, s.option) if s.option else n in self.what)]
 
 
 def _blocks(B: int, h: int, r: int, K: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -271,75 +275,291 @@ def row_lse(p: Problem, heads: list[int], rows: list[int] | None, *, block_q: in
     return out
 
 
-def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor | None, want: Want = Want(),
-              *, block_q: int | None = None, block_k: int | None = None) -> dict:
-    """The statistics of the module docstring for one call; ``lse``: the call's [B, H, Q] or None
-    (recomputed for the selected heads and rows). Returns a dict of tensors in the compute dtype."""
-    if lse is None:
-        lse_sel = row_lse(p, heads, rows, block_q=block_q, block_k=block_k)  # [B, h, r]
-    else:
-        lse_sel = heads_rows(lse, heads, rows).to(compute_dtype(p.q))  # [B, H, Q] -> [B, h, r]
-    out = _pass(p, heads, rows, lse_sel, want, None, block_q, block_k)
-    K, Q = p.ext.K, p.ext.Q
-    rows_t = torch.arange(Q) if rows is None else torch.tensor(rows)
+class _Rows:
+    """One pass over the tiles of the selected rows: the call, the sizes, the lse [B, h, r] and the options."""
+
+    def __init__(self, p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor, want: Want,
+                 block_q: int | None, block_k: int | None) -> None:
+        self.call = call = _Call(p, heads)
+        self.B, self.K, self.h, self.dt, self.dev = call.ext.B, call.ext.K, call.h, call.dt, call.dev
+        self.r = call.ext.Q if rows is None else len(rows)
+        self.rows, self.want, self.d = rows, want, p.q.shape[-1]
+        self.bq, self.bk = _blocks(self.B, self.h, self.r, self.K, block_q, block_k)
+        self.lse_given, self.blocks = lse, (block_q, block_k)
+        self.lse = torch.where(torch.isfinite(lse), lse, 0.0)  # a row that may attend nothing: its P is 0 whatever lse is used
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.B, self.h, self.r, dtype=self.dt, device=self.dev)  # [B, h, r]
+
+
+@dataclass
+class _Block:
+    """A block of consecutive selected rows [i0, i1), output rows [a, b), with L = their lse [B, h, bq],
+    qa = :meth:`_Call.q_tile` and pos [bq] their key positions."""
+
+    i0: int
+    i1: int
+    a: int
+    b: int
+    L: torch.Tensor
+    qa: torch.Tensor
+    pos: torch.Tensor
+
+
+@dataclass
+class _Tile:
+    """One tile of a block: keys [k0, k1), P [B, h, bq, bk] (0 where not allowed), how it is masked
+    (:meth:`_Call.scores`), PK = P @ k_tile [B, h, bq, d + 2] and from it sP = Σ_j P, sPj = Σ_j P·(j − k0)."""
+
+    k0: int
+    k1: int
+    P: torch.Tensor
+    allowed: torch.Tensor | None
+    diagonal: int | None
+    PK: torch.Tensor
+    sP: torch.Tensor
+    sPj: torch.Tensor
+
+
+class _Stat:
+    """A statistic computed tile by tile: :meth:`block` at each row block, :meth:`tile` on each tile
+    that may be attended, :meth:`end` after a block's last tile, :meth:`result` its tensors by name."""
+
+    name = ""
+
+    def __init__(self, s: _Rows) -> None:
+        self.s = s
+        self.acc = s.zeros()  # [B, h, r]
+
+    def block(self, blk: _Block) -> None:
+        pass
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        raise NotImplementedError
+
+    def end(self, blk: _Block, done: dict[str, _Stat]) -> None:
+        pass
+
+    def result(self) -> dict:
+        return {self.name: self.acc}
+
+
+class _Mass(_Stat):
+    name = "mass"
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        self.acc[:, :, blk.a:blk.b] += t.sP
+
+
+class _Entropy(_Stat):
+    name = "entropy"
+
+    def block(self, blk: _Block) -> None:
+        s = self.s
+        fast = s.call.fast  # entropy linear in k: Σ_j P k_j through the PK matmul
+        self.pk = torch.zeros(s.B, s.h, blk.i1 - blk.i0, s.d, dtype=s.dt, device=s.dev) if fast else None  # [B, h, bq, d]
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        if self.pk is not None:
+            self.pk += t.PK[..., :self.s.d]
+        else:
+            self.acc[:, :, blk.a:blk.b] -= torch.special.xlogy(t.P, t.P).sum(-1)
+
+    def end(self, blk: _Block, done: dict[str, _Stat]) -> None:
+        if self.pk is not None:
+            # −Σ_j P (S_j − lse) = lse·ΣP − (q·scale)·Σ_j P k_j
+            qs = blk.qa[..., :self.s.d]  # [B, h, bq, d]
+            self.acc[:, :, blk.a:blk.b] = blk.L * done["mass"].acc[:, :, blk.a:blk.b] - (qs * self.pk).sum(-1)
+
+    def result(self) -> dict:
+        return {"entropy": self.acc.clamp_(min=0.0)}  # rounding of the linear form can go a hair below 0
+
+
+class _Distance(_Stat):
+    name = "distance"
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        c, acc, pos = self.s.call.c, self.acc[:, :, blk.a:blk.b], blk.pos
+        lo, hi = blk.i0 + c, blk.i1 - 1 + c  # positions of the block's first and last rows
+        if t.k1 - 1 <= lo or self.s.call.causal:  # every (allowed) key at or before the row's position: pos − j
+            acc += (pos - t.k0) * t.sP - t.sPj
+        elif t.k0 >= hi:  # every key at or after: j − pos
+            acc += t.sPj - (pos - t.k0) * t.sP
+        else:
+            D = (pos[:, None] - torch.arange(t.k0, t.k1, dtype=self.s.dt, device=self.s.dev)[None, :]).abs_()  # [bq, bk]
+            acc += (t.P * D).sum(-1)
+
+
+class _Sink(_Stat):
+    name = "sink"
+
+    def block(self, blk: _Block) -> None:
+        s = self.s
+        self.done: torch.Tensor | None = torch.zeros(s.B, s.h, blk.i1 - blk.i0, dtype=torch.bool, device=s.dev)  # first key found
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        self.done = _first_key(self.acc[:, :, blk.a:blk.b], self.done, t.P, t.allowed, t.diagonal)
+
+
+class _Offsets(_Stat):
+    name = "offset"
+
+    def __init__(self, s: _Rows) -> None:
+        self.s = s
+        self.offs = {o: s.zeros() for o in s.want.offsets}  # {o: [B, h, r]}
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        for off, acc in self.offs.items():
+            _add_diagonal(acc, t.P, blk.i0 + self.s.call.c - off - t.k0, blk.a)  # row x's key pos(x) − off: column x + delta
+
+    def result(self) -> dict:
+        return {"offset": self.offs}
+
+
+class _Local(_Stat):
+    name = "local"
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        s, c = self.s, self.s.call.c
+        W, lo, hi = s.want.window, blk.i0 + c, blk.i1 - 1 + c
+        assert W is not None  # computed only with a window
+        if t.k0 > hi - W and t.k1 - 1 < lo + W:  # the whole tile is inside every row's window
+            self.acc[:, :, blk.a:blk.b] += t.sP
+        elif W <= NARROW and t.k0 < hi + W and t.k1 - 1 > lo - W:  # a narrow band: its diagonals
+            for off in range(0 if s.call.causal else -(W - 1), W):  # key pos − off
+                _add_diagonal(self.acc, t.P, blk.i0 + c - off - t.k0, blk.a)
+        elif t.k0 < hi + W and t.k1 - 1 > lo - W:  # the band crosses the tile
+            D = (blk.pos[:, None] - torch.arange(t.k0, t.k1, dtype=s.dt, device=s.dev)[None, :]).abs_()  # [bq, bk]
+            self.acc[:, :, blk.a:blk.b] += (t.P * (D < W)).sum(-1)
+
+
+class _TopK(_Stat):
+    name = "topk"
+
+    def __init__(self, s: _Rows) -> None:
+        self.s = s
+        self.t = t = min(s.want.topk, s.K)
+        self.p = torch.full((s.B, s.h, s.r, t), -1.0, dtype=s.dt, device=s.dev)  # [B, h, r, t]
+        self.k = torch.zeros(s.B, s.h, s.r, t, dtype=torch.long, device=s.dev)  # [B, h, r, t]
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        a, b = blk.a, blk.b
+        v_, i_ = t.P.topk(min(self.t, t.k1 - t.k0), dim=-1)  # [B, h, bq, n]
+        vals = torch.cat([self.p[:, :, a:b], v_], -1)  # [B, h, bq, t + n]
+        keys = torch.cat([self.k[:, :, a:b], i_ + t.k0], -1)
+        v2, j2 = vals.topk(self.t, dim=-1)  # [B, h, bq, t]
+        self.p[:, :, a:b], self.k[:, :, a:b] = v2, keys.gather(-1, j2)
+
+    def result(self) -> dict:
+        return {"topk_weights": self.p.clamp_(min=0.0), "topk_keys": self.k}  # K = 0: [B, h, r, 0], no key to rank
+
+
+class _Max(_Stat):
+    name = "max"
+
+    def tile(self, blk: _Block, t: _Tile) -> None:
+        acc = self.acc[:, :, blk.a:blk.b]
+        torch.maximum(acc, t.P.amax(-1), out=acc)  # [B, h, bq]; P >= 0, so 0 for a row that may attend nothing
+
+
+ROW = ("B", "H", "Q")  # the named axes of a per-row statistic (H and Q: the captured heads and rows)
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One named statistic: the tensors it adds to a record (name -> named axes), how it is computed
+    (``tiles``: a :class:`_Stat` run tile by tile; or ``after``: from the pass's column sums and real
+    rows), the capture option it needs (``offsets``, ``window``, ``topk``; None: named in ``what``),
+    whether every capture of statistics has it (``always``) and whether the head table averages it
+    over the real rows (``column``)."""
+
+    outputs: dict[str, tuple[str, ...]]
+    tiles: type[_Stat] | None = None
+    after: Callable[[_Rows, dict, Problem, list[int]], None] | None = None
+    option: str | None = None
+    always: bool = False
+    column: bool = False
+
+
+def _real(s: _Rows, out: dict, p: Problem, heads: list[int]) -> None:
+    """real [B, h, r]: the row gives weight to some key, and its own key (if any) receives weight from some row."""
+    K, Q = s.K, s.call.ext.Q
+    rows_t = torch.arange(Q) if s.rows is None else torch.tensor(s.rows)
     pos = rows_t + (K - Q)  # [r] key position of each row
     inside = (pos >= 0) & (pos < K)
-    # a row counts when it gives weight to some key, and its own key (if any) receives weight from some row
-    row_any = out["mass"] > 0  # [B, h, r]
-    real = row_any.clone()
+    real = out["mass"] > 0  # [B, h, r]
     if bool(inside.any()):
         own = out["colsum"][:, :, pos.clamp(0, max(K - 1, 0)).to(real.device)] > 0  # [B, h, r]
         real &= own | ~inside.to(real.device)
     out["real"] = real
-    colsum = out.pop("colsum")
-    if want.received:
-        out["received"] = colsum
-        pad = row_any & ~real  # rows that attend but are padding: their share leaves received
-        if bool(pad.any()):
-            idx = pad.any(0).any(0).nonzero().flatten()  # output rows padded in some (b, h)
-            sub_rows = rows_t[idx.cpu()].tolist()
-            fix = _pass(p, heads, sub_rows, lse_sel[:, :, idx], Want(False, False, False, True), pad[:, :, idx].to(lse_sel.dtype),
-                        block_q, block_k)
-            out["received"] -= fix["received"]
+
+
+def _received(s: _Rows, out: dict, p: Problem, heads: list[int]) -> None:
+    """received [B, h, K]: the column sums of P over the real rows (padding rows' share taken out again)."""
+    out["received"] = out["colsum"]
+    pad = (out["mass"] > 0) & ~out["real"]  # rows that attend but are padding: their share leaves received
+    if bool(pad.any()):
+        idx = pad.any(0).any(0).nonzero().flatten()  # output rows padded in some (b, h)
+        rows_t = torch.arange(s.call.ext.Q) if s.rows is None else torch.tensor(s.rows)
+        sub_rows = rows_t[idx.cpu()].tolist()
+        out["received"] -= _weighted_colsum(p, heads, sub_rows, s.lse_given[:, :, idx], pad[:, :, idx].to(s.dt),
+                                            s.blocks)
+
+
+# The statistics, in the order a record lists them. A new statistic is one entry here (and its test).
+STATISTICS: dict[str, Statistic] = {
+    "entropy": Statistic({"entropy": ROW}, _Entropy, column=True),  # −Σ_j P log P
+    "distance": Statistic({"distance": ROW}, _Distance, column=True),  # Σ_j P·|pos(i) − j|
+    "sink": Statistic({"sink": ROW}, _Sink, column=True),  # P on the first key the row may attend
+    "local": Statistic({"local": ROW}, _Local, option="window", column=True),  # Σ P with |pos(i) − j| < window
+    "mass": Statistic({"mass": ROW}, _Mass, always=True),  # Σ_j P
+    "real": Statistic({"real": ROW}, after=_real, always=True),  # the rows that count
+    "received": Statistic({"received": ("B", "H", "K")}, after=_received),  # Σ over the real rows of P
+    "offset": Statistic({}, _Offsets, option="offsets"),  # {o: P on key pos(i) − o}
+    "topk": Statistic({"topk_weights": ("B", "H", "Q", "t"), "topk_keys": ("B", "H", "Q", "t")}, _TopK, option="topk"),
+    "max": Statistic({"max": ROW}, _Max, column=True),  # max_j P: the largest weight of the row
+}
+
+
+def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor | None, want: Want = Want(),
+              *, block_q: int | None = None, block_k: int | None = None) -> dict:
+    """The statistics ``want`` asks for (:data:`STATISTICS`) for one call; ``lse``: the call's [B, H, Q]
+    or None (recomputed for the selected heads and rows). Returns a dict of tensors in the compute dtype
+    (``offset``: {o: tensor}), with ``mass``, ``real`` and ``lse`` [B, h, r]."""
+    if lse is None:
+        lse_sel = row_lse(p, heads, rows, block_q=block_q, block_k=block_k)  # [B, h, r]
+    else:
+        lse_sel = heads_rows(lse, heads, rows).to(compute_dtype(p.q))  # [B, H, Q] -> [B, h, r]
+    s = _Rows(p, heads, rows, lse_sel, want, block_q, block_k)
+    names = want.names()
+    stats = []
+    for n in names:
+        tiles = STATISTICS[n].tiles
+        if tiles is not None:
+            stats.append(tiles(s))
+    out = _row_pass(s, stats)
+    for n in names:
+        after = STATISTICS[n].after
+        if after is not None:
+            after(s, out, p, heads)
+    out.pop("colsum")
     out["lse"] = lse_sel
     return out
 
 
-def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tensor, want: Want,
-          row_weight: torch.Tensor | None, block_q: int | None, block_k: int | None) -> dict:
-    """One pass over the tiles of the selected rows with their lse [B, h, r]."""
-    call = _Call(p, heads)
-    B, K, Q, h, dt, dev = call.ext.B, call.ext.K, call.ext.Q, call.h, call.dt, call.dev
-    r = Q if rows is None else len(rows)
-    bq, bk = _blocks(B, h, r, K, block_q, block_k)
-    d = p.q.shape[-1]
-    finite = torch.isfinite(lse)
-    lse_use = torch.where(finite, lse, 0.0)  # a row that may attend nothing: its P is 0 whatever lse is used
-    z = torch.zeros(B, h, r, dtype=dt, device=dev)
-    res: dict = {"mass": z.clone(), "colsum": torch.zeros(B, h, K, dtype=dt, device=dev)}
-    if want.entropy:
-        res["entropy"] = z.clone()
-    if want.distance:
-        res["distance"] = z.clone()
-    if want.sink:
-        res["sink"] = z.clone()
-    if want.window is not None:
-        res["local"] = z.clone()
-    if want.received and row_weight is not None:
-        res["received"] = torch.zeros(B, h, K, dtype=dt, device=dev)
-    offs = {o: z.clone() for o in want.offsets}
-    t = min(want.topk, K)
-    if t:
-        top_p = torch.full((B, h, r, t), -1.0, dtype=dt, device=dev)
-        top_k = torch.zeros(B, h, r, t, dtype=torch.long, device=dev)
-    for i0, i1, a, b_ in call.q_blocks(rows, bq):  # b_: output rows [a, b_) of this q block
-        L = lse_use[:, :, a:b_]  # [B, h, bq]
+def _row_pass(s: _Rows, stats: list[_Stat]) -> dict:
+    """One pass over the tiles of the selected rows: each statistic of ``stats`` sees every tile; returns
+    their results and ``colsum`` [B, h, K], Σ over the rows of P."""
+    call, B, h, dt, dev = s.call, s.B, s.h, s.dt, s.dev
+    colsum = torch.zeros(B, h, s.K, dtype=dt, device=dev)  # [B, h, K]
+    done = {st.name: st for st in stats}
+    for i0, i1, a, b in call.q_blocks(s.rows, s.bq):  # output rows [a, b) of this q block
+        L = s.lse[:, :, a:b]  # [B, h, bq]
         qa = call.q_tile(i0, i1, L if call.fast else None)  # [B, h, bq, d+2]
-        pos = torch.arange(i0, i1, dtype=dt, device=dev) + call.c  # [bq] key position of each row
-        pk = torch.zeros(B, h, i1 - i0, d, dtype=dt, device=dev) if (want.entropy and call.fast) else None  # Σ_j P k_j
-        w = None if row_weight is None else row_weight[:, :, a:b_, None]  # [B, h, bq, 1]
-        sink_done = torch.zeros(B, h, i1 - i0, dtype=torch.bool, device=dev) if want.sink else None  # first key found
-        for k0, k1, ka in call.k_tiles(bk):  # ka [B, h/G, bk, d+2]
+        blk = _Block(i0, i1, a, b, L, qa, torch.arange(i0, i1, dtype=dt, device=dev) + call.c)  # pos [bq]
+        for st in stats:
+            st.block(blk)
+        for k0, k1, ka in call.k_tiles(s.bk):  # ka [B, h/G, bk, d+2]
             got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
             if got is None:
                 continue
@@ -347,64 +567,39 @@ def _pass(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.Tenso
             P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
             if diagonal is not None:
                 P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
-            if w is None:
-                res["colsum"][:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
-            else:
-                res["received"][:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
-            if row_weight is not None and not (want.entropy or want.distance or want.sink or offs or t
-                                               or want.window is not None):
-                continue
+            colsum[:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
             PK = call.matmul(P, ka, "PK")  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
-            sP, sPj = PK[..., d], PK[..., d + 1]  # Σ_j P and Σ_j P·(j − k0): [B, h, bq]
-            res["mass"][:, :, a:b_] += sP
-            if pk is not None:
-                pk += PK[..., :d]
-            elif want.entropy:
-                res["entropy"][:, :, a:b_] -= torch.special.xlogy(P, P).sum(-1)
-            if want.distance:
-                lo, hi = i0 + call.c, i1 - 1 + call.c  # positions of the block's first and last rows
-                if k1 - 1 <= lo or call.causal:  # every (allowed) key at or before the row's position: pos − j
-                    res["distance"][:, :, a:b_] += (pos - k0) * sP - sPj
-                elif k0 >= hi:  # every key at or after: j − pos
-                    res["distance"][:, :, a:b_] += sPj - (pos - k0) * sP
-                else:
-                    D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
-                    res["distance"][:, :, a:b_] += (P * D).sum(-1)
-            if sink_done is not None:
-                sink_done = _first_key(res["sink"][:, :, a:b_], sink_done, P, allowed, diagonal)
-            for off, acc in offs.items():
-                _add_diagonal(acc, P, i0 + call.c - off - k0, a)  # row x's key pos(x) − off: column x + delta
-            if want.window is not None:
-                W, lo, hi = want.window, i0 + call.c, i1 - 1 + call.c
-                if k0 > hi - W and k1 - 1 < lo + W:  # the whole tile is inside every row's window
-                    res["local"][:, :, a:b_] += sP
-                elif W <= NARROW and k0 < hi + W and k1 - 1 > lo - W:  # a narrow band: its diagonals
-                    for off in range(0 if call.causal else -(W - 1), W):  # key pos − off
-                        _add_diagonal(res["local"], P, i0 + call.c - off - k0, a)
-                elif k0 < hi + W and k1 - 1 > lo - W:  # the band crosses the tile
-                    D = (pos[:, None] - torch.arange(k0, k1, dtype=dt, device=dev)[None, :]).abs_()  # [bq, bk]
-                    res["local"][:, :, a:b_] += (P * (D < W)).sum(-1)
-            if t:
-                n = min(t, k1 - k0)
-                v_, i_ = P.topk(n, dim=-1)  # [B, h, bq, n]
-                vals = torch.cat([top_p[:, :, a:b_], v_], -1)  # [B, h, bq, t + n]
-                keys = torch.cat([top_k[:, :, a:b_], i_ + k0], -1)
-                v2, j2 = vals.topk(t, dim=-1)  # [B, h, bq, t]
-                top_p[:, :, a:b_], top_k[:, :, a:b_] = v2, keys.gather(-1, j2)
-        if pk is not None:
-            # −Σ_j P (S_j − lse) = lse·ΣP − (q·scale)·Σ_j P k_j
-            qs = qa[..., :d]  # [B, h, bq, d]
-            res["entropy"][:, :, a:b_] = L * res["mass"][:, :, a:b_] - (qs * pk).sum(-1)
-    if offs:
-        res["offset"] = offs
-    if t:
-        res["topk_weights"], res["topk_keys"] = top_p.clamp_(min=0.0), top_k
-    elif want.topk:  # K = 0: no key to rank
-        res["topk_weights"] = torch.zeros(B, h, r, 0, dtype=dt, device=dev)
-        res["topk_keys"] = torch.zeros(B, h, r, 0, dtype=torch.long, device=dev)
-    if "entropy" in res:
-        res["entropy"].clamp_(min=0.0)  # rounding of the linear form can go a hair below 0
-    return res
+            t = _Tile(k0, k1, P, allowed, diagonal, PK, PK[..., s.d], PK[..., s.d + 1])  # sP, sPj: [B, h, bq]
+            for st in stats:
+                st.tile(blk, t)
+        for st in stats:
+            st.end(blk, done)
+    out: dict = {"colsum": colsum}
+    for st in stats:
+        out.update(st.result())
+    return out
 
 
-__all__ = ["Want", "row_stats", "row_lse", "runs", "TILE_ENTRIES"]
+def _weighted_colsum(p: Problem, heads: list[int], rows: list[int], lse: torch.Tensor, weight: torch.Tensor,
+                     blocks: tuple[int | None, int | None]) -> torch.Tensor:
+    """Σ over the rows ``rows`` of weight·P: [B, h, K], with their lse [B, h, r] and ``weight`` [B, h, r]."""
+    s = _Rows(p, heads, rows, lse, Want(()), *blocks)
+    call = s.call
+    out = torch.zeros(s.B, s.h, s.K, dtype=s.dt, device=s.dev)  # [B, h, K]
+    for i0, i1, a, b in call.q_blocks(rows, s.bq):
+        L = s.lse[:, :, a:b]  # [B, h, bq]
+        qa = call.q_tile(i0, i1, L if call.fast else None)  # [B, h, bq, d+2]
+        w = weight[:, :, a:b, None]  # [B, h, bq, 1]
+        for k0, k1, ka in call.k_tiles(s.bk):
+            got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
+            if got is None:
+                continue
+            P, _, diagonal = got
+            P = P.exp_()  # [B, h, bq, bk]
+            if diagonal is not None:
+                P = P.tril_(diagonal)
+            out[:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
+    return out
+
+
+__all__ = ["Want", "Statistic", "STATISTICS", "row_stats", "row_lse", "runs", "TILE_ENTRIES"]

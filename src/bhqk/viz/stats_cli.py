@@ -16,10 +16,14 @@ from pathlib import Path
 import torch
 
 from ..errors import LoadError
+from ..inspect.rowstats import STATISTICS
 from ..models.cli import attention_progress, int_at_least
 
 DEFAULT_OUT = "bhqk-stats"
 MIN_TEXT_TOKENS = 2  # tokens of text (besides the model's special tokens): prev needs a previous token
+# What the command captures: every statistic of bhqk.inspect.rowstats.STATISTICS that needs no option (and
+# offset 1, the window): each is a column of the head table it prints.
+STATS = tuple(n for n, s in STATISTICS.items() if not s.always and s.option is None)
 TOP_COLUMNS = ("sink", "prev", "local", "entropy")  # what --top N ranks (entropy: the lowest, the most focused)
 
 
@@ -81,7 +85,7 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
     layers = getattr(loaded.model.config, "num_hidden_layers", None)
     t0 = time.perf_counter()
     with torch.no_grad(), attention_progress("bhqk stats", total=layers), \
-            capture(model=loaded.model, what=("entropy", "distance", "sink", "received"), offsets=(1,), window=window) as cap:
+            capture(model=loaded.model, what=STATS, offsets=(1,), window=window) as cap:
         loaded.model(**inputs)
     seconds = time.perf_counter() - t0
     table = cap.head_table(positions)
