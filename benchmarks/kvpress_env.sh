@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A separate virtual environment for NVIDIA's kvpress (benchmarks/kvpress_needle.py), never the project's:
+# kvpress 0.5.5 pins transformers < 5.3 while bhqk runs on transformers 5.x.
+#
+#   bash benchmarks/kvpress_env.sh [VENV]        # default /tmp/bhqk-kvpress-venv (or $KVPRESS_VENV)
+#   VENV/bin/python benchmarks/kvpress_needle.py --model ~/.cache/bhqk/SmolLM2-135M-Instruct.Q4_1-<hash>
+#
+# torch is installed first and pinned to the CPU build (torch==2.13.0, the +cpu wheel where one lies on
+# disk): an unpinned torch resolves to the multi-GB CUDA build. kvpress and its dependencies are then
+# installed under a constraint that keeps that torch, so nothing swaps it for another build.
+set -euo pipefail
+
+VENV="${1:-${KVPRESS_VENV:-/tmp/bhqk-kvpress-venv}}"
+PY="${PYTHON:-python3.11}"
+TORCH="${KVPRESS_TORCH:-torch==2.13.0}"
+KVPRESS="${KVPRESS_VERSION:-kvpress==0.5.5}"
+
+case "$(readlink -f "$VENV")" in
+  */work/main/.venv*|"$(readlink -f "$(dirname "$0")/..")/.venv") echo "kvpress_env: refusing to install into the project's venv ($VENV)" >&2; exit 2 ;;
+esac
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+# 1. torch, CPU build: a local +cpu wheel if there is one, else the pinned version from the index.
+wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
+if [ -n "$wheel" ]; then "${PIP[@]}" install "$wheel"; else "${PIP[@]}" install "$TORCH"; fi
+installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+case "$installed" in
+  *+cu*) echo "kvpress_env: torch $installed is a CUDA build; expected the CPU build" >&2; exit 1 ;;
+esac
+
+# 2. kvpress and whatever transformers it accepts (< 5.3), with torch held where it is.
+cons=$(mktemp)
+echo "torch==$installed" > "$cons"
+"${PIP[@]}" install -c "$cons" "$KVPRESS"
+rm -f "$cons"
+
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+import torch
+print("kvpress env:", {p: md.version(p) for p in ("kvpress", "transformers", "torch", "accelerate")},
+      "cuda:", torch.version.cuda)
+EOF
