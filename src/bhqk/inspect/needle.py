@@ -148,7 +148,7 @@ def zero_heads(model, heads: Iterable[tuple[int, int]], pattern: str = "model.la
 def parse_edit(spec: str) -> list[tuple[int, int]]:
     """``zero:L.H,L.H,...`` (the ``--edit`` option) as (layer, head) pairs."""
     kind, _, rest = spec.partition(":")
-    pairs = []
+    pairs: list[tuple[int, int]] = []
     for part in rest.replace(" ", ",").split(","):
         if not part:
             continue
