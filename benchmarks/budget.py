@@ -163,6 +163,10 @@ def child(a) -> None:
     hidden: list[torch.Tensor] = []
     hook = model.model.norm.register_forward_hook(lambda m, i, o: hidden.append(o) if not hidden else None)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:  # reset the peak (VmHWM) so that loading the model does not count (Linux)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -179,6 +183,8 @@ def child(a) -> None:
             steps.append(time.perf_counter() - t0)
             nxt = o.logits[:, -1:].argmax(-1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        status = Path("/proc/self/status").read_text() if Path("/proc/self/status").exists() else ""
+        hwm = next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM:")), None)
         hook.remove()
         h = hidden[0][0]  # [N, D]
         nll, count = 0.0, 0
@@ -188,7 +194,8 @@ def child(a) -> None:
             nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
             count += logits.shape[0]
     print(json.dumps({"n": a.n, "prefill_s": prefill, "steps_s": steps, "step_median_s": statistics.median(steps),
-                      "kv_bytes": held, "rss_before_kib": rss0, "rss_peak_kib": rss, "ppl": math.exp(nll / count),
+                      "kv_bytes": held, "rss_before_kib": rss0, "rss_peak_kib": rss,
+                      "hwm_after_load_kib": hwm, "ppl": math.exp(nll / count),
                       "threads": torch.get_num_threads()}))
 
 
