@@ -144,3 +144,35 @@ def test_cli_generate_ids_match_the_model(cli_model, smollm2):
         want = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
                               pad_token_id=model.generation_config.eos_token_id)[0].tolist()
     assert out.strip().splitlines()[-1] == ",".join(map(str, want))
+
+
+
+def test_cli_needle_plan_generates_with_the_plans_cache(cli_model, smollm2, tmp_path, monkeypatch):
+    """``bhqk needle --plan``: every generation runs on ``plan.cache()``. Every K/V head streaming with a
+    tiny window (sink 4, window 8) cannot see a needle in the middle of 256 tokens: the answer changes
+    from full attention's; an all-full plan gives exactly full attention's answer."""
+    from bhqk.budget import BudgetCache, Plan
+
+    model, tok = smollm2
+    cfg = model.config
+    full_answer = needle.ask(model, tok, needle.make_trial(tok, 256, 0.5, 0, 0), max_new_tokens=8)["answer"]
+    made = []
+    init = BudgetCache.__init__
+
+    def spy(self, p):
+        made.append(p)
+        init(self, p)
+
+    monkeypatch.setattr(BudgetCache, "__init__", spy)
+    answers = {}
+    for all_full in (False, True):
+        plan = Plan(torch.full((cfg.num_hidden_layers, cfg.num_key_value_heads), all_full), sink=4, window=8)
+        plan.save(tmp_path / "plan.json")
+        made.clear()
+        code, out, err = run(["needle", "--model", "smollm2-135m", "--lengths", "256", "--depths", "0.5",
+                              "--max-new-tokens", "8", "--out", str(tmp_path), "--plan", str(tmp_path / "plan.json")])
+        assert code == 0, err
+        assert len(made) == 1 and made[0].full.eq(all_full).all() and (made[0].sink, made[0].window) == (4, 8)
+        answers[all_full] = json.loads((tmp_path / "needle.json").read_text())["trials"][0]
+    assert answers[True]["answer"] == full_answer
+    assert answers[False]["answer"] != full_answer and not answers[False]["found"], (answers, full_answer)

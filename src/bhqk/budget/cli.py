@@ -1,4 +1,4 @@
-"""``bhqk budget --model PATH_OR_NAME --full 0.5 [--sink 64 --window 256 --score induction] [--save plan.json]``:
+"""``bhqk budget --model PATH_OR_NAME --full 0.5 [--sink 64 --window 256 --score retrieval] [--save plan.json]``:
 score every layer × K/V head of a causal LM, keep the top fraction full, print the plan and the bytes
 of keys and values it holds at ``--length`` tokens against a full cache."""
 
@@ -70,7 +70,7 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--full", type=fraction, default=0.5, help="fraction of K/V heads that keep every key (default 0.5)")
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
-    b.add_argument("--score", choices=SCORES, default="induction", help="how heads are ranked (default induction)")
+    b.add_argument("--score", choices=SCORES, default="retrieval", help="how heads are ranked (default retrieval)")
     b.add_argument("--length", type=int_at_least(1), default=8192, help="tokens at which bytes are counted (default 8192)")
     b.add_argument("--seed", type=int, default=0, help="seed of the probe sequences (default 0)")
     b.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan as JSON")

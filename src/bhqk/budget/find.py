@@ -162,7 +162,7 @@ def score_heads(model: nn.Module, score: str = "induction", *, window: int = 256
     return per_q.reshape(L, Hkv, H // Hkv).amax(-1), per_q  # [L, H] -> [L, Hkv, G] -> [L, Hkv]
 
 
-def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "induction", *,
+def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "retrieval", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
          batch: int = 4) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of K/V heads
