@@ -21,4 +21,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'bhqk.budget' has no attribute {name!r}")
 
 
-__all__ = ["Plan", "find", "score_heads", "SCORES", "BudgetCache", "GroupedKV", "streaming_mask"]
+__all__ = ["Plan", "find", "score_heads", "SCORES", "streaming_mask"]  # BudgetCache, GroupedKV: bhqk.budget.cache
