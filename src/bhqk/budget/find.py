@@ -177,7 +177,7 @@ def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256,
     order = torch.argsort(scores.flatten(), descending=True, stable=True)[:n]  # [L·Hkv] index = layer·Hkv + head
     mask = torch.zeros(L * Hkv, dtype=torch.bool)
     mask[order] = True
-    return Plan(mask.reshape(L, Hkv), sink, window, scores, score, paths or None,
+    return Plan(mask.reshape(L, Hkv), sink, window, scores, score, paths or None,  # [L·Hkv] -> [L, Hkv]
                 {"fraction": full, "seed": seed})
 
 

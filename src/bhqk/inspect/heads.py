@@ -212,7 +212,7 @@ class HeadTable:
     def from_dict(cls, d: dict) -> HeadTable:
         try:
             values = {c: torch.tensor([[math.nan if x is None else float(x) for x in row] for row in rows],
-                                      dtype=torch.float64).reshape(len(d["layers"]), int(d["num_heads"]))
+                                      dtype=torch.float64).reshape(len(d["layers"]), int(d["num_heads"]))  # [L, H]
                       for c, rows in d["values"].items()}
             return cls(list(d["layers"]), int(d["num_heads"]), values, dict(d.get("notes", {})), list(d.get("ids", [])))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:

@@ -48,7 +48,7 @@ def indices(values: int | Iterable[int] | None, arg: str, who: str) -> list[int]
         raise ValueError(f"{who}: {arg} takes an index >= 0 or a list of them, got {values!r}.")
     vs = [values] if isinstance(values, int) else list(values)
     if isinstance(values, torch.Tensor):
-        vs = values.reshape(-1).tolist()
+        vs = values.reshape(-1).tolist()  # any shape -> a flat list of heads
     if not vs or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vs):
         raise ValueError(f"{who}: {arg} takes an index >= 0 or a non-empty list of them, got {values!r}.")
     return sorted(set(vs))

@@ -134,7 +134,10 @@ def retrieval(
         s, e = int(span[0]), int(span[1])
         if not 0 <= s < e <= N:
             raise ValueError(f"retrieval: needle span ({s}, {e}) of trial {n} is not inside its prompt of N={N} tokens.")
-        gen = greedy(model, x, max_new_tokens, eos) if answers is None else torch.as_tensor(answers[n]).reshape(-1).to(x.device)
+        if answers is None:
+            gen = greedy(model, x, max_new_tokens, eos)
+        else:
+            gen = torch.as_tensor(answers[n]).reshape(-1).to(x.device)  # any shape -> [T]
         gen = gen.to(x.dtype)  # [T]
         T = gen.numel()
         answered += T
