@@ -11,7 +11,7 @@ import torch
 
 from .errors import MaskError
 from .masks.args import count
-from .masks.base import Extent, causal_offset
+from .masks.base import Extent, causal_offset, staged_copy
 from .shapes import Sizes, as_4d, check_broadcast, tile_of
 
 
@@ -47,6 +47,10 @@ class Bias:
         ext = Extent(B, H, Q, K)
         self.check(ext)
         return as_4d(self.block(ext, 0, Q, 0, K, device, dtype))  # [#B, #H, #Q, #K]
+
+    def staged(self, device: torch.device) -> Bias:
+        """This bias with its public tensors, and its parts', on ``device`` (``masks.base.staged_copy``)."""
+        return staged_copy(self, device)
 
     def __add__(self, other: Bias | torch.Tensor | None) -> Bias:
         other_ = as_bias(other)

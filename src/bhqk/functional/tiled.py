@@ -91,7 +91,6 @@ seed is drawn on the CPU.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -101,9 +100,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..bias import Bias, dense_parts
 from ..bias import Dense as DenseBias
-from ..masks import Mask
+from ..bias import dense_parts
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, per_query_head, tile_of
 from .nonfinite import finite_part, poison
 from .problem import Problem
@@ -258,31 +256,11 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = 
 
 
 def _staged(x: Any, device: torch.device) -> Any:
-    """A bias (or None) whose public tensors, and those of the biases it holds, are on ``device``: a
-    shallow copy where one had to move (copied once per pass), else ``x`` itself (a mask stages
-    itself: ``Mask.staged``). On the device path every tile's mask and bias then come from tensors
-    on the device: a CPU-held tensor (ALiBi's slopes, padding lengths from a list, document ids)
-    would otherwise be copied to the device per tile, a host sync each. Private attributes stay
-    where they are."""
-    if x is None:
-        return None
-    if isinstance(x, Mask):
-        return x.staged(device)
-    moved: dict[str, object] = {}
-    for name, value in vars(x).items():
-        if name.startswith("_"):
-            continue
-        if isinstance(value, torch.Tensor) and value.device != device:
-            moved[name] = value.to(device)
-        elif isinstance(value, Bias):
-            inner = _staged(value, device)
-            if inner is not value:
-                moved[name] = inner
-    if not moved:
-        return x
-    y = copy.copy(x)
-    vars(y).update(moved)
-    return y
+    """A mask or bias (or None) whose public tensors, and its parts', are on ``device`` (copied once
+    per pass). On the device path every tile's mask and bias then come from tensors on the device: a
+    CPU-held tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be
+    copied to the device per tile, a host sync each."""
+    return None if x is None else x.staged(device)
 
 
 def _staged_problem(p: Problem) -> Problem:

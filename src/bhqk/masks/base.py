@@ -10,6 +10,7 @@ import copy
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,6 +55,25 @@ def causal_offset(align: str | None, Q: int, K: int, who: str) -> int:
     raise MaskError(f"{who}: align must be 'top_left' or 'bottom_right', got {align!r}.")
 
 
+
+def staged_copy(x: Any, device: torch.device) -> Any:
+    """``x`` (a mask or a bias) with its public tensors on ``device``, and its public parts (anything
+    with a ``staged`` method) staged too: a shallow copy where something had to move, else ``x``
+    itself. Private attributes (caches read on the host) stay where they are."""
+    moved: dict[str, object] = {}
+    for name, value in vars(x).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, torch.Tensor) and value.device != device:
+            moved[name] = value.to(device)
+        elif hasattr(value, "staged") and not isinstance(value, type) and (inner := value.staged(device)) is not value:
+            moved[name] = inner
+    if not moved:
+        return x
+    out = copy.copy(x)
+    vars(out).update(moved)
+    return out
+
 class Mask:
     """Base of every mask. Subclasses implement :meth:`block` and, where they can, :meth:`classify`.
 
@@ -97,19 +117,7 @@ class Mask:
         had to move, else the mask itself (the tiled device path then evaluates every tile from
         tensors on the device). Private attributes (classification caches, read on the host by the
         planners) stay where they are; a predicate's function is called as it is."""
-        moved: dict[str, object] = {}
-        for name, value in vars(self).items():
-            if name.startswith("_"):
-                continue
-            if isinstance(value, torch.Tensor) and value.device != device:
-                moved[name] = value.to(device)
-            elif isinstance(value, Mask) and (inner := value.staged(device)) is not value:
-                moved[name] = inner
-        if not moved:
-            return self
-        out = copy.copy(self)
-        vars(out).update(moved)
-        return out
+        return staged_copy(self, device)
 
     # ---- the mask itself --------------------------------------------------------------------------
 
