@@ -8,7 +8,7 @@ from .errors import BackendError, LoadError, MaskError, ShapeError
 from .explain import explain
 from .functional import Problem, attention, attention_weights, choose_backend, why_not
 from .functional.merge import merge
-from .inspect import capture, edit, trace
+from .inspect import capture, edit, edits, trace
 from .nn import KVCache, MultiHeadAttention, merge_heads, split_heads
 
 __version__ = "0.1.0"
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "attention_weights", "why_not", "choose_backend", "merge", "Problem",
     "MultiHeadAttention", "KVCache", "split_heads", "merge_heads",
-    "masks", "bias", "budget", "distributed", "explain", "trace", "capture", "edit",
+    "masks", "bias", "budget", "distributed", "explain", "trace", "capture", "edit", "edits",
     "ShapeError", "MaskError", "BackendError", "LoadError",
 ]

@@ -2,6 +2,7 @@
 and other intermediates, from any backend), head tables and detectors, and edit (change some heads and
 see what happens)."""
 
+from . import edits
 from .capture import Capture, Record, capture
 from .detect import detect
 from .edit import Edit, edit
@@ -10,5 +11,5 @@ from .retrieval import retrieval
 from .stats import HeadStats, head_stats
 from .trace import Trace, trace
 
-__all__ = ["Trace", "trace", "Capture", "Record", "capture", "Edit", "edit", "HeadStats", "head_stats", "HeadTable",
+__all__ = ["Trace", "trace", "Capture", "Record", "capture", "Edit", "edit", "edits", "HeadStats", "head_stats", "HeadTable",
            "head_table", "detect", "retrieval"]

@@ -1,57 +1,77 @@
-"""``with bhqk.edit(model=m, layers=[...], heads=[...], <kind>): m(x)`` changes what the named heads
+"""``with bhqk.edit(model=m, layers=[...], heads=[...], <what>): m(x)`` changes what the named heads
 of the selected attention calls do, and nothing else. Nothing is stored on modules: after the block
 the model is what it was.
 
-Kinds (one ``edit`` may combine ``zero``/``scale`` with ``mask`` and/or ``bias``, or ``weights``, or ``output``):
+An edit is a list of steps, each a value or a function at a named point of the call (:mod:`bhqk.edits`:
+``mask`` → ``scores`` → ``weights`` → ``head_outputs``), given as ``do=edits.zero()`` (one step or a
+list) or as the keyword form, which is the same steps:
 
-- ``zero=True``: the heads' outputs O_h are 0 (ablation).
-- ``scale=s``: O_h · s; ``s`` a number or a tensor (0-d, or [h] one per named head) that may require
-  gradients (attribution patching: d loss / d s).
-- ``mask=M``: the heads' mask becomes ``mask & M`` and the softmax renormalizes over what is left
-  ("knock out", e.g. ``masks.key_span(0, 1)``: the weight the sink key had goes to the other keys).
-- ``bias=T``: T (float, broadcastable to [B, h, Q, K]) is added to the heads' scores.
-- ``weights=P``: the heads use P ([Q, K], broadcastable to [B, h, Q, K], ≥ 0) as given instead of
-  softmax(S): O_h = P·V, no renormalization. Zeros in P are not a knock-out: the row then sums
-  to less than 1 and nothing is given to the other keys.
-- ``output=O``: O_h is replaced by O ([Q, dv], broadcastable to [B, h, Q, dv]), e.g. a head's
-  output recorded by ``capture(what="head_outputs")`` in another run (activation patching).
+- ``zero=True`` = ``edits.zero()``: the heads' outputs O_h are 0 (ablation).
+- ``scale=s`` = ``edits.scale(s)``: O_h · s; ``s`` a number or a tensor (0-d, or [h] one per named head)
+  that may require gradients (attribution patching: d loss / d s).
+- ``mask=M`` = ``edits.mask(M)``: the heads' mask becomes ``mask & M`` and the softmax renormalizes
+  over what is left ("knock out", e.g. ``masks.key_span(0, 1)``: the sink key's weight goes to the others).
+- ``bias=T`` = ``edits.bias(T)``: T (float, broadcastable to [B, h, Q, K]) is added to the heads' scores.
+- ``weights=P`` = ``edits.weights(P)``: the heads use P ([Q, K], broadcastable to [B, h, Q, K], ≥ 0) as
+  given instead of softmax(S): O_h = P·V, no renormalization. Zeros in P are not a knock-out: the row
+  then sums to less than 1 and nothing is given to the other keys.
+- ``output=O`` = ``edits.output(O)``: O_h is replaced by O ([Q, dv], broadcastable to [B, h, Q, dv]),
+  e.g. a head's output recorded by ``capture(what="head_outputs")`` in another run (activation patching).
+- ``do=edits.at("head_outputs", fn)``: ``fn(o) -> o'`` on o [B, h, Q, dv] (h = the edit's heads, in its
+  order); ``edits.at("weights", fn)``: ``fn(P) -> P'`` on P [B, h, Q, K], then O_h = P'·V.
 
-How it runs: every call runs as usual, all heads on its fast path; for a selected call the named
-heads alone are recomputed (mask and bias edits: a sub-call of those heads on the registry's
-backend, the mask kept structured; ``weights``: one P·V per head) and stitched into the output
-out-of-place, so gradients flow to inputs, parameters, ``scale``, ``bias`` and ``weights``. GQA:
-an edited query head reads its own K/V head. Edits nest and compose: masks AND, biases add, scales
-multiply; a given pattern or output (the innermost one) overrides the masks and biases of others.
+One ``edit`` may combine steps as long as no value replaces a point after another step of the same
+edit (``weights=`` with ``mask=``, ``output=`` with ``bias=``: a ValueError).
+
+How it runs, and what it costs: every call runs as usual, all heads on its fast path; for a selected
+call the named heads alone are recomputed and stitched into the output out-of-place, so gradients
+flow to inputs, parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions.
+Zero, scale, a given output and functions at ``head_outputs``: no recomputation, one [B, h, Q, dv]
+copy. Masks and biases: a sub-call of those heads on the registry's backend, the mask kept
+structured. A given P or a function at ``weights``: P for those heads only (the reference's softmax
+of S with the edits' masks and biases, when not given), then one P·V per head: O(Q·K) per edited
+head. GQA: an edited query head reads its own K/V head. Edits nest and compose: masks AND, biases
+add; a given P or O (the innermost one) replaces its point and makes the earlier points moot; then
+the functions at each point run, the outer edit's first (scales multiply).
+
+Selection: ``layers`` takes call indices and module paths (globs; ``model=``); a call is named by its
+module's path, so ``layers="model.layers.1.self_attn"`` selects that layer's prefill and every
+decode step of ``generate()`` (each step is one call; ``capture`` records carry the same name).
+
 ``capture`` inside an ``edit`` sees the edited call: head outputs as edited; scores, weights and
-statistics of mask/bias edits as recomputed with the edited mask and bias; a replaced pattern as
-given (its scores read log P and its lse 0, so exp(S − lse) = P). Outside the block nothing is paid: one integer test per call.
+statistics of mask/bias edits as recomputed with the edited mask and bias; a replaced (or
+function-edited) pattern as given (its scores read log P and its lse 0, so exp(S − lse) = P).
+Outside the block nothing is paid: one integer test per call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-from collections.abc import Iterable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from functools import reduce
 
 import torch
 from torch import nn
 
 from .. import masks, observe
-from ..bias import Bias, as_bias
+from ..bias import Bias
 from ..bias import Dense as DenseBias
 from ..errors import BackendError, MaskError, ShapeError
+from ..functional import reference
 from ..functional.problem import Problem
 from ..functional.registry import resolve
-from ..masks import Mask, as_mask
+from ..masks import Mask
 from ..shapes import as_4d, compute_dtype, per_query_head
 from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
+from .edits import EDITS, Step, as_steps, check_steps, keyword_steps
 from .layers import Selection, heads_rows, sub_call, value_heads
 
 
 class Edit:
-    """One ``bhqk.edit`` block: which calls and heads, and what to do to them (see the module doc).
-    ``hits`` lists the (call index, name) of every call it edited."""
+    """One ``bhqk.edit`` block: which calls and heads, and the steps to apply to them (see the module
+    doc). ``steps`` lists them; ``hits`` the (call index, name) of every call it edited."""
 
     def __init__(
         self,
@@ -65,29 +85,25 @@ class Edit:
         bias: Bias | torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
+        do: Step | Iterable[Step] | None = None,
     ) -> None:
         self.selection = Selection("edit", layers, heads, model)  # the same selection and errors as capture
         self.layers, self.heads = self.selection.layers, self.selection.heads
-        if not isinstance(zero, bool):
-            raise ValueError(f"edit: zero must be True or False, got {zero!r}.")
-        given = [k for k, v in (("mask", mask), ("bias", bias), ("weights", weights), ("output", output)) if v is not None]
-        if not given and not zero and scale is None:
-            raise ValueError("edit: say what to do: zero=True, scale=, mask=, bias=, weights= or output=.")
-        if "weights" in given and ({"mask", "bias"} & set(given)):
-            raise ValueError("edit: weights= replaces softmax(S), so mask= and bias= cannot apply with it.")
-        if "output" in given and len(given) > 1:
-            others = [g for g in given if g != "output"]
-            raise ValueError(f"edit: output= replaces the heads' outputs, so {others} cannot apply with it.")
-        self.zero = zero
-        self.scale = self._scale(scale)
-        self.mask = as_mask(mask) if mask is not None else None
-        self.bias = as_bias(bias) if bias is not None else None
-        self.weights = self._tensor("weights", weights, "[Q, K], broadcastable to [B, h, Q, K]")
-        if self.weights is not None:
-            w = self.weights.detach()
-            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-                raise ShapeError("edit: weights must be finite and >= 0 (attention weights P, used as given).")
-        self.output = self._tensor("output", output, "[Q, dv], broadcastable to [B, h, Q, dv]")
+        steps = keyword_steps("edit", zero=zero, scale=scale, mask=mask, bias=bias, weights=weights, output=output)
+        steps += as_steps(do, "edit")
+        if not steps:
+            raise ValueError("edit: say what to do: zero=True, scale=, mask=, bias=, weights=, output= or "
+                             "do=bhqk.edits.<kind>(...) (a step or a list of them).")
+        check_steps(steps, "edit")
+        self.steps: list[Step] = steps
+        # The keyword form's view of the steps (what each kind holds; masks ANDed, biases added).
+        self.zero = any(s.kind == "zero" for s in steps)
+        self.scale = next((s.value for s in steps if s.kind == "scale"), None)
+        self.mask: Mask | None = _fold([s.value for s in steps if s.how == "and"], operator.and_)
+        self.bias: Bias | None = _fold([s.value for s in steps if s.how == "add"], operator.add)
+        self.weights = next((s.value for s in steps if s.kind == "weights"), None)
+        self.output = next((s.value for s in steps if s.kind == "output"), None)
+        self.dense = any(s.point == "weights" for s in steps)  # builds P for its heads
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
         self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in
 
@@ -96,67 +112,35 @@ class Edit:
         """Attention calls seen inside the block, edited or not."""
         return self.selection.calls
 
-    @staticmethod
-    def _scale(scale):
-        if scale is None:
-            return None
-        if isinstance(scale, torch.Tensor):
-            if not scale.is_floating_point() or scale.dim() > 1:
-                raise ShapeError(f"edit: scale must be a number or a float tensor [] or [h] (one per head), got "
-                                 f"{scale.dtype} {list(scale.shape)}.")
-            if not bool(torch.isfinite(scale.detach()).all()):
-                raise ShapeError(f"edit: scale must be finite, got {scale.detach().tolist()}.")
-            return scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise ValueError(f"edit: scale must be a number or a float tensor, got {scale!r}.")
-        if not math.isfinite(scale):
-            raise ShapeError(f"edit: scale must be finite, got {scale!r}.")
-        return float(scale)
-
-    @staticmethod
-    def _tensor(arg: str, t, shape: str) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not 1 <= t.dim() <= 4:
-            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ShapeError(f"edit: {arg} must be a float tensor {shape}, got {got}.")
-        return t
-
     # ---- per call -------------------------------------------------------------------------------
     def _inert(self, p: Problem) -> bool:
         """The edit is knock-out spans only (``masks.key_span``/``block_span``) and none of them forbids
         anything in this call (keys beyond K, query positions outside the call): it changes nothing here."""
+        if any(s.how != "and" for s in self.steps):
+            return False
         spans = _spans(self.mask)
-        if not spans or self.zero or self.scale is not None or self.bias is not None:
+        if not spans:
             return False
         ext = p.ext
         return all(sp.k0 >= ext.K or sp._q(ext)[0] >= sp._q(ext)[1] for sp in spans)
 
     def _check(self, p: Problem, name: str, n: int) -> None:
-        """The edit's tensors against the call's sizes (n = the heads it names)."""
+        """The edit's values against the call's sizes (n = the heads it names)."""
         s = p.sizes
-        for arg, t, last in (("weights", self.weights, ("Q", "K")), ("output", self.output, ("Q", "dv"))):
-            if t is None:
-                continue
-            t4 = as_4d(t)
-            want = (s["B"], n, s[last[0]], s[last[1]])
-            ok = t4.shape[0] in (1, want[0]) and t4.shape[1] in (1, n) and tuple(t4.shape[2:]) == want[2:]
-            if not ok:
-                step = (f" {name!r} is a decode step (Q=1: one new query against K={s['K']} cached keys): a "
-                        f"[Q, K] {arg} given for the prompt does not fit it; select the prompt's call by index "
-                        "(layers=[i]) or edit one step at a time.") if s["Q"] == 1 and t4.shape[2] != 1 else ""
-                raise ShapeError(f"edit: {arg} has shape {list(t.shape)} but {name!r} needs [{last[0]}={want[2]}, "
-                                 f"{last[1]}={want[3]}], broadcastable to [B={want[0]}, h={n}, {last[0]}={want[2]}, "
-                                 f"{last[1]}={want[3]}] (h = the {n} heads edited).{step}")
-        if isinstance(self.scale, torch.Tensor) and self.scale.dim() == 1 and self.scale.shape[0] not in (1, n):
-            raise ShapeError(f"edit: scale has {self.scale.shape[0]} entries but {n} heads are edited in {name!r}.")
         sub = masks.Extent(s["B"], n, s["Q"], s["K"])
-        for arg, v in (("mask", self.mask), ("bias", self.bias)):
-            if v is not None:
+        for st in self.steps:
+            kind = EDITS.get(st.kind) if st.kind != "at" else None
+            if kind is not None and kind.sizes is not None:
+                _fits(st.kind, st.value, kind.sizes, s, n, name)
+            if st.kind == "scale" and isinstance(st.value, torch.Tensor) and st.value.dim() == 1 \
+                    and st.value.shape[0] not in (1, n):
+                raise ShapeError(f"edit: scale has {st.value.shape[0]} entries but {n} heads are edited in {name!r}.")
+            if st.how in ("and", "add"):
                 try:
-                    v.check(sub)
+                    st.value.check(sub)
                 except MaskError as e:
-                    raise MaskError(f"edit: {arg} for {name!r} (B={s['B']}, h={n}, Q={s['Q']}, K={s['K']}): {e}") from None
+                    raise MaskError(f"edit: {st.kind} for {name!r} (B={s['B']}, h={n}, Q={s['Q']}, K={s['K']}): {e}") \
+                        from None
 
     @staticmethod
     def apply(eds: tuple[Edit, ...], p: Problem, out: torch.Tensor, lse: torch.Tensor | None, backend: str,
@@ -165,6 +149,7 @@ class Edit:
         and lse [B, H, Q] | None with the named heads recomputed; the problem as observers see it."""
         H = p.ext.H
         touch: dict[int, list[tuple[Edit, int]]] = {}  # head -> (edit, position among its heads)
+        named: list[tuple[Edit, list[int], str]] = []  # the edits that edit this call, outer first: their heads
         for ed in eds:
             index, name, hit = ed.selection.call(module)
             if not hit:
@@ -175,6 +160,7 @@ class Edit:
                 continue  # not edited, not listed in hits
             ed._check(p, name, len(heads))
             ed.hits.append((index, name))
+            named.append((ed, heads, name))
             for j, h in enumerate(heads):
                 touch.setdefault(h, []).append((ed, j))
         if not touch:
@@ -184,27 +170,52 @@ class Edit:
             groups.setdefault(tuple(id(ed) for ed, _ in touch[h]), []).append(h)
         observed = bool(observe.active())
         full_lse = lse
-        if observed and lse is None and any(ed.weights is not None for t in touch.values() for ed, _ in t):
-            full_lse = _lse(p, backend)  # capture reads a given pattern as exp(S − lse): it needs every head's lse
-        outs, lses, all_heads = [], [], []
-        mask_parts: list[Part] = []
-        bias_parts: list[Part] = []
-        zero_q: list[int] = []
+        if observed and lse is None and any(ed.dense for ed, _, _ in named):
+            full_lse = _lse(p, backend)  # capture reads a built pattern as exp(S − lse): it needs every head's lse
+        parts = []
         for hs in groups.values():
             edits = touch[hs[0]]
             pos = [[next(j for e, j in touch[h] if e is ed) for h in hs] for ed, _ in edits]  # per edit: hs' positions
-            o, l, parts = _group(p, out, full_lse, hs, [(ed, ps) for (ed, _), ps in zip(edits, pos)], backend)
+            parts.append(_group(p, out, full_lse, hs, [(ed, ps) for (ed, _), ps in zip(edits, pos)], backend))
+        outs: list[torch.Tensor] = []
+        lses: list[torch.Tensor | None] = []  # used only when the call has an lse (full_lse)
+        all_heads: list[int] = []
+        mask_parts: list[Part] = [mp for g in parts for mp in g.mask_parts]
+        bias_parts: list[Part] = [bp for g in parts for bp in g.bias_parts]
+        zero_q: list[int] = []
+        dense = [g for g in parts if g.P is not None]
+        Ps = [g.P for g in dense if g.P is not None]
+        if dense:  # the weights point: P of every dense head, the functions there, then O = P·V
+            ph = [h for g in dense for h in g.hs]
+            P = Ps[0] if len(Ps) == 1 else torch.cat(Ps, dim=1)  # [B, hp, Q, K]
+            P = _functions(P, "weights", named, ph).to(compute_dtype(p.q))
+            v = per_query_head(p.v, H, ph).to(P.dtype)  # [B, Hkv, K, dv] -> [B, hp, K, dv]: head h reads K/V head h // G
+            o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, hp, Q, dv]
+            at = 0
+            for g in dense:
+                if g.output is not None:  # a given O after the pattern
+                    o = o.index_copy(1, torch.arange(at, at + len(g.hs), device=o.device), g.output.to(o.dtype))
+                at += len(g.hs)
             outs.append(o)
-            lses.append(l)
-            all_heads += hs
-            mp, bp, zq = parts
-            mask_parts += mp
-            bias_parts += bp
-            zero_q += zq
+            lses.append(torch.where((P.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, hp, Q]: P = exp(S − lse), S = log P
+            all_heads += ph
+            mask_parts.append((ph, masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device)), True))
+            bias_parts.append((ph, DenseBias(torch.log(P.detach())), True))  # [B, hp, Q, K]; -inf where P = 0
+            zero_q += ph
+        for g in parts:
+            if g.P is None:
+                assert g.o is not None
+                outs.append(g.o)
+                lses.append(g.lse)
+                all_heads += g.hs
+        o_all = torch.cat(outs, dim=1)  # [B, h, Q, dv], heads all_heads
+        o_all = _functions(o_all, "head_outputs", named, all_heads)  # zero, scale, functions: the outer edit's first
         hi = torch.tensor(all_heads, device=out.device)
-        out = out.index_copy(1, hi, torch.cat(outs, dim=1).to(out.dtype))  # [B, H, Q, dv]: heads hi replaced, out-of-place
+        out = out.index_copy(1, hi, o_all.to(out.dtype))  # [B, H, Q, dv]: heads hi replaced, out-of-place
         if full_lse is not None:
-            full_lse = full_lse.index_copy(1, hi, torch.cat(lses, dim=1).to(full_lse.dtype))  # [B, H, Q]
+            got = [t for t in lses if t is not None]
+            assert len(got) == len(lses)  # every part has one when the call has one
+            full_lse = full_lse.index_copy(1, hi, torch.cat(got, dim=1).to(full_lse.dtype))  # [B, H, Q]
         if not observed:
             return p, out, full_lse
         seen = p
@@ -212,7 +223,7 @@ class Edit:
             seen = dataclasses.replace(seen, mask=Edited(p.mask, H, mask_parts))
         if bias_parts:
             seen = dataclasses.replace(seen, bias=EditedBias(p.bias, H, bias_parts))
-        if zero_q:  # a given pattern: S = 0 + log P
+        if zero_q:  # a built pattern: S = 0 + log P
             qi = torch.tensor(zero_q, device=p.q.device)
             zeros = p.q.new_zeros(p.q.shape[0], len(zero_q), *p.q.shape[2:])  # [B, h, Q, d]
             seen = dataclasses.replace(seen, q=p.q.detach().index_copy(1, qi, zeros))
@@ -229,20 +240,50 @@ class Edit:
                             f"run 0 … K − 1.")
 
     def __repr__(self) -> str:
-        kinds = []
-        for k in ("zero", "scale", "mask", "bias", "weights", "output"):
-            v = getattr(self, k)
-            if v is None or v is False:
-                continue
-            if isinstance(v, torch.Tensor):
-                kinds.append(f"{k}={v.item():g}" if v.dim() == 0 else f"{k} {list(v.shape)}")
-            elif k == "scale":
-                kinds.append(f"scale={v:g}")
-            elif k in ("mask", "bias"):
-                kinds.append(f"{k}={v!r}")
-            else:
-                kinds.append(k)
-        return f"Edit(layers={self.layers}, heads={self.heads}, {', '.join(kinds)}; {len(self.hits)} calls edited)"
+        kinds = ", ".join(repr(s) for s in self.steps)
+        return f"Edit(layers={self.layers}, heads={self.heads}, {kinds}; {len(self.hits)} calls edited)"
+
+
+def _fold(values: list, op: Callable):
+    return reduce(op, values) if values else None
+
+
+def _fits(arg: str, t: torch.Tensor, last: tuple[str, str], s, n: int, name: str) -> None:
+    """A value with the call's sizes (``weights`` [Q, K], ``output`` [Q, dv]) fits the call (n heads edited)."""
+    t4 = as_4d(t)
+    want = (s["B"], n, s[last[0]], s[last[1]])
+    if t4.shape[0] in (1, want[0]) and t4.shape[1] in (1, n) and tuple(t4.shape[2:]) == want[2:]:
+        return
+    step = (f" {name!r} is a decode step (Q=1: one new query against K={s['K']} cached keys): a "
+            f"[Q, K] {arg} given for the prompt does not fit it; select the prompt's call by index "
+            "(layers=[i]) or edit one step at a time.") if s["Q"] == 1 and t4.shape[2] != 1 else ""
+    raise ShapeError(f"edit: {arg} has shape {list(t.shape)} but {name!r} needs [{last[0]}={want[2]}, "
+                     f"{last[1]}={want[3]}], broadcastable to [B={want[0]}, h={n}, {last[0]}={want[2]}, "
+                     f"{last[1]}={want[3]}] (h = the {n} heads edited).{step}")
+
+
+def _functions(t: torch.Tensor, point: str, named: list[tuple[Edit, list[int], str]], t_heads: list[int]) -> torch.Tensor:
+    """The functions at ``point`` (zero, scale, ``edits.at``) on ``t`` [B, h, Q, ·], which holds the heads
+    ``t_heads``: each edit's (outer first, each in its order) on the slice of its own heads, out-of-place."""
+    where = {h: i for i, h in enumerate(t_heads)}
+    for ed, heads, name in named:
+        fns = [s for s in ed.steps if s.point == point and s.how == "apply"]
+        if not fns:
+            continue
+        idx = [where[h] for h in heads]
+        whole = idx == list(range(len(t_heads)))
+        ix = None if whole else torch.tensor(idx, device=t.device)
+        sel = t if ix is None else t.index_select(1, ix)  # [B, h, Q, ·] -> the edit's heads
+        for s in fns:
+            new = s.fn(sel)  # type: ignore[misc]
+            if not isinstance(new, torch.Tensor) or new.shape != sel.shape:
+                got = list(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise ShapeError(f"edit: the function {s!r} at {point!r} returned {got} for {name!r}'s "
+                                 f"{point} {list(sel.shape)} (B, h={len(heads)} heads edited, Q, ·); it must keep "
+                                 f"the shape.")
+            sel = new
+        t = sel if ix is None else t.index_copy(1, ix, sel.to(t.dtype))
+    return t
 
 
 def _spans(m: Mask | None) -> list[masks.Span]:
@@ -271,68 +312,64 @@ def _run(p: Problem, backend: str, need_lse: bool) -> tuple[torch.Tensor, torch.
         return resolve(backend, p, need_lse).run(p, need_lse)
 
 
+@dataclasses.dataclass
+class _Part:
+    """Heads ``hs`` touched by the same edits, up to their head outputs' functions: O [B, h, Q, dv] and
+    lse [B, h, Q] | None, or (a dense part) P [B, h, Q, K] and a given O to put in after P·V."""
+
+    hs: list[int]
+    o: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    P: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    mask_parts: list[Part] = dataclasses.field(default_factory=list)
+    bias_parts: list[Part] = dataclasses.field(default_factory=list)
+
+
 def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[int],
-           edits: list[tuple[Edit, list[int]]], backend: str):
-    """Heads ``hs`` touched by the same edits: (O [B, h, Q, dv], lse [B, h, Q] | None (when ``lse_in``,
-    the call's [B, H, Q], is given), the parts observers see)."""
+           edits: list[tuple[Edit, list[int]]], backend: str) -> _Part:
+    """Heads ``hs`` touched by the same edits (each with the positions of ``hs`` among its heads) through
+    the points mask, scores and (given P) weights; ``lse_in``: the call's [B, H, Q] or None."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     h, dv = len(hs), p.sizes["dv"]
-    dt = compute_dtype(p.q)
-    weights = next((ed for ed, _ in reversed(edits) if ed.weights is not None or ed.output is not None), None)
     mask: Mask | None = None
     bias: Bias | None = None
+    given: dict[str, torch.Tensor] = {}  # point -> the innermost value given there, on heads hs
     for ed, ps in edits:
         n = len(ed.heads) if ed.heads is not None else H
-        if ed.mask is not None:
-            m = mask_heads(ed.mask, ps, n)
-            assert m is not None
-            mask = m if mask is None else mask & m
-        if ed.bias is not None:
-            b = bias_heads(ed.bias, ps, n)
-            assert b is not None
-            bias = b if bias is None else bias + b
-    mask_parts: list[Part] = []
-    bias_parts: list[Part] = []
-    zero_q: list[int] = []
-    lse = None
-    if weights is not None and weights.output is not None:  # O_h given
-        n = len(weights.heads) if weights.heads is not None else H
-        o = value_heads(weights.output, next(ps for ed, ps in edits if ed is weights), n).expand(B, h, Q, dv)  # [B, h, Q, dv]
-        lse = None if lse_in is None else heads_rows(lse_in, hs)  # the pattern is unchanged: [B, H, Q] -> [B, h, Q]
-    elif weights is not None:  # P given: O = P·V, no softmax
-        n = len(weights.heads) if weights.heads is not None else H
-        P = value_heads(weights.weights, next(ps for ed, ps in edits if ed is weights), n).to(dt)  # type: ignore[arg-type]
-        P = P.expand(B, h, Q, K)  # [B, h, Q, K]
-        v = per_query_head(p.v, H, hs).to(dt)  # [B, Hkv, K, dv] -> [B, h, K, dv]: head h reads K/V head h // G
-        o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, h, Q, dv]
-        logP = torch.log(P.detach())  # [B, h, Q, K]; -inf where P = 0
-        lse = torch.where((P.detach() > 0).any(dim=-1), 0.0, float("-inf"))  # [B, h, Q]: P = exp(S − lse) with S = log P
-        mask_parts.append((hs, masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device)), True))
-        bias_parts.append((hs, DenseBias(logP), True))
-        zero_q += hs
+        for st in ed.steps:
+            if st.how == "and":
+                m = mask_heads(st.value, ps, n)
+                assert m is not None
+                mask = m if mask is None else mask & m
+            elif st.how == "add":
+                b = bias_heads(st.value, ps, n)
+                assert b is not None
+                bias = b if bias is None else bias + b
+            elif st.how == "replace":
+                given[st.point] = value_heads(st.value, ps, n)  # [#B, h|1, ·, ·]
+    g = _Part(hs)
+    if "head_outputs" in given:
+        g.output = given["head_outputs"].expand(B, h, Q, dv)  # [B, h, Q, dv]
+    if any(ed.dense for ed, _ in edits):  # P for these heads: given, or the softmax of S with the edits' masks and biases
+        if "weights" in given:
+            g.P = given["weights"].to(compute_dtype(p.q)).expand(B, h, Q, K)  # [B, h, Q, K]
+        else:
+            sub = _narrow(p, hs, mask, bias)
+            S, _ = reference.scores(sub)  # [B, h, Q, K]
+            g.P, _ = reference.softmax_rows(S, sub.sinks)  # [B, h, Q, K]
+    elif g.output is not None:  # O_h given: the pattern is unchanged
+        g.o, g.lse = g.output, None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
     elif mask is not None or bias is not None:  # the heads again, with the combined mask and bias
-        sub = _narrow(p, hs, mask, bias)
-        o, lse = _run(sub, backend, lse_in is not None)  # [B, h, Q, dv], [B, h, Q] | None
+        g.o, g.lse = _run(_narrow(p, hs, mask, bias), backend, lse_in is not None)  # [B, h, Q, dv], [B, h, Q] | None
         if mask is not None:
-            mask_parts.append((hs, mask, False))
+            g.mask_parts.append((hs, mask, False))
         if bias is not None:
-            bias_parts.append((hs, bias, False))
-    else:  # zero / scale only: the fast path's own heads
-        o = heads_rows(out, hs)  # [B, H, Q, dv] -> [B, h, Q, dv]
-        lse = None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
-    for ed, ps in edits:
-        if ed.zero:
-            o = torch.zeros_like(o)
-        if ed.scale is not None:
-            s = ed.scale
-            if isinstance(s, torch.Tensor):
-                n = len(ed.heads) if ed.heads is not None else H
-                s = s.reshape(-1)  # [] | [n] -> [1] | [n]
-                s = (s.index_select(0, torch.tensor(ps, device=s.device))  # [n] -> [h]: this call's edited heads
-                     if s.numel() == n and n != 1 else s.expand(h))  # [1] -> [h]
-                s = s.to(device=o.device)[None, :, None, None]  # [h] -> [1, h, 1, 1]
-            o = o * s
-    return o, lse, (mask_parts, bias_parts, zero_q)
+            g.bias_parts.append((hs, bias, False))
+    else:  # the head outputs' functions only: the fast path's own heads
+        g.o = heads_rows(out, hs)  # [B, H, Q, dv] -> [B, h, Q, dv]
+        g.lse = None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
+    return g
 
 
 def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bias: Bias | None = None) -> Problem:
@@ -360,13 +397,17 @@ def edit(
     bias: Bias | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    do: Step | Iterable[Step] | None = None,
 ) -> Iterator[Edit]:
     """Edit the named heads of the selected attention calls inside the block (module doc: kinds,
     cost, composition). ``layers``: call indices and/or module-path globs (names need ``model=``),
-    as in ``capture``; ``heads``: query-head indices (None: all). Yields the :class:`Edit`
+    as in ``capture``; ``heads``: query-head indices (None: all). What to do: the keywords, and/or
+    ``do=`` one step of :mod:`bhqk.edits` or a list (``edits.zero()``, ``edits.at("head_outputs", fn)``,
+    ...; the keywords come first, then ``do``'s steps in order). Yields the :class:`Edit`
     (``.hits``: the calls edited). A selector that selects no call raises ValueError at the end of
     the block (nothing was edited)."""
-    ed = Edit(layers, heads, model=model, zero=zero, scale=scale, mask=mask, bias=bias, weights=weights, output=output)
+    ed = Edit(layers, heads, model=model, zero=zero, scale=scale, mask=mask, bias=bias, weights=weights, output=output,
+              do=do)
     with observe.editing(ed):
         yield ed
     ed._finish()
