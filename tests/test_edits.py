@@ -136,6 +136,32 @@ def test_a_function_at_weights_with_a_knockout_equals_the_hand_computation_and_c
     assert "at('weights', sharpen)" in repr(ed)
 
 
+def test_a_function_at_scores_equals_the_hand_computation_with_its_lse():
+    """A temperature on one head's scores (S / 2) with a knock-out of key 1: the output, the lse the call
+    returns and the weights capture reads are softmax(S / 2)'s, by hand; the other heads are unedited."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, s, 5, 8, generator=g, dtype=torch.float64) for s in (4, 2, 2))  # GQA: H=4, Hkv=2
+
+    def cool(S):  # S [B, h, Q, K]
+        return S / 2
+
+    with bhqk.edit(heads=[2], do=[edits.mask(masks.key_span(1, 2)), edits.at("scores", cool)]), \
+            bhqk.capture(what=("weights", "lse")) as cap:
+        out, lse = bhqk.attention(q, k, v, masks.causal(), return_lse=True)
+    plain_out, plain_lse = bhqk.attention(q, k, v, masks.causal(), return_lse=True)
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril()
+    allowed[:, 1] = False
+    S = (q[:, 2] @ k[:, 1].transpose(-1, -2) * 8 ** -0.5 / 2).masked_fill(~allowed, float("-inf"))  # [B, Q, K]
+    P = torch.softmax(S, -1)
+    keep = [0, 1, 3]
+    assert_close(out[:, keep], plain_out[:, keep], n=5)
+    assert_close(lse[:, keep], plain_lse[:, keep], n=5)
+    assert_close(out[:, 2], P @ v[:, 1], n=5)
+    assert_close(lse[:, 2], torch.logsumexp(S, -1), n=5)
+    assert_close(cap[0].weights[:, 2], P, n=5)
+    assert_close(cap[0].lse, lse, n=5)
+
+
 def test_a_weights_function_gets_the_gradient_of_its_parameters():
     mha, x = _mha()
     t = torch.tensor(1.0, requires_grad=True)
@@ -194,13 +220,12 @@ def test_the_points_and_the_table():
     assert {n: k.point for n, k in edits.EDITS.items()} == {
         "zero": "head_outputs", "scale": "head_outputs", "mask": "mask", "bias": "scores", "weights": "weights",
         "output": "head_outputs"}
-    assert [p for p, pt in edits.POINTS.items() if pt.functions] == ["weights", "head_outputs"]
+    assert [p for p, pt in edits.POINTS.items() if pt.functions] == ["scores", "weights", "head_outputs"]
 
 
 def test_bad_steps_name_the_argument():
     mha, x = _mha()
     for make, match in ((lambda: edits.at("mask", abs), "point 'mask' takes values only"),
-                        (lambda: edits.at("scores", abs), "point 'scores' takes values only"),
                         (lambda: edits.at("logits", abs), "point must be one of"),
                         (lambda: edits.at("head_outputs", 3), "fn must be a function"),
                         (lambda: edits.scale("2"), "edits.scale: scale must be"),

@@ -18,7 +18,8 @@ list) or as the keyword form, which is the same steps:
 - ``output=O`` = ``edits.output(O)``: O_h is replaced by O ([Q, dv], broadcastable to [B, h, Q, dv]),
   e.g. a head's output recorded by ``capture(what="head_outputs")`` in another run (activation patching).
 - ``do=edits.at("head_outputs", fn)``: ``fn(o) -> o'`` on o [B, h, Q, dv] (h = the edit's heads, in its
-  order); ``edits.at("weights", fn)``: ``fn(P) -> P'`` on P [B, h, Q, K], then O_h = P'·V.
+  order); ``edits.at("scores", fn)``: P = softmax(fn(S)) with S [B, h, Q, K]; ``edits.at("weights", fn)``:
+  ``fn(P) -> P'`` on P [B, h, Q, K], then O_h = P'·V.
 
 One ``edit`` may combine steps as long as no value replaces a point after another step of the same
 edit (``weights=`` with ``mask=``, ``output=`` with ``bias=``: a ValueError).
@@ -28,19 +29,21 @@ call the named heads alone are recomputed and stitched into the output out-of-pl
 flow to inputs, parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions.
 Zero, scale, a given output and functions at ``head_outputs``: no recomputation, one [B, h, Q, dv]
 copy. Masks and biases: a sub-call of those heads on the registry's backend, the mask kept
-structured. A given P or a function at ``weights``: P for those heads only (the reference's softmax
-of S with the edits' masks and biases, when not given), then one P·V per head: O(Q·K) per edited
-head. GQA: an edited query head reads its own K/V head. Edits nest and compose: masks AND, biases
-add; a given P or O (the innermost one) replaces its point and makes the earlier points moot; then
-the functions at each point run, the outer edit's first (scales multiply).
+structured. A given P, or a function at ``scores`` or ``weights``: the reference's S and P for those
+heads only (with the edits' masks and biases; S is not built for a given P that no function at
+``scores`` reads), then one P·V per head: O(Q·K) per edited head. GQA: an edited query head reads
+its own K/V head. Edits nest and compose: masks AND, biases add; a given P or O (the innermost
+one) replaces its point and makes the points before it moot; then the functions at each point
+run, the outer edit's first, each edit's in its order (scales multiply).
 
 Selection: ``layers`` takes call indices and module paths (globs; ``model=``); a call is named by its
 module's path, so ``layers="model.layers.1.self_attn"`` selects that layer's prefill and every
 decode step of ``generate()`` (each step is one call; ``capture`` records carry the same name).
 
 ``capture`` inside an ``edit`` sees the edited call: head outputs as edited; scores, weights and
-statistics of mask/bias edits as recomputed with the edited mask and bias; a replaced (or
-function-edited) pattern as given (its scores read log P and its lse 0, so exp(S − lse) = P).
+statistics of mask/bias edits as recomputed with the edited mask and bias; a function's scores
+as edited (with their lse); a given or function-edited pattern as given (its scores read log P and
+its lse 0, so exp(S − lse) = P).
 Outside the block nothing is paid: one integer test per call.
 """
 
@@ -103,7 +106,7 @@ class Edit:
         self.bias: Bias | None = _fold([s.value for s in steps if s.how == "add"], operator.add)
         self.weights = next((s.value for s in steps if s.kind == "weights"), None)
         self.output = next((s.value for s in steps if s.kind == "output"), None)
-        self.dense = any(s.point == "weights" for s in steps)  # builds P for its heads
+        self.dense = any(s.point == "weights" or (s.point == "scores" and s.how == "apply") for s in steps)  # builds P
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
         self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in
 
@@ -183,24 +186,39 @@ class Edit:
         mask_parts: list[Part] = [mp for g in parts for mp in g.mask_parts]
         bias_parts: list[Part] = [bp for g in parts for bp in g.bias_parts]
         zero_q: list[int] = []
+        with_S = [g for g in parts if g.S is not None]
+        if with_S:  # the scores point: S of those heads, the functions there, then P = softmax(S)
+            S = _functions(_cat([g.S for g in with_S]), "scores", named, [h for g in with_S for h in g.hs])  # [B, hs, Q, K]
+            sinks = [g.sinks for g in with_S if g.sinks is not None]
+            P_S, lse_S = reference.softmax_rows(S, _cat(sinks, 0) if sinks else None)  # [B, hs, Q, K], [B, hs, Q]
+            at = 0
+            for g in with_S:
+                g.S, at = S[:, at:at + len(g.hs)], at + len(g.hs)
+                if g.P is None:  # not given: softmax(S)
+                    g.P, g.lse = P_S[:, at - len(g.hs):at], lse_S[:, at - len(g.hs):at]
         dense = [g for g in parts if g.P is not None]
-        Ps = [g.P for g in dense if g.P is not None]
         if dense:  # the weights point: P of every dense head, the functions there, then O = P·V
             ph = [h for g in dense for h in g.hs]
-            P = Ps[0] if len(Ps) == 1 else torch.cat(Ps, dim=1)  # [B, hp, Q, K]
+            P = _cat([g.P for g in dense if g.P is not None])  # [B, hp, Q, K]
             P = _functions(P, "weights", named, ph).to(compute_dtype(p.q))
             v = per_query_head(p.v, H, ph).to(P.dtype)  # [B, Hkv, K, dv] -> [B, hp, K, dv]: head h reads K/V head h // G
             o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, hp, Q, dv]
             at = 0
+            ones = masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device))
             for g in dense:
+                Pg, sl = P[:, at:at + len(g.hs)], torch.arange(at, at + len(g.hs), device=o.device)  # [B, h, Q, K]
                 if g.output is not None:  # a given O after the pattern
-                    o = o.index_copy(1, torch.arange(at, at + len(g.hs), device=o.device), g.output.to(o.dtype))
+                    o = o.index_copy(1, sl, g.output.to(o.dtype))
+                if g.pattern or g.S is None:  # a given or edited P: observers read S = log P, lse 0
+                    lses.append(torch.where((Pg.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, h, Q]
+                    bias_parts.append((g.hs, DenseBias(torch.log(Pg.detach())), True))  # [B, h, Q, K]; -inf where P = 0
+                else:  # P = softmax(S) of an edited S: observers read S and its lse
+                    lses.append(g.lse)
+                    bias_parts.append((g.hs, DenseBias(g.S.detach()), True))  # [B, h, Q, K]; -inf where masked
+                mask_parts.append((g.hs, ones, True))
                 at += len(g.hs)
             outs.append(o)
-            lses.append(torch.where((P.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, hp, Q]: P = exp(S − lse), S = log P
             all_heads += ph
-            mask_parts.append((ph, masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device)), True))
-            bias_parts.append((ph, DenseBias(torch.log(P.detach())), True))  # [B, hp, Q, K]; -inf where P = 0
             zero_q += ph
         for g in parts:
             if g.P is None:
@@ -242,6 +260,10 @@ class Edit:
     def __repr__(self) -> str:
         kinds = ", ".join(repr(s) for s in self.steps)
         return f"Edit(layers={self.layers}, heads={self.heads}, {kinds}; {len(self.hits)} calls edited)"
+
+
+def _cat(ts: list, dim: int = 1) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
 
 
 def _fold(values: list, op: Callable):
@@ -321,6 +343,9 @@ class _Part:
     o: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     P: torch.Tensor | None = None
+    S: torch.Tensor | None = None  # [B, h, Q, K] when built: a function at scores reads it, P = softmax(S)
+    sinks: torch.Tensor | None = None  # [h] with S
+    pattern: bool = False  # P given or edited by a function at weights (observers read log P)
     output: torch.Tensor | None = None
     mask_parts: list[Part] = dataclasses.field(default_factory=list)
     bias_parts: list[Part] = dataclasses.field(default_factory=list)
@@ -352,12 +377,14 @@ def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[
     if "head_outputs" in given:
         g.output = given["head_outputs"].expand(B, h, Q, dv)  # [B, h, Q, dv]
     if any(ed.dense for ed, _ in edits):  # P for these heads: given, or the softmax of S with the edits' masks and biases
+        steps = [st for ed, _ in edits for st in ed.steps]
+        g.pattern = any(st.point == "weights" for st in steps)
         if "weights" in given:
             g.P = given["weights"].to(compute_dtype(p.q)).expand(B, h, Q, K)  # [B, h, Q, K]
-        else:
+        if g.P is None or any(st.point == "scores" and st.how == "apply" for st in steps):
             sub = _narrow(p, hs, mask, bias)
-            S, _ = reference.scores(sub)  # [B, h, Q, K]
-            g.P, _ = reference.softmax_rows(S, sub.sinks)  # [B, h, Q, K]
+            g.S, _ = reference.scores(sub)  # [B, h, Q, K]; P = softmax(S) after the functions at scores
+            g.sinks = sub.sinks
     elif g.output is not None:  # O_h given: the pattern is unchanged
         g.o, g.lse = g.output, None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
     elif mask is not None or bias is not None:  # the heads again, with the combined mask and bias

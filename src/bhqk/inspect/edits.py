@@ -28,12 +28,17 @@ point's tensor for the edit's heads in this call. Where it runs and what it cost
 
 - ``at("head_outputs", fn)``: o [B, h, Q, dv] from the fast path (or from the edit's recomputed
   heads); costs ``fn`` and one [B, h, Q, dv] copy. Exact: o is what the model merges next.
-- ``at("weights", fn)``: P [B, h, Q, K], built for the edit's heads only by the reference
-  (softmax of S with every mask and bias edit on those heads), then O_h = fn(P)·V: O(Q·K) time and
-  memory for each edited head, as ``edits.weights``; the other heads stay on the fast path.
+- ``at("scores", fn)``: S [B, h, Q, K] (−inf where masked), built for the edit's heads only by the
+  reference with every mask and bias edit on those heads; then P = softmax(fn(S)) (a row with no
+  finite score gives 0; the call's sinks count) and O_h = P·V. The lse the call returns (and capture
+  reads) is that of fn(S). O(Q·K) time and memory for each edited head.
+- ``at("weights", fn)``: P [B, h, Q, K] (built as above, or given by ``edits.weights``), then
+  O_h = fn(P)·V, used as given (no renormalization; the lse reads 0, as for a given P). O(Q·K) per
+  edited head, as ``edits.weights``.
 
-``mask`` and ``scores`` take values only (a mask ANDed, a bias added: both stay structured, so the
-edited heads' sub-call keeps its fast path). How steps combine on one head, in one call: masks AND,
+The other heads stay on the fast path. ``mask`` takes values only (masks ANDed) and ``scores``'s
+ready-made edit is a bias added: both stay structured, so the edited heads' sub-call keeps its
+fast path and builds no [Q, K]. How steps combine on one head, in one call: masks AND,
 biases add; a given P (``weights``) or O (``output``) replaces the point's tensor (the innermost
 edit's, when nested edits give one) and makes the points before it moot; then the functions at the
 point run, the outer edit's first, each edit's in the order given. A new kind of edit is one entry
@@ -66,8 +71,8 @@ class Point:
 # The points an attention call passes, in order.
 POINTS: dict[str, Point] = {
     "mask": Point(("B", "H", "Q", "K"), "the call's mask (True = may attend): masks given here are ANDed in", False),
-    "scores": Point(("B", "H", "Q", "K"), "S = q·kᵀ·scale (soft-capped) plus the call's bias: biases given here add",
-                    False),
+    "scores": Point(("B", "H", "Q", "K"), "S = q·kᵀ·scale (soft-capped) plus the call's bias, -inf where masked: "
+                    "biases given here add; functions S -> S' follow", True),
     "weights": Point(("B", "H", "Q", "K"), "P = softmax(S): a given P replaces it; functions P -> P' follow", True),
     "head_outputs": Point(("B", "H", "Q", "dv"), "O_h = P·V before the heads merge: a given O replaces it; "
                           "functions O -> O' follow", True),
@@ -228,14 +233,15 @@ def output(O: torch.Tensor) -> Step:
 
 
 def at(point: str, fn: Fn) -> Step:
-    """``fn(t) -> t'`` at ``point`` ("head_outputs": o [B, h, Q, dv]; "weights": P [B, h, Q, K]), h the
-    edit's heads in this call; ``t'`` must have t's shape. Costs: module doc."""
+    """``fn(t) -> t'`` at ``point`` ("scores": S and "weights": P [B, h, Q, K]; "head_outputs": o
+    [B, h, Q, dv]), h the edit's heads in this call, in its order; ``t'`` must have t's shape.
+    What runs where and its cost: the module doc."""
     if point not in POINTS:
         raise ValueError(f"edits.at: point must be one of {list(POINTS)}, got {point!r}.")
     if not POINTS[point].functions:
         takes = [p for p, pt in POINTS.items() if pt.functions]
-        raise ValueError(f"edits.at: point {point!r} takes values only (edits.{'mask' if point == 'mask' else 'bias'}"
-                         f"(...)); a function may act at {takes}.")
+        raise ValueError(f"edits.at: point {point!r} takes values only (edits.{point}(...)); a function may act "
+                         f"at {takes}.")
     if not callable(fn):
         raise ValueError(f"edits.at: fn must be a function of the tensor at {point!r}, got {type(fn).__name__}.")
     return Step("at", point, "apply", None, fn)
