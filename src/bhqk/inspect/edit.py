@@ -185,41 +185,14 @@ class Edit:
         all_heads: list[int] = []
         mask_parts: list[Part] = [mp for g in parts for mp in g.mask_parts]
         bias_parts: list[Part] = [bp for g in parts for bp in g.bias_parts]
-        zero_q: list[int] = []
-        with_S = [g for g in parts if g.S is not None]
-        if with_S:  # the scores point: S of those heads, the functions there, then P = softmax(S)
-            S = _functions(_cat([g.S for g in with_S]), "scores", named, [h for g in with_S for h in g.hs])  # [B, hs, Q, K]
-            sinks = [g.sinks for g in with_S if g.sinks is not None]
-            P_S, lse_S = reference.softmax_rows(S, _cat(sinks, 0) if sinks else None)  # [B, hs, Q, K], [B, hs, Q]
-            at = 0
-            for g in with_S:
-                g.S, at = S[:, at:at + len(g.hs)], at + len(g.hs)
-                if g.P is None:  # not given: softmax(S)
-                    g.P, g.lse = P_S[:, at - len(g.hs):at], lse_S[:, at - len(g.hs):at]
+        zero_q: list[int] = []  # heads whose observed scores are S' or log P (q read as 0)
+        _at_scores([g for g in parts if g.S is not None], named)
         dense = [g for g in parts if g.P is not None]
-        if dense:  # the weights point: P of every dense head, the functions there, then O = P·V
-            ph = [h for g in dense for h in g.hs]
-            P = _cat([g.P for g in dense if g.P is not None])  # [B, hp, Q, K]
-            P = _functions(P, "weights", named, ph).to(compute_dtype(p.q))
-            v = per_query_head(p.v, H, ph).to(P.dtype)  # [B, Hkv, K, dv] -> [B, hp, K, dv]: head h reads K/V head h // G
-            o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, hp, Q, dv]
-            at = 0
-            ones = masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device))
-            for g in dense:
-                Pg, sl = P[:, at:at + len(g.hs)], torch.arange(at, at + len(g.hs), device=o.device)  # [B, h, Q, K]
-                if g.output is not None:  # a given O after the pattern
-                    o = o.index_copy(1, sl, g.output.to(o.dtype))
-                if g.pattern or g.S is None:  # a given or edited P: observers read S = log P, lse 0
-                    lses.append(torch.where((Pg.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, h, Q]
-                    bias_parts.append((g.hs, DenseBias(torch.log(Pg.detach())), True))  # [B, h, Q, K]; -inf where P = 0
-                else:  # P = softmax(S) of an edited S: observers read S and its lse
-                    lses.append(g.lse)
-                    bias_parts.append((g.hs, DenseBias(g.S.detach()), True))  # [B, h, Q, K]; -inf where masked
-                mask_parts.append((g.hs, ones, True))
-                at += len(g.hs)
+        if dense:
+            o, dense_lses, zero_q = _at_weights(p, dense, named, mask_parts, bias_parts)
             outs.append(o)
-            all_heads += ph
-            zero_q += ph
+            lses += dense_lses
+            all_heads += zero_q
         for g in parts:
             if g.P is None:
                 assert g.o is not None
@@ -397,6 +370,50 @@ def _group(p: Problem, out: torch.Tensor, lse_in: torch.Tensor | None, hs: list[
         g.o = heads_rows(out, hs)  # [B, H, Q, dv] -> [B, h, Q, dv]
         g.lse = None if lse_in is None else heads_rows(lse_in, hs)  # [B, H, Q] -> [B, h, Q]
     return g
+
+
+def _at_scores(parts: list[_Part], named: list[tuple[Edit, list[int], str]]) -> None:
+    """The scores point of the parts whose S was built: the functions there (on S of all those heads),
+    then P = softmax(S) and its lse for each part whose P is not given."""
+    if not parts:
+        return
+    S = _functions(_cat([g.S for g in parts]), "scores", named, [h for g in parts for h in g.hs])  # [B, hs, Q, K]
+    sinks = [g.sinks for g in parts if g.sinks is not None]
+    P, lse = reference.softmax_rows(S, _cat(sinks, 0) if sinks else None)  # [B, hs, Q, K], [B, hs, Q]
+    at = 0
+    for g in parts:
+        a, at = at, at + len(g.hs)
+        g.S = S[:, a:at]  # [B, h, Q, K]
+        if g.P is None:  # not given: softmax(S)
+            g.P, g.lse = P[:, a:at], lse[:, a:at]
+
+
+def _at_weights(p: Problem, parts: list[_Part], named: list[tuple[Edit, list[int], str]], mask_parts: list[Part],
+                bias_parts: list[Part]) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
+    """The weights point of the parts with a P: the functions there (on P of all those heads), O = P·V
+    (a given O put in after it), and what observers see (appended to ``mask_parts``/``bias_parts``):
+    (O [B, hp, Q, dv], each part's lse, the heads hp)."""
+    ph = [h for g in parts for h in g.hs]
+    P = _cat([g.P for g in parts if g.P is not None])  # [B, hp, Q, K]
+    P = _functions(P, "weights", named, ph).to(compute_dtype(p.q))
+    v = per_query_head(p.v, p.ext.H, ph).to(P.dtype)  # [B, Hkv, K, dv] -> [B, hp, K, dv]: head h reads K/V head h // G
+    o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, hp, Q, dv]
+    lses: list[torch.Tensor | None] = []
+    ones = masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device))
+    at = 0
+    for g in parts:
+        a, at = at, at + len(g.hs)
+        Pg = P[:, a:at]  # [B, h, Q, K]
+        if g.output is not None:  # a given O after the pattern
+            o = o.index_copy(1, torch.arange(a, at, device=o.device), g.output.to(o.dtype))
+        if g.pattern or g.S is None:  # a given or edited P: observers read S = log P, lse 0
+            lses.append(torch.where((Pg.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, h, Q]
+            bias_parts.append((g.hs, DenseBias(torch.log(Pg.detach())), True))  # [B, h, Q, K]; -inf where P = 0
+        else:  # P = softmax(S) of an edited S: observers read S and its lse
+            lses.append(g.lse)
+            bias_parts.append((g.hs, DenseBias(g.S.detach()), True))  # [B, h, Q, K]; -inf where masked
+        mask_parts.append((g.hs, ones, True))
+    return o, lses, ph
 
 
 def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bias: Bias | None = None) -> Problem:

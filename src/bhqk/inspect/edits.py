@@ -2,14 +2,14 @@
 
 An attention call passes four named points, in this order (:data:`POINTS`; h = the heads an edit names):
 
-==============  ================  ===============================================================
-point           axes              what is there
-==============  ================  ===============================================================
-``mask``        [B, h, Q, K]      the call's mask (True = may attend), before the softmax
-``scores``      [B, h, Q, K]      S = q·kᵀ·scale (soft-capped) plus the call's bias
-``weights``     [B, h, Q, K]      P = softmax(S) over K (before dropout)
-``head_outputs`` [B, h, Q, dv]    O_h = P·V, before the heads merge
-==============  ================  ===============================================================
+================  ==============  =============================================================
+point             axes            what is there
+================  ==============  =============================================================
+``mask``          [B, h, Q, K]    the call's mask (True = may attend), before the softmax
+``scores``        [B, h, Q, K]    S = q·kᵀ·scale (soft-capped) plus the call's bias
+``weights``       [B, h, Q, K]    P = softmax(S) over K (before dropout)
+``head_outputs``  [B, h, Q, dv]   O_h = P·V, before the heads merge
+================  ==============  =============================================================
 
 An edit is a list of :class:`Step` s, each a value or a function at one point; ``bhqk.edit(..., do=...)``
 applies them to the heads it selects. The ready-made ones are the entries of :data:`EDITS` (the
