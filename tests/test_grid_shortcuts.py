@@ -169,8 +169,8 @@ case("tiled plans", "window+bias")(_planned("tiled", "window", with_bias=True))
 case("span plans", "window+bias")(_planned("spans", "window", with_bias=True))
 for _kind in ("dense", "document", "window", "predicate(key=)"):
     case("span call masks", _kind)(_planned("spans", _kind))
-case("span plan of a live call", "auto window")(_planned("auto", "window"))
-case("span plan of a live call", "auto document")(_planned("auto", "document"))
+case("span plans", "auto window")(_planned("auto", "window"))
+case("span plans", "auto document")(_planned("auto", "document"))
 
 
 # ---- the changes --------------------------------------------------------------------------------------
@@ -254,6 +254,24 @@ def test_off_turns_a_shortcut_off_and_names_are_checked():
     with pytest.raises(ValueError, match="unknown shortcut"):
         with shortcuts.off("no such shortcut"):
             pass
+
+
+@pytest.mark.parametrize("backend", ["auto", "spans"])
+def test_a_call_is_planned_once(backend, monkeypatch):
+    """The plan travels in the ``Choice`` (issue 28): share, hands_off and run of one call use the plan
+    made once, with the plan caches off (nothing kept between or within calls)."""
+    from bhqk.functional import spans
+
+    made = []
+    plan = spans._plan
+    monkeypatch.setattr(spans, "_plan", lambda p: made.append(p) or plan(p))
+    inp = _qkv(Q=40, K=40)
+    with shortcuts.off("span plans", "tiled plans"):
+        out = bhqk.attention(inp["q"], inp["k"], inp["v"], masks.sliding_window(7), backend=backend)
+    assert bhqk.choose_backend(inp["q"], inp["k"], inp["v"], masks.sliding_window(7)).name == "spans"
+    assert len(made) == 1 + 1, "one plan for the call, one for choose_backend"
+    assert_close(out, bhqk.attention(*(inp[n].double() for n in "qkv"), masks.sliding_window(7), backend="reference"),
+                 dtype=torch.float32, n=40)
 
 
 def test_a_fixed_table_without_float32_falls_back():

@@ -115,7 +115,7 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def hands_off(p: Problem) -> tuple[str, str] | None:
+def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
     """("tiled", why) when q, k or v holds NaN/inf (FlexAttention lets them cross the mask; the
     tiled backend keeps them where they belong), else None."""
     return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which FlexAttention lets cross the mask")
@@ -277,8 +277,9 @@ def forget(key: tuple) -> None:
     _WARM_BACKWARD.discard(key)
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32) when asked."""
+def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry (no plan; its kernels are kept by structure, :data:`KERNELS`): O [B, H, Q, dv]
+    in the input dtype, and lse [B, H, Q] (float32) when asked."""
     e = p.ext
     dv = p.sizes["dv"]
     if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked (lse -inf, or its sink)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 from ..bias import Bias, dense_parts
 from ..masks import Extent, Mask, top_left_count
 from ..shapes import Sizes, all_finite
-from ..shortcuts import Cache, Shortcut, declare
+from ..shortcuts import Shortcut, declare
 from .merge import merge_, with_sinks
 from .plan_cache import PlanCache
 from .problem import Problem
@@ -144,24 +143,25 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def hands_off(p: Problem) -> tuple[str, str] | None:
+def hands_off(p: Problem, plan: Plan | None = None) -> tuple[str, str] | None:
     """("tiled", why) when q, or k or v where a mask applies, holds NaN/inf (the fused kernel lets
     them cross the mask and turns a NaN query row into zeros), else None. A call that is one kernel
     call without a mask (no mask; a decoding step) checks q only: every row attends every key, so
-    NaN/inf in k or v reach every row there as in the formula (as the torch adapter does)."""
-    plan = plan_for(p)
+    NaN/inf in k or v reach every row there as in the formula (as the torch adapter does).
+    ``plan``: :func:`plan_for` of ``p`` (made here if not given)."""
+    plan = plan if plan is not None else plan_for(p)
     unmasked = len(plan.groups) == 1 and _whole(plan.groups[0], p) and not (plan.groups[0].masked or plan.groups[0].causal)
     if all_finite(p.q, *(() if unmasked or not (plan.groups or plan.by_heads) else (p.k, p.v))):
         return None
     return "tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask"
 
 
-def share(p: Problem) -> float:
+def share(p: Problem, plan: Plan | None = None) -> float:
     """The fraction of the B·H·Q·K score entries the span path computes (1.0: it skips nothing)."""
     ext = p.ext
     if ext.Q == 0 or ext.K == 0:
         return 0.0
-    return plan_for(p).fraction(ext)
+    return (plan if plan is not None else plan_for(p)).fraction(ext)
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -193,11 +193,15 @@ def _band_width(plan: Plan) -> int | None:
     return w
 
 
-_PLANS: PlanCache[Plan] = PlanCache("span plans", "the span path's plan: its kernel calls (and the call masks kept in it)")
-CALL_PLANS: Cache[tuple[weakref.ref, Plan]] = Cache(  # share, hands_off and run of one call plan once
-    "span plan of a live call", "planning a call again for its hands_off and run after share", "the Problem object "
-    "(by identity, held weakly)", 8, "the Problem freed: its entry (and the plan's call masks) go with it")
-declare(CALL_PLANS)
+def plan_key(p: Problem) -> tuple[bool, bool]:
+    """What a span plan depends on besides the mask and the call's sizes and block options: whether
+    the call has no bias (its masks are kept, a causal mask is the kernel's ``is_causal``) and
+    whether its scale is positive (``is_causal`` only then)."""
+    return p.bias is None, p.scale_positive
+
+
+_PLANS: PlanCache[Plan] = PlanCache("span plans", "the span path's plan: its kernel calls (and the call masks kept in it)",
+                                    plan_key)
 MASKS = declare(Shortcut(
     "span call masks", "building a masked span's additive mask again at the next call", "kept in its plan: "
     "q's dtype and device, the group and its blocks (the plan's key holds the mask and sizes); not with a bias",
@@ -207,19 +211,9 @@ MASKS = declare(Shortcut(
 def plan_for(p: Problem) -> Plan:
     """The kernel calls for ``p``: one for no mask, one or two for a causal mask alone, else the
     spans of the tile classification, grouped (see the module docstring). Kept per mask object
-    and call key (sizes, blocks, bias or not; :class:`plan_cache.PlanCache`), and for the call
-    itself while it lives (:data:`CALL_PLANS`)."""
-    hit = CALL_PLANS.lookup(id(p))
-    if hit is not None and hit[0]() is p:
-        return hit[1]
-    plan = _PLANS.for_call(p, (p.bias is None, p.scale_positive), lambda: _plan(p))
-    key_p = id(p)
-
-    def gone(_: weakref.ref) -> None:  # the call freed: its plan (and call masks) leave with it
-        CALL_PLANS.discard(key_p)
-
-    CALL_PLANS.put(key_p, (weakref.ref(p, gone), plan))
-    return plan
+    and call key (sizes, blocks, :func:`plan_key`; :class:`plan_cache.PlanCache`); within one call
+    the registry hands the plan to ``share``, ``hands_off`` and ``run`` (``Choice.plan``)."""
+    return _PLANS.for_call(p, lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:
@@ -654,7 +648,7 @@ class _SpanAttention(torch.autograd.Function):
 def run(p: Problem, need_lse: bool = False, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registry entry: out [B, H, Q, dv] and lse [B, H, Q] (float32; float64 for float64 inputs),
     differentiable in q, k, v, sinks (and through lse)."""
-    plan = plan if isinstance(plan, Plan) else plan_for(p)
+    plan = plan if plan is not None else plan_for(p)
     if plan.by_heads:
         return _run_by_heads(p, plan)
     q, k, v = p.q, p.k, p.v
@@ -686,4 +680,4 @@ def _run_by_heads(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-__all__ = ["Group", "HeadGroup", "Plan", "hands_off", "plan_for", "run", "share", "why_not"]
+__all__ = ["Group", "HeadGroup", "Plan", "hands_off", "plan_for", "plan_key", "run", "share", "why_not"]

@@ -41,7 +41,7 @@ def structure_free(p: Problem) -> bool:
     return isinstance(p.mask, Causal) and (p.mask.align == "top_left" or p.ext.Q == p.ext.K) and p.scale_positive
 
 
-def share(p: Problem) -> float | None:
+def share(p: Problem, plan: None = None) -> float | None:
     """Its claim as an exact fused kernel (``Backend.share``): the fraction of the B·H·Q·K scores
     it computes, where it needs no dense mask or bias (is_causal skips the upper triangle), else
     None; None too for dropout on the CPU, which runs SDPA's math path ([B, H, Q, K] in memory)."""
@@ -106,13 +106,14 @@ def _nonfinite(p: Problem) -> bool:
     return not all_finite(p.q, *((p.k, p.v) if structured else ()))
 
 
-def hands_off(p: Problem) -> tuple[str, str] | None:
+def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
     """("tiled", why) when SDPA would let NaN/inf in the inputs cross the mask, else None."""
     return ("tiled", "q, k or v holds NaN/inf, which SDPA lets cross the mask") if _nonfinite(p) else None
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA on a call it computes right (finite inputs: see :func:`hands_off`): out [B, H, Q, dv], no lse."""
+def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry (no plan): SDPA on a call it computes right (finite inputs: see
+    :func:`hands_off`): out [B, H, Q, dv], no lse."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     allowed = all_allowed(p)
     if p.bias is None and allowed:  # every query sees every key (a decode step): no mask to build
