@@ -19,7 +19,7 @@ import torch
 
 import bhqk
 from bhqk import masks, shortcuts
-from bhqk.functional import costs
+from bhqk.functional import costs, flex
 from tolerance import assert_close
 
 
@@ -171,6 +171,68 @@ for _kind in ("dense", "document", "window", "predicate(key=)"):
     case("span call masks", _kind)(_planned("spans", _kind))
 case("span plans", "auto window")(_planned("auto", "window"))
 case("span plans", "auto document")(_planned("auto", "document"))
+
+
+@case("extents", "reference")
+def _(mp, tmp):
+    inp = _qkv(Q=9, K=11)
+    return Scenario(inp, _attend("reference", masks.causal("bottom_right")), masks.causal("bottom_right"))
+
+
+def _grids(backend: str):
+    """A dense mask's tile classes, asked again by a repeated call whose plan is not kept."""
+    def build(mp, tmp):
+        inp = _qkv(Q=40, K=40)
+        m, _ = _MASKS["dense"](inp)
+        attend = _attend(backend, m)
+
+        def run(inp):
+            with shortcuts.off("tiled plans", "span plans"):
+                return attend(inp)
+        return Scenario(inp, run, m)
+    return build
+
+
+case("dense mask grids", "tiled")(_grids("tiled"))
+case("dense mask grids", "spans")(_grids("spans"))
+
+
+def _flex_block_masks(kind: str):
+    def build(mp, tmp):
+        inp = _qkv(Q=40, K=40)
+        m, hits = _MASKS[kind](inp)
+        attend = _attend("flex", m)
+
+        def run(inp):
+            with flex.uncompiled(), torch.no_grad():
+                return attend(inp)
+        return Scenario(inp, run, m, hits=hits)
+    return build
+
+
+for _kind in _MASKS:
+    case("flex block masks", _kind)(_flex_block_masks(_kind))
+
+
+@case("flex kernels", "eager stand-in for the compiler")
+def _(mp, tmp):
+    """The kept kernel per structure, with ``torch.compile`` standing in as the identity (the key and
+    its reuse are what is checked, not the compiler)."""
+    fa = flex._flex()
+    if fa is None:
+        pytest.skip("this torch has no FlexAttention")
+    mp.setattr(torch, "compile", lambda fn, **kw: fn)
+    if hasattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"):  # the eager path without dynamo tracing it
+        mp.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    mp.setattr(flex, "_no_compiler", lambda device_type: None)
+    inp = _qkv(Q=40, K=40)
+    m = masks.sliding_window(7)
+    attend = _attend("flex", m)
+
+    def run(inp):
+        with torch.no_grad():
+            return attend(inp)
+    return Scenario(inp, run, m)
 
 
 # ---- the changes --------------------------------------------------------------------------------------
