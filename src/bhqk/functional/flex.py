@@ -48,9 +48,8 @@ from ..bias import Sum as BiasSum
 from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Mask
 from ..masks.base import index4, scalar, tensor_versions
-from ..shapes import all_finite
 from ..shortcuts import Store, declare
-from . import costs
+from . import costs, nonfinite
 from .costs import Costs, Estimate, FlexCosts
 from .merge import with_sinks
 from .problem import Problem
@@ -137,7 +136,7 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
 def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
     """("tiled", why) when q, k or v holds NaN/inf (FlexAttention lets them cross the mask; the
     tiled backend keeps them where they belong), else None."""
-    return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which FlexAttention lets cross the mask")
+    return nonfinite.hand_off(p, False, "FlexAttention")
 
 
 @contextlib.contextmanager

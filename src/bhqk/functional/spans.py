@@ -47,11 +47,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..bias import Bias, dense_parts
+from ..bias import Bias, dense_parts, in_dtype
 from ..masks import Extent, Mask, top_left_count
-from ..shapes import Sizes, all_finite
+from ..shapes import Sizes
 from ..shortcuts import Shortcut, declare
-from .merge import merge_, with_sinks
+from . import nonfinite
+from .merge import merge_, sinks_grad, with_sinks
 from .plan_cache import PlanCache
 from .problem import Problem
 
@@ -68,7 +69,24 @@ MASK_ELEMS = 1 << 22  # a call's additive mask stays below this many entries (ca
 SMALL_MASK = 1 << 16  # a causal call with Q·K up to this many entries is one masked call, not two calls merged
 KEEP_ELEMS = 1 << 22  # the forward's masks are kept for the backward up to this many entries in all
 GRAD_ELEMS = 1 << 22  # a backward call's dk (and dv) per block stay below this many entries (calls are split)
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the fused CPU kernel takes
+# where its lse is as exact as a float32 pass over the upcast inputs: for bf16/fp16 inputs its lse is
+# about 10x further from an fp64 lse (6e-5 vs 3e-6 to 7e-6 at d = 64, N = 300, measured for issue 28)
+_EXACT_LSE_DTYPES = (torch.float32, torch.float64)
+
+
+def fused_refuses(q: torch.Tensor, exact_lse: bool = False) -> str | None:
+    """Why PyTorch's fused CPU flash kernel cannot take q's device and dtype, else None: the one
+    eligibility rule of the span path (``exact_lse=False``: any dtype the kernel takes; it computes
+    the call in the input dtype, as SDPA does) and of the statistics' lse (``exact_lse=True``: only
+    where the kernel's lse is float32-exact; bf16/fp16 take the float32 online pass instead)."""
+    if q.device.type != "cpu":
+        return f"PyTorch's fused flash kernel for the CPU takes CPU tensors (these are on {q.device.type})"
+    if q.dtype not in (_EXACT_LSE_DTYPES if exact_lse else _DTYPES):
+        if exact_lse:
+            return f"the fused CPU kernel's lse for {q.dtype} is not float32-exact"
+        return f"the fused CPU kernel takes float32/64, bfloat16 and float16, not {q.dtype}"
+    return None
 
 
 class Group(NamedTuple):
@@ -128,10 +146,8 @@ class HeadGroup(NamedTuple):
 
 def why_not(p: Problem, need_lse: bool) -> str | None:
     """None when PyTorch's fused CPU kernel can compute the call, else why not."""
-    if p.q.device.type != "cpu":
-        return f"PyTorch's fused flash kernel for the CPU takes CPU tensors (these are on {p.q.device.type})"
-    if p.q.dtype not in _DTYPES:
-        return f"the fused CPU kernel takes float32/64, bfloat16 and float16, not {p.q.dtype}"
+    if (why := fused_refuses(p.q)) is not None:
+        return why
     if p.softcap is not None:
         return "the fused CPU kernel has no softcap"
     if p.dropout_p > 0:
@@ -151,9 +167,7 @@ def hands_off(p: Problem, plan: Plan | None = None) -> tuple[str, str] | None:
     ``plan``: :func:`plan_for` of ``p`` (made here if not given)."""
     plan = plan if plan is not None else plan_for(p)
     unmasked = len(plan.groups) == 1 and _whole(plan.groups[0], p) and not (plan.groups[0].masked or plan.groups[0].causal)
-    if all_finite(p.q, *(() if unmasked or not (plan.groups or plan.by_heads) else (p.k, p.v))):
-        return None
-    return "tiled", "q, k or v holds NaN/inf, which the fused kernel lets cross the mask"
+    return nonfinite.hand_off(p, unmasked or not (plan.groups or plan.by_heads), "the fused kernel")
 
 
 def share(p: Problem, plan: Plan | None = None) -> float:
@@ -454,12 +468,8 @@ def _bias_tile(p: Problem, bias: Bias, q0: int, k0: int, g: Group) -> torch.Tens
     become its lowest, not -inf (as the torch adapter does)."""
     from ..shapes import as_4d
 
-    lowest = torch.finfo(p.q.dtype).min
-    dt = p.q.dtype if bias.floor >= lowest else torch.float32
-    t = as_4d(bias.block(p.ext, q0, q0 + g.rows, k0, k0 + g.L, p.q.device, dt))  # [#B, #H, #rows, #L]
-    if dt != p.q.dtype:
-        t = torch.where(t > float("-inf"), t.clamp(min=lowest), t).to(p.q.dtype)
-    return t.expand(t.shape[0], t.shape[1], g.rows, g.L)
+    t = in_dtype(bias, p.q.dtype, lambda dt: as_4d(bias.block(p.ext, q0, q0 + g.rows, k0, k0 + g.L, p.q.device, dt)))
+    return t.expand(t.shape[0], t.shape[1], g.rows, g.L)  # [#B, #H, #rows, #L] -> [#B, #H, rows, L]
 
 
 def _chunks(p: Problem, g: Group) -> list[tuple[int, int]]:
@@ -634,14 +644,7 @@ class _SpanAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv = _backward(ctx.p, ctx.plan.backward or ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.calls)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[5]:  # -Σ_rows P_sink·(D - g), D = rowsum(dO·O)
-            dt = lse.dtype
-            delta = (grad_out.to(dt) * out.to(dt)).sum(-1)  # [B, H, Q]
-            if grad_lse is not None:
-                delta = delta - grad_lse.to(dt)
-            p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]
-            dsinks = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
+        dsinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if sinks is not None and ctx.needs_input_grad[5] else None
         return None, None, dq, dk, dv, dsinks
 
 
