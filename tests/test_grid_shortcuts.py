@@ -322,11 +322,11 @@ def test_off_turns_a_shortcut_off_and_names_are_checked():
 def test_a_call_is_planned_once(backend, monkeypatch):
     """The plan travels in the ``Choice`` (issue 28): share, hands_off and run of one call use the plan
     made once, with the plan caches off (nothing kept between or within calls)."""
-    from bhqk.functional import spans
+    from bhqk.functional import spans_plan
 
     made = []
-    plan = spans._plan
-    monkeypatch.setattr(spans, "_plan", lambda p: made.append(p) or plan(p))
+    plan = spans_plan._plan
+    monkeypatch.setattr(spans_plan, "_plan", lambda p: made.append(p) or plan(p))
     inp = _qkv(Q=40, K=40)
     with shortcuts.off("span plans", "tiled plans"):
         out = bhqk.attention(inp["q"], inp["k"], inp["v"], masks.sliding_window(7), backend=backend)
