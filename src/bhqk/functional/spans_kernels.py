@@ -51,7 +51,7 @@ def fused_refuses(q: torch.Tensor, exact_lse: bool = False) -> str | None:
     return None
 
 
-def lse(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def fused_lse(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     """The fused kernel's lse [B, H, Q] of q [B, H, Q, d] against k [B, H, K, d] (``causal``: its
     top-left ``is_causal``); v = k, only the lse is kept (the statistics' lse, ``inspect.rowstats``)."""
     return _FWD(q, k, k, 0.0, causal, scale=scale)[1]
@@ -281,4 +281,4 @@ def _add_keys(acc: torch.Tensor, part: torch.Tensor, g: Group, B: int) -> None:
 
 
 __all__ = ["GRAD_ELEMS", "KEEP_ELEMS", "MASKS", "backward", "forward", "fused_refuses", "kept_for_backward",
-           "kernel_calls", "lse"]
+           "kernel_calls", "fused_lse"]
