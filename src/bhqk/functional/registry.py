@@ -222,9 +222,10 @@ def _nots(refused: dict[str, str]) -> str:
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
     """``choice`` with its backend's plan of ``p``, or the backend its backend hands this call to
-    (``Backend.hands_off``). The plan travels in the ``Choice``: planned once per call."""
+    (``Backend.hands_off``). The plan travels in the ``Choice``: planned once per call (under
+    ``torch.compile`` a backend that leaves the graph plans in its run, outside it)."""
     be = choice.backend
-    plan = be.plan(p, choice.plan)
+    plan = choice.plan if not be.traceable and torch.compiler.is_compiling() else be.plan(p, choice.plan)
     to = be.hands_off(p, plan) if be.hands_off is not None else None
     if to is not None:
         why = f"{choice.reason}; {choice.name} hands it to {to[0]}: {to[1]}"
