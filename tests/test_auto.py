@@ -56,7 +56,7 @@ def spans():
         state["runs"] += 1
         return registry.get("reference").run(p, need_lse)
 
-    def share(p):  # what a span path skips: the mask's empty 64×64 tiles
+    def share(p, plan=None):  # what a span path skips: the mask's empty 64×64 tiles
         if p.mask is None:
             return 1.0
         m = p.mask.materialize(1, 1, p.ext.Q, p.ext.K)

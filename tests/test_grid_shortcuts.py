@@ -1,6 +1,7 @@
 """The semantics grid's shortcut axis (issue 25 item 3, issue 28): every path that answers from
 something cheaper than the reference — each shortcut declared in :mod:`bhqk.shortcuts` (kept plans
-and call masks, kept claims, checked sizes, the cost memo, decode-step GQA packing) — is run, in one
+and call masks, kept claims, checked sizes, the cost memo, extents, a dense mask's grids,
+FlexAttention's kernels and block masks, decode-step GQA packing) — is run, in one
 test, as a first call, a repeated call (which the shortcut answers: its ``hits`` grow) and a repeated
 call after the input changed (new values, new strides, an in-place write into q, k, v, a dense mask,
 a bias, or a tensor a mask holds), each against the reference (float64, every shortcut off).
@@ -19,7 +20,7 @@ import torch
 
 import bhqk
 from bhqk import masks, shortcuts
-from bhqk.functional import costs
+from bhqk.functional import costs, flex
 from tolerance import assert_close
 
 
@@ -169,8 +170,70 @@ case("tiled plans", "window+bias")(_planned("tiled", "window", with_bias=True))
 case("span plans", "window+bias")(_planned("spans", "window", with_bias=True))
 for _kind in ("dense", "document", "window", "predicate(key=)"):
     case("span call masks", _kind)(_planned("spans", _kind))
-case("span plan of a live call", "auto window")(_planned("auto", "window"))
-case("span plan of a live call", "auto document")(_planned("auto", "document"))
+case("span plans", "auto window")(_planned("auto", "window"))
+case("span plans", "auto document")(_planned("auto", "document"))
+
+
+@case("extents", "reference")
+def _(mp, tmp):
+    inp = _qkv(Q=9, K=11)
+    return Scenario(inp, _attend("reference", masks.causal("bottom_right")), masks.causal("bottom_right"))
+
+
+def _grids(backend: str):
+    """A dense mask's tile classes, asked again by a repeated call whose plan is not kept."""
+    def build(mp, tmp):
+        inp = _qkv(Q=40, K=40)
+        m, _ = _MASKS["dense"](inp)
+        attend = _attend(backend, m)
+
+        def run(inp):
+            with shortcuts.off("tiled plans", "span plans"):
+                return attend(inp)
+        return Scenario(inp, run, m)
+    return build
+
+
+case("dense mask grids", "tiled")(_grids("tiled"))
+case("dense mask grids", "spans")(_grids("spans"))
+
+
+def _flex_block_masks(kind: str):
+    def build(mp, tmp):
+        inp = _qkv(Q=40, K=40)
+        m, hits = _MASKS[kind](inp)
+        attend = _attend("flex", m)
+
+        def run(inp):
+            with flex.uncompiled(), torch.no_grad():
+                return attend(inp)
+        return Scenario(inp, run, m, hits=hits)
+    return build
+
+
+for _kind in _MASKS:
+    case("flex block masks", _kind)(_flex_block_masks(_kind))
+
+
+@case("flex kernels", "eager stand-in for the compiler")
+def _(mp, tmp):
+    """The kept kernel per structure, with ``torch.compile`` standing in as the identity (the key and
+    its reuse are what is checked, not the compiler)."""
+    fa = flex._flex()
+    if fa is None:
+        pytest.skip("this torch has no FlexAttention")
+    mp.setattr(torch, "compile", lambda fn, **kw: fn)
+    if hasattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"):  # the eager path without dynamo tracing it
+        mp.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    mp.setattr(flex, "_no_compiler", lambda device_type: None)
+    inp = _qkv(Q=40, K=40)
+    m = masks.sliding_window(7)
+    attend = _attend("flex", m)
+
+    def run(inp):
+        with torch.no_grad():
+            return attend(inp)
+    return Scenario(inp, run, m)
 
 
 # ---- the changes --------------------------------------------------------------------------------------
@@ -254,6 +317,24 @@ def test_off_turns_a_shortcut_off_and_names_are_checked():
     with pytest.raises(ValueError, match="unknown shortcut"):
         with shortcuts.off("no such shortcut"):
             pass
+
+
+@pytest.mark.parametrize("backend", ["auto", "spans"])
+def test_a_call_is_planned_once(backend, monkeypatch):
+    """The plan travels in the ``Choice`` (issue 28): share, hands_off and run of one call use the plan
+    made once, with the plan caches off (nothing kept between or within calls)."""
+    from bhqk.functional import spans_plan
+
+    made = []
+    plan = spans_plan._plan
+    monkeypatch.setattr(spans_plan, "_plan", lambda p: made.append(p) or plan(p))
+    inp = _qkv(Q=40, K=40)
+    with shortcuts.off("span plans", "tiled plans"):
+        out = bhqk.attention(inp["q"], inp["k"], inp["v"], masks.sliding_window(7), backend=backend)
+    assert bhqk.choose_backend(inp["q"], inp["k"], inp["v"], masks.sliding_window(7)).name == "spans"
+    assert len(made) == 1 + 1, "one plan for the call, one for choose_backend"
+    assert_close(out, bhqk.attention(*(inp[n].double() for n in "qkv"), masks.sliding_window(7), backend="reference"),
+                 dtype=torch.float32, n=40)
 
 
 def test_a_fixed_table_without_float32_falls_back():

@@ -14,7 +14,7 @@ import torch
 import bhqk
 from bhqk import masks
 from bhqk.errors import MaskError
-from bhqk.functional import flex, names, prepare, spans
+from bhqk.functional import flex, names, prepare, spans, spans_kernels
 from bhqk.masks import Extent, Tile
 from conftest import qkv
 from tolerance import assert_close
@@ -169,10 +169,10 @@ def test_span_path_groups_heads_of_equal_structure(monkeypatch):
     assert full_plan.groups == [spans.Group(0, Q, 1, 0, 0, K, False, True)]  # causal alone: one is_causal call
     assert stream_plan.fraction(p.ext) < 0.5  # the streaming heads compute their sink and window only
     calls = []
-    real = spans._FWD
-    monkeypatch.setattr(spans, "_FWD", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    real = spans_kernels._FWD
+    monkeypatch.setattr(spans_kernels, "_FWD", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     out = bhqk.attention(q, k, v, m, backend="spans")
-    want_calls = sum(len(list(spans._calls(spans.on_heads(p, g.heads, g.mask), g.plan))) for g in plan.by_heads)
+    want_calls = sum(len(list(spans_kernels.kernel_calls(spans.on_heads(p, g.heads, g.mask), g.plan))) for g in plan.by_heads)
     assert len(calls) == want_calls
     assert {c[1] for c in calls} == {2, 6}  # every kernel call runs one group's heads: 2 full, 6 streaming
     assert_close(out, bhqk.attention(q, k, v, m, backend="reference"), dtype=torch.float32, n=K)

@@ -13,7 +13,7 @@ import torch
 
 import bhqk
 from bhqk import masks
-from bhqk.functional import spans
+from bhqk.functional import spans, spans_kernels, spans_plan
 from bhqk.functional.api import problem
 from conftest import mask_kinds, qkv
 from tolerance import assert_close, assert_low_precision_close
@@ -98,8 +98,8 @@ def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width
 
 def test_no_mask_and_causal_are_single_kernel_calls(monkeypatch):
     calls = []
-    real = spans._FWD
-    monkeypatch.setattr(spans, "_FWD", lambda *a, **kw: calls.append(kw.get("attn_mask")) or real(*a, **kw))
+    real = spans_kernels._FWD
+    monkeypatch.setattr(spans_kernels, "_FWD", lambda *a, **kw: calls.append(kw.get("attn_mask")) or real(*a, **kw))
     q, k, v = qkv(1, 2, 1, 33, 33, 8)
     for m in (None, masks.causal()):
         calls.clear()
@@ -217,8 +217,8 @@ def test_empty_sizes(shape):
 
 @pytest.mark.parametrize("kind", ["dense", "window", "document", "stripes"])
 def test_large_calls_are_cut_into_calls_with_the_same_answer(monkeypatch, kind):
-    monkeypatch.setattr(spans, "MASK_ELEMS", 64)  # every block its own forward call
-    monkeypatch.setattr(spans, "GRAD_ELEMS", 100)  # and backward calls of a block or two
+    monkeypatch.setattr(spans_plan, "MASK_ELEMS", 64)  # every block its own forward call
+    monkeypatch.setattr(spans_kernels, "GRAD_ELEMS", 100)  # and backward calls of a block or two
     q, k, v = qkv(B, H, 2, Q, K, 8, requires_grad=True)
     m = STRIPES if kind == "stripes" else mask_kinds(B, H, Q, K)[kind]
     _compare(q, k, v, m, bias=torch.randn(1, H, Q, K, dtype=torch.float64) if kind == "dense" else None)
@@ -229,7 +229,7 @@ def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
     g = spans.Group(r0=0, rows=2, n=4, k0=1, kstep=kstep, L=L, masked=False)
     part = torch.randn(2 * g.n, 3, L, 5, dtype=torch.float64)  # [B·n, Hkv, L, x]
     got = torch.zeros(2, 3, 40, 5, dtype=torch.float64)
-    spans._add_keys(got, part, g, 2)
+    spans_kernels._add_keys(got, part, g, 2)
     want = torch.zeros_like(got)
     for b in range(2):
         for j in range(g.n):
@@ -266,8 +266,8 @@ def test_a_dense_masks_call_masks_are_built_once_and_follow_in_place_writes(monk
     q, k, v = qkv(1, 2, 1, 300, 300, 8)
     allowed = masks.sliding_window(40).materialize(1, 1, 300, 300).clone()  # [1, 1, Q, K]
     built = []
-    real = spans._mask
-    monkeypatch.setattr(spans, "_mask", lambda *a: built.append(1) or real(*a))
+    real = spans_kernels._mask
+    monkeypatch.setattr(spans_kernels, "_mask", lambda *a: built.append(1) or real(*a))
     first = bhqk.attention(q, k, v, allowed, backend="spans")
     n = len(built)
     assert n > 0 and torch.equal(bhqk.attention(q, k, v, allowed, backend="spans"), first)

@@ -6,6 +6,7 @@ A bias is evaluated per tile like a mask, so fast paths never build [B, H, Q, K]
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -148,6 +149,22 @@ def alibi(num_heads: int, align: str | None = None) -> ALiBi:
 def dense(tensor: torch.Tensor) -> Dense:
     """Any float tensor broadcastable to [B, H, Q, K], added to the scores."""
     return Dense(tensor)
+
+
+def clamp_finite(t: torch.Tensor, lowest: float) -> torch.Tensor:
+    """``t`` with its finite values below ``lowest`` raised to it and -inf (a forbidden entry) kept:
+    a finite bias stays finite however negative (docs/design.md §2, "Decided edges")."""
+    return torch.where(t > float("-inf"), t.clamp(min=lowest), t)
+
+
+def in_dtype(bias: Bias, dtype: torch.dtype, build: Callable[[torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """``build(dt)``, the bias (or a block of it) in ``dtype``: built in ``dtype`` where its finite
+    floor fits, else in float32 and its finite values clamped to ``dtype``'s lowest (a float32
+    ``finfo.min`` padding bias with bf16 inputs), never -inf."""
+    lowest = torch.finfo(dtype).min
+    if bias.floor >= lowest:
+        return build(dtype)
+    return clamp_finite(build(torch.float32), lowest).to(dtype)
 
 
 def dense_parts(bias: Bias | None) -> list[Dense]:

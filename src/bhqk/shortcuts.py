@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -81,6 +81,24 @@ class Cache(Shortcut, Generic[T]):
         return len(self._store)
 
 
+class Store(Shortcut):
+    """A store its owner reads and writes itself (a dict, a ``WeakKeyDictionary``), declared here for
+    its key, bound and invalidation; its owner checks :attr:`on` and counts :attr:`hits`.
+    :meth:`clear` calls ``forget`` (default: empties ``store``)."""
+
+    def __init__(self, name: str, what: str, key: str, bound: str, invalidation: str, store: Any,
+                 forget: Callable[[], None] | None = None) -> None:
+        super().__init__(name, what, key, bound, invalidation)
+        self.store = store
+        self._forget = forget
+
+    def clear(self) -> None:
+        if self._forget is not None:
+            self._forget()
+        else:
+            self.store.clear()
+
+
 _DECLARED: dict[str, Shortcut] = {}
 _OFF: dict[str | None, int] = {None: 0}  # None: all off; a name: that one off (nesting depth)
 
@@ -121,4 +139,4 @@ def clear() -> None:
         s.clear()
 
 
-__all__ = ["Cache", "Shortcut", "clear", "declare", "declared", "off"]
+__all__ = ["Cache", "Shortcut", "Store", "clear", "declare", "declared", "off"]

@@ -47,9 +47,9 @@ from ..bias import Dense as DenseBias
 from ..bias import Sum as BiasSum
 from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Mask
-from ..masks.base import index4, scalar
-from ..shapes import all_finite
-from . import costs
+from ..masks.base import index4, scalar, tensor_versions
+from ..shortcuts import Store, declare
+from . import costs, nonfinite
 from .costs import Costs, Estimate, FlexCosts
 from .merge import with_sinks
 from .problem import Problem
@@ -62,6 +62,24 @@ _WARM_BACKWARD: set[tuple] = set()  # keys that have run with gradients (their b
 _BROKEN: dict[tuple, str] = {}  # keys whose kernel failed to compile in this process -> why
 _COMPILE = True
 _BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> (key, BlockMask) of its last call
+
+
+def _forget_kernels() -> None:
+    for key in list(_KERNELS):
+        forget(key)
+
+
+KERNELS = declare(Store(
+    "flex kernels", "compiling FlexAttention again (seconds) for a structure compiled before", "kernel_key(p): device, "
+    "dtype, head dims, GQA, lse, scale, the mask's and bias's structure, softcap (sizes are dynamic)",
+    "one compiled kernel per structure, none dropped (a model has a handful)", "none needed: the key holds all the "
+    "compiled code specializes on; a kernel that fails to compile is dropped (forget) and refused", _KERNELS,
+    _forget_kernels))
+BLOCK_MASKS = declare(Store(
+    "flex block masks", "building a mask's BlockMask again (its mask_mod over every 128×128 block)", "the mask object "
+    "(weakly), (B, H, Q, K, device) and the version of every tensor it holds (masks.tensor_versions)",
+    "one per mask object (its last call's sizes); gone with the mask", "new sizes or an in-place write into a tensor "
+    "the mask holds; never kept for a predicate without key= or a mask holding an inference tensor", _BLOCK_MASKS))
 
 
 def _flex():
@@ -115,10 +133,10 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
     return None
 
 
-def hands_off(p: Problem) -> tuple[str, str] | None:
+def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
     """("tiled", why) when q, k or v holds NaN/inf (FlexAttention lets them cross the mask; the
     tiled backend keeps them where they belong), else None."""
-    return None if all_finite(p.q, p.k, p.v) else ("tiled", "q, k or v holds NaN/inf, which FlexAttention lets cross the mask")
+    return nonfinite.hand_off(p, False, "FlexAttention")
 
 
 @contextlib.contextmanager
@@ -153,14 +171,17 @@ def block_mask(mask: Mask | None, B: int, H: int, Q: int, K: int, device):
 
 
 def _block_mask(mask: Mask, B: int, H: int, Q: int, K: int, device) -> tuple:
-    """(BlockMask, blocks it visits per (b, h)), cached as :func:`block_mask` says."""
-    key = (B, H, Q, K, str(device))
-    hit = _BLOCK_MASKS.get(mask)
+    """(BlockMask, blocks it visits per (b, h)), cached as :func:`block_mask` says (:data:`BLOCK_MASKS`)."""
+    versions = tensor_versions(mask) if BLOCK_MASKS.on else None
+    key = (B, H, Q, K, str(device), versions)
+    hit = _BLOCK_MASKS.get(mask) if versions is not None else None
     if hit is not None and hit[0] == key:
+        BLOCK_MASKS.hits += 1
         return hit[1]
     bm = mask.block_mask(B, H, Q, K, BLOCK, device)
     blocks = int(bm.kv_num_blocks.sum()) + (int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0)
-    _BLOCK_MASKS[mask] = (key, (bm, blocks))
+    if versions is not None:
+        _BLOCK_MASKS[mask] = (key, (bm, blocks))
     return bm, blocks
 
 
@@ -237,11 +258,15 @@ def _call(q, k, v, block_mask, score_mod, scale, enable_gqa, need_lse):
 def kernel(key: tuple):
     """The compiled ``_call`` for ``key``; each key gets its own code object, so its own dynamo
     cache and recompile budget (at the limit dynamo would fall back to the unfused O(Q·K) path)."""
-    fn = _KERNELS.get(key)
-    if fn is None:
+    fn = _KERNELS.get(key) if KERNELS.on else None
+    if fn is not None:
+        KERNELS.hits += 1
+    else:
         code = _call.__code__.replace(co_name=f"_flex_{len(_KERNELS)}")
         fresh = types.FunctionType(code, _call.__globals__, code.co_name)
-        fn = _KERNELS[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
+        fn = torch.compile(fresh, dynamic=True, fullgraph=True)
+        if KERNELS.on:
+            _KERNELS[key] = fn
     return fn
 
 
@@ -277,8 +302,9 @@ def forget(key: tuple) -> None:
     _WARM_BACKWARD.discard(key)
 
 
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O [B, H, Q, dv] in the input dtype, and lse [B, H, Q] (float32) when asked."""
+def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry (no plan; its kernels are kept by structure, :data:`KERNELS`): O [B, H, Q, dv]
+    in the input dtype, and lse [B, H, Q] (float32) when asked."""
     e = p.ext
     dv = p.sizes["dv"]
     if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked (lse -inf, or its sink)

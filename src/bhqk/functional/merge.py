@@ -36,14 +36,23 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
                          f"without its last axis, {list(out_a.shape[:-1])} ([B, H, Q] for out [B, H, Q, dv]).")
 
 
+def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp [B, H, Q] of an online softmax's running max ``m`` and sum ``s`` = Σ exp(x − m)
+    (m taken as 0 where it is not finite): log s + m, -inf where the sum is 0 (nothing seen), with
+    NaN-free gradients. The one finish of the online lse passes (``merge``, ``rowstats.row_lse``;
+    the tiled kernel's is in base 2, inside its loop)."""
+    seen = s > 0
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return torch.where(seen, torch.log(torch.where(seen, s, torch.ones_like(s))) + m, torch.full_like(s, float("-inf")))
+
+
 def _combine(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, a finite stand-in for it): log(e^a + e^b), -inf where both are -inf, NaN-free gradients."""
     m = torch.maximum(lse_a, lse_b).detach()  # [B, H, Q]; the result does not depend on it
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.exp(lse_a - m) + torch.exp(lse_b - m)  # [B, H, Q], 0 where both sides are empty
-    seen = s > 0
-    lse = torch.where(seen, torch.log(torch.where(seen, s, torch.ones_like(s))) + m, torch.full_like(s, float("-inf")))
-    return lse, torch.where(seen, lse, torch.zeros_like(lse))
+    lse = lse_of(m, s)
+    return lse, torch.where(s > 0, lse, torch.zeros_like(lse))
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -79,6 +88,28 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     sink = sinks[:, None].expand_as(lse)  # [H] -> [B, H, Q]
     nothing = torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out)  # [] -> [B, H, Q, dv]: the sink's value, 0
     return merge(out, lse, nothing, sink.to(lse.dtype))
+
+
+def add_sinks(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """An lse [B, H, Q] computed without sinks, with the per-head sinks [H] joined:
+    log(exp(lse) + exp(sink)) (a row that saw no key: the sink). The lse part of :func:`with_sinks`
+    for a caller that has no output to scale (the statistics' lse)."""
+    return torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])  # [B, H, Q] with [1, H, 1]
+
+
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+               grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of the sink logits [H] from a sink-inclusive ``lse`` [B, H, Q] and ``out``
+    [B, H, Q, dv]: the sink is a key without a value, so its dS is P_sink·(0 - delta), summed over
+    the rows of its head: ``d sink_h = -Σ_{b,q} exp(sink_h - lse)·delta`` with ``delta =
+    rowsum(dO ∘ O) - dlse``. The one backward of :func:`with_sinks` for the kernels that apply sinks
+    once at the end (tiled, spans, ring attention)."""
+    dt = lse.dtype
+    delta = torch.einsum("bhqv,bhqv->bhq", out.to(dt), grad_out.to(dt))  # [B, H, Q]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(dt)
+    p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]: the sink's weight in each row
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
 
 
 @torch.no_grad()

@@ -23,23 +23,25 @@ class PlanCache(Shortcut, Generic[T]):
     inference tensor (no version counter), or a predicate given no ``key=`` (its function may read a
     tensor the caller writes), is planned at every call. Declared in :mod:`bhqk.shortcuts`."""
 
-    def __init__(self, name: str, what: str) -> None:
+    def __init__(self, name: str, what: str, plan_key: Callable[[Problem], Hashable]) -> None:
         super().__init__(
             name, what, "the mask object; the version of every tensor it holds and a predicate's key= "
-            "(masks.tensor_versions); the call's sizes and options", f"{KEPT} plans per mask object, the older "
+            "(masks.tensor_versions); the call's sizes and options and the backend's plan_key(p)",
+            f"{KEPT} plans per mask object, the older "
             "half dropped when full; kept while the mask object lives",
             "an in-place write into a tensor the mask holds (a new version); never kept for a predicate without "
             "key= or a mask holding an inference tensor")
         self._masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {key: plan}
         self._unmasked: dict[Hashable, T] = {}
         self._epoch = 0  # clear(): a dense mask's own store is forgotten by a new epoch in the key
+        self.plan_key = plan_key  # what the backend's plan depends on besides the mask and the call's sizes
         declare(self)
 
-    def for_call(self, p: Problem, key: Hashable, make: Callable[[], T]) -> T:
+    def for_call(self, p: Problem, make: Callable[[], T]) -> T:
         """The plan of the call ``p``, kept per its mask and the call key: its sizes (B, H, Q, K),
-        K/V heads and block options, and the backend's own ``key``."""
+        K/V heads and block options, and the backend's ``plan_key(p)``."""
         e = p.ext
-        call = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), key)
+        call = ((e.B, e.H, e.Q, e.K), p.sizes["Hkv"], p.options.get("block_q"), p.options.get("block_k"), self.plan_key(p))
         return self.get(p.mask, call, make)
 
     def get(self, mask, key: Hashable, make: Callable[[], T]) -> T:

@@ -11,6 +11,7 @@ from ..bias import Bias, as_bias
 from ..errors import MaskError, ShapeError
 from ..masks import Extent, Mask, as_mask
 from ..shapes import Sizes, check_qkv
+from ..shortcuts import Cache, declare
 
 
 @dataclass
@@ -51,16 +52,19 @@ class Problem:
         return self.sizes["H"] // self.sizes["Hkv"]
 
 
-_EXTENTS: dict[tuple[int, int, int, int], Extent] = {}  # Extent is frozen: one shared per (B, H, Q, K)
+EXTENTS: Cache[Extent] = Cache(  # Extent is frozen: one shared per (B, H, Q, K)
+    "extents", "building a frozen Extent dataclass (about a microsecond) at every call", "(B, H, Q, K)", 1024,
+    "none needed: an Extent is immutable and holds nothing but its key")
+declare(EXTENTS)
 
 
 def extent(sizes: Sizes) -> Extent:
-    """The Extent [B, H, Q, K] of ``sizes`` (shared: building a frozen dataclass costs a microsecond)."""
+    """The Extent [B, H, Q, K] of ``sizes`` (shared, :data:`EXTENTS`: building a frozen dataclass
+    costs a microsecond)."""
     key = (sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
-    if (e := _EXTENTS.get(key)) is None:
-        if len(_EXTENTS) >= 1024:
-            _EXTENTS.clear()
-        e = _EXTENTS[key] = Extent(*key)
+    if (e := EXTENTS.lookup(key)) is None:
+        e = Extent(*key)
+        EXTENTS.put(key, e)
     return e
 
 

@@ -62,11 +62,18 @@ def weights(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return softmax_rows(scores(p)[0], p.sinks)
 
 
-def run(p: Problem, need_lse: bool = False, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """O [B, H, Q, dv] in the input dtype and lse [B, H, Q] (float32/64; returned even when not
-    asked, since it is computed anyway: observers get it). Dropout (``p.dropout_p > 0``) zeroes
-    entries of P and scales the rest by 1/(1 - p): those where ``keep`` (bool [B, H, Q, K], e.g.
-    ``tiled.dropout_keep``) is False, or drawn by ``F.dropout`` when no ``keep`` is given."""
+def why_not(p: Problem, need_lse: bool) -> str | None:
+    """The spec takes every call (building [B, H, Q, K])."""
+    return None
+
+
+def run(p: Problem, need_lse: bool = False, plan: None = None,
+        keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry (no plan): O [B, H, Q, dv] in the input dtype and lse [B, H, Q]
+    (float32/64; returned even when not asked, since it is computed anyway: observers get it).
+    Dropout (``p.dropout_p > 0``) zeroes entries of P and scales the rest by 1/(1 - p): those where
+    ``keep`` (bool [B, H, Q, K], e.g. ``tiled.dropout_keep``) is False, or drawn by ``F.dropout``
+    when no ``keep`` is given."""
     S, _ = scores(p)
     P, lse = softmax_rows(S, p.sinks)
     if p.dropout_p > 0:

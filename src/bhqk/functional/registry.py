@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -20,24 +20,37 @@ from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
 from .problem import Problem, prepare
 
-Run = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan=None) -> (out, lse)
+Run = Callable[[Problem, bool, Any], tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan) -> (out, lse)
 WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why it cannot take the call
 
 
 @dataclass(frozen=True)
 class Backend:
-    """A registry entry. ``share(problem)``: the fraction of the B·H·Q·K scores it computes where
-    PyTorch's fused kernel computes the call exactly through it (1.0: nothing skipped), else None.
-    ``estimate(problem, grad, costs)``: seconds. ``traceable``: ``torch.compile`` can trace its run.
-    ``hands_off(problem)``: (the backend that computes a call it takes but cannot compute right, why)."""
+    """A registry entry: one callable shape for every backend (as transformers' AttentionInterface).
+
+    ``run(problem, need_lse, plan)``: out [B, H, Q, dv] and lse [B, H, Q] or None; ``plan`` is the one
+    ``plan_for`` made for this call (None: planless, or planned by ``run`` itself).
+    ``plan_for(problem)``: its plan of the call (kept by its plan cache under the mask, the sizes and
+    ``plan_key(problem)``: what else the plan depends on); both None for a backend without a plan.
+    ``share(problem, plan)``: the fraction of the B·H·Q·K scores it computes where PyTorch's fused
+    kernel computes the call exactly through it (1.0: nothing skipped), else None.
+    ``estimate(problem, grad, costs)``: seconds (its ``Estimate.plan``: the plan it weighed).
+    ``traceable``: ``torch.compile`` can trace its run. ``hands_off(problem, plan)``: (the backend
+    that computes a call it takes but cannot compute right, why)."""
 
     name: str
     run: Run
     why_not: WhyNot
     estimate: Callable[[Problem, bool, Costs], Estimate] | None = None
     traceable: bool = True
-    hands_off: Callable[[Problem], tuple[str, str] | None] | None = None
-    share: Callable[[Problem], float | None] | None = None
+    hands_off: Callable[[Problem, Any], tuple[str, str] | None] | None = None
+    share: Callable[[Problem, Any], float | None] | None = None
+    plan_for: Callable[[Problem], Any] | None = None
+    plan_key: Callable[[Problem], Hashable] | None = None
+
+    def plan(self, p: Problem, plan: Any = None) -> Any:
+        """``plan``, else this backend's plan of ``p`` (None: it has none)."""
+        return plan if plan is not None or self.plan_for is None else self.plan_for(p)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -63,13 +76,15 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-register(Backend("reference", lambda p, lse, plan=None: reference.run(p, lse), lambda p, lse: None))  # builds [B, H, Q, K]
-register(Backend("torch", lambda p, lse, plan=None: torch_sdpa.run(p, lse), torch_sdpa.why_not, torch_sdpa.estimate,
-                 hands_off=torch_sdpa.hands_off, share=torch_sdpa.share))  # F.scaled_dot_product_attention
+register(Backend("reference", reference.run, reference.why_not))  # builds [B, H, Q, K]
+register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not, torch_sdpa.estimate, hands_off=torch_sdpa.hands_off,
+                 share=torch_sdpa.share))  # F.scaled_dot_product_attention
 # the fused kernel over the key spans a mask allows; after torch, so a tie of shares (nothing to skip) goes to plain SDPA
-register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share))
-register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False))
-register(Backend("flex", lambda p, lse, plan=None: flex.run(p, lse), flex.why_not, flex.estimate, hands_off=flex.hands_off))
+register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share,
+                 plan_for=spans.plan_for, plan_key=spans.plan_key))
+register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False, plan_for=tiled_plan.plan_for,
+                 plan_key=tiled_plan.plan_key))
+register(Backend("flex", flex.run, flex.why_not, flex.estimate, hands_off=flex.hands_off))
 
 
 @dataclass(frozen=True)
@@ -101,8 +116,12 @@ def _outside_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[tor
     return run(p, need_lse, plan)
 
 
-_AT_RUN_TIME = Backend("auto", lambda p, lse, plan=None: (c := decide(p, lse)).backend.run(p, lse, c.plan),
-                       lambda p, lse: None, traceable=False)  # auto under compile: decided at run time
+def _decided_run(p: Problem, need_lse: bool, plan: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``auto`` under ``torch.compile``: decided at run time, outside the graph."""
+    return decide(p, need_lse).run(p, need_lse)
+
+
+_AT_RUN_TIME = Backend("auto", _decided_run, lambda p, lse: None, traceable=False)
 
 
 def decide(p: Problem, need_lse: bool) -> Choice:
@@ -118,24 +137,24 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     if hit is not None:
         return _handed_off(hit, p)
     refused: dict[str, str] = {}
-    claims: list[tuple[float, int, Backend]] = []
+    claims: list[tuple[float, int, Backend, Any]] = []
     weighed: list[Backend] = []
     for order, be in enumerate(sorted(_REGISTRY.values(), key=lambda b: b.share is None)):  # claimants first
         if be.share is None and (claims or be.estimate is None):  # a claim wins: the others need not be asked
             continue
         if (reason := be.why_not(p, need_lse)) is not None:
             refused[be.name] = reason
-        elif be.share is not None and (share := be.share(p)) is not None:
-            claims.append((share, order, be))
+        elif be.share is not None and (share := be.share(p, plan := be.plan(p))) is not None:
+            claims.append((share, order, be, plan))
         elif be.estimate is not None:
             weighed.append(be)
     if claims:
-        (share, _, be), *others = sorted(claims, key=lambda c: c[:2])
+        (share, _, be, plan), *others = sorted(claims, key=lambda c: c[:2])
         why = f"{be.name}: PyTorch's fused kernel computes this call exactly, {share:.0%} of the scores"
-        why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o in others) + _nots(refused)
-        if key is not None:
-            CLAIMS.put(key, Choice(be, why, _NOTHING_WEIGHED, by_auto=True))  # handed out again: read-only
-        return _handed_off(Choice(be, why, {}, by_auto=True), p)
+        why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o, _ in others) + _nots(refused)
+        if key is not None:  # handed out again: read-only, and without the plan (its plan cache keeps that)
+            CLAIMS.put(key, Choice(be, why, _NOTHING_WEIGHED, by_auto=True))
+        return _handed_off(Choice(be, why, {}, plan, by_auto=True), p)
     grad, found = p.needs_grad, {}
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
     for be in weighed:
@@ -202,10 +221,16 @@ def _nots(refused: dict[str, str]) -> str:
 
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
-    """``choice``, or the backend its backend hands this call to (``Backend.hands_off``)."""
-    to = choice.backend.hands_off(p) if choice.backend.hands_off is not None else None
-    why = f"{choice.reason}; {choice.name} hands it to {to[0]}: {to[1]}" if to else ""
-    return choice if to is None else Choice(get(to[0]), why, choice.estimates, by_auto=choice.by_auto)
+    """``choice`` with its backend's plan of ``p``, or the backend its backend hands this call to
+    (``Backend.hands_off``). The plan travels in the ``Choice``: planned once per call (under
+    ``torch.compile`` a backend that leaves the graph plans in its run, outside it)."""
+    be = choice.backend
+    plan = choice.plan if not be.traceable and torch.compiler.is_compiling() else be.plan(p, choice.plan)
+    to = be.hands_off(p, plan) if be.hands_off is not None else None
+    if to is not None:
+        why = f"{choice.reason}; {choice.name} hands it to {to[0]}: {to[1]}"
+        return Choice(get(to[0]), why, choice.estimates, by_auto=choice.by_auto)
+    return choice if plan is choice.plan else dataclasses.replace(choice, plan=plan)
 
 
 def choose(p: Problem, need_lse: bool) -> Backend:

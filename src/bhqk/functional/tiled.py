@@ -101,8 +101,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..bias import Dense as DenseBias
-from ..bias import dense_parts
+from ..bias import clamp_finite, dense_parts
 from ..shapes import Sizes, all_finite, as_4d, compute_dtype, per_query_head, tile_of
+from .merge import sinks_grad  # the sinks' gradient, beside merge.with_sinks (tiled.sinks_grad for ring attention)
 from .nonfinite import finite_part, poison
 from .problem import Problem
 from .tiled_dropout import KeepBits, drop_, dropout_keep, dropout_seed, seeded
@@ -216,7 +217,7 @@ def _bias_and_mask_(s: torch.Tensor, kn: _Kernel, rect: Rect) -> None:
     if p.bias is not None:
         bias = p.bias.block(p.ext, r0, r1, k0, k1, s.device, s.dtype)  # [#B, #H, #q, #k]
         if kn.floor_bias:  # finite values below -max/log2(e) would become -inf (masked) in base 2
-            bias = torch.where(bias > _NEG_INF, bias.clamp(min=-torch.finfo(s.dtype).max * LN2), bias)
+            bias = clamp_finite(bias, -torch.finfo(s.dtype).max * LN2)
         s5.add_(_as5(bias, kn), alpha=LOG2E)
     if partial_ and p.mask is not None:
         allowed = _as5(p.mask.block(p.ext, r0, r1, k0, k1, s.device), kn)  # bool, True = may attend
@@ -792,19 +793,6 @@ def _add_bias_grad(g: torch.Tensor, ds: torch.Tensor, kn: _Kernel, rect: Rect) -
     if axes:
         t = t.sum(dim=axes, keepdim=True)  # broadcast axes of the bias get the sum
     tile_of(g, r0, r1, k0, k1).add_(t)  # a view of g: the tile, or its broadcast axis whole
-
-
-def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-               grad_lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The gradient of the sink logits [H] from the (sink-inclusive) ``lse`` [B, H, Q]: the sink is
-    a key without a value, so its dS is P_sink·(0 - delta), summed over the rows of its head:
-    ``d sink_h = -Σ_{b,q} exp(sink_h - lse)·delta`` with ``delta = rowsum(dO ∘ O) - dlse``."""
-    dt = lse.dtype
-    delta = torch.einsum("bhqv,bhqv->bhq", out.to(dt), grad_out.to(dt))  # [B, H, Q]
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(dt)
-    p_sink = torch.exp(sinks.to(dt)[None, :, None] - lse)  # [B, H, Q]: the sink's weight in each row
-    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)  # [H]
 
 
 class _TiledAttention(torch.autograd.Function):

@@ -390,7 +390,14 @@ def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     return max(1, min(bq, ext.Q)), bk
 
 
-_PLANS: PlanCache[Plan] = PlanCache("tiled plans", "the tiled backend's plan: its rectangles and their classification")
+def plan_key(p: Problem) -> tuple[bool, int]:
+    """What a tile plan depends on besides the mask and the call's sizes and block options: the
+    device path and the worker count."""
+    return on_device(p.q.device), workers(p.q.device)
+
+
+_PLANS: PlanCache[Plan] = PlanCache("tiled plans", "the tiled backend's plan: its rectangles and their classification",
+                                    plan_key)
 
 
 def plan_for(p: Problem) -> Plan:
@@ -404,7 +411,7 @@ def plan_for(p: Problem) -> Plan:
     tensor, which callers hand to every layer) and call key: sizes, K/V heads, the block options,
     the device path, the thread count and the version of every tensor the mask holds, so writing
     into a mask's tensor in place makes a new plan."""
-    return _PLANS.for_call(p, (on_device(p.q.device), workers(p.q.device)), lambda: _plan(p))
+    return _PLANS.for_call(p, lambda: _plan(p))
 
 
 def _plan(p: Problem) -> Plan:

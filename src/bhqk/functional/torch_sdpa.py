@@ -14,10 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..bias import Bias
-from ..masks import Causal, to_sdpa, top_left_count
-from ..shapes import all_finite, per_query_head
+from ..bias import Bias, in_dtype
+from ..masks import to_sdpa, top_left_count
+from ..shapes import per_query_head
 from ..shortcuts import Shortcut, declare
+from . import nonfinite
 from .costs import Costs, Estimate
 from .problem import Problem
 
@@ -26,22 +27,24 @@ HAS_GQA = _TORCH >= (2, 5)  # enable_gqa= and zero output for fully masked rows 
 
 
 def all_allowed(p: Problem) -> bool:
-    """The mask lets every query attend every key: none, or bottom-right causal with one query (a
-    decode step: its query sits at the last key position)."""
+    """The mask lets every query attend every key: none, or one query whose causal diagonal
+    (``Mask.causal_diagonal``) reaches the last key (a decode step: bottom-right causal, its query
+    at the last key position)."""
     m = p.mask
-    return m is None or (isinstance(m, Causal) and m.align == "bottom_right" and p.ext.Q == 1)
+    return m is None or (p.ext.Q == 1 and (c := m.causal_diagonal(p.ext)) is not None and c >= p.ext.K - 1)
 
 
 def structure_free(p: Problem) -> bool:
-    """True when SDPA can take the call without a dense [.., Q, K] mask or bias."""
+    """True when SDPA can take the call without a dense [.., Q, K] mask or bias: no mask, or one
+    that is exactly SDPA's top-left ``is_causal`` (``causal_diagonal`` 0) at a positive scale."""
     if p.bias is not None:
         return False
     if all_allowed(p):
         return True
-    return isinstance(p.mask, Causal) and (p.mask.align == "top_left" or p.ext.Q == p.ext.K) and p.scale_positive
+    return p.mask is not None and p.mask.causal_diagonal(p.ext) == 0 and p.scale_positive
 
 
-def share(p: Problem) -> float | None:
+def share(p: Problem, plan: None = None) -> float | None:
     """Its claim as an exact fused kernel (``Backend.share``): the fraction of the B·H·Q·K scores
     it computes, where it needs no dense mask or bias (is_causal skips the upper triangle), else
     None; None too for dropout on the CPU, which runs SDPA's math path ([B, H, Q, K] in memory)."""
@@ -89,30 +92,21 @@ def why_not(p: Problem, need_lse: bool) -> str | None:
 
 
 def _bias(p: Problem, bias_: Bias) -> torch.Tensor:
-    """The bias [#B, #H, Q, K] in q's dtype; finite values below that dtype's lowest (a float32
-    ``finfo.min`` padding bias with bf16 inputs) become its lowest, not -inf (which would mask)."""
+    """The bias [#B, #H, Q, K] in q's dtype, finite however negative (``bias.in_dtype``)."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
-    lowest = torch.finfo(p.q.dtype).min
-    if bias_.floor >= lowest:
-        return bias_.materialize(B, H, Q, K, device=p.q.device, dtype=p.q.dtype)
-    bias = bias_.materialize(B, H, Q, K, device=p.q.device, dtype=torch.float32)
-    return torch.where(bias > float("-inf"), bias.clamp(min=lowest), bias).to(p.q.dtype)
+    return in_dtype(bias_, p.q.dtype, lambda dt: bias_.materialize(B, H, Q, K, device=p.q.device, dtype=dt))
 
 
-def _nonfinite(p: Problem) -> bool:
-    """q, or (with a mask or bias) k or v, holds NaN/inf. Without a mask or bias every row attends
-    every key, so NaN/inf in k or v reach every row in SDPA as in the formula; only q is checked."""
-    structured = not all_allowed(p) or p.bias is not None
-    return not all_finite(p.q, *((p.k, p.v) if structured else ()))
+def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
+    """("tiled", why) when SDPA would let NaN/inf in the inputs cross the mask, else None. Without a
+    mask or bias every row attends every key, so NaN/inf in k or v reach every row in SDPA as in
+    the formula; only q is checked."""
+    return nonfinite.hand_off(p, all_allowed(p) and p.bias is None, "SDPA")
 
 
-def hands_off(p: Problem) -> tuple[str, str] | None:
-    """("tiled", why) when SDPA would let NaN/inf in the inputs cross the mask, else None."""
-    return ("tiled", "q, k or v holds NaN/inf, which SDPA lets cross the mask") if _nonfinite(p) else None
-
-
-def run(p: Problem, need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA on a call it computes right (finite inputs: see :func:`hands_off`): out [B, H, Q, dv], no lse."""
+def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registry entry (no plan): SDPA on a call it computes right (finite inputs: see
+    :func:`hands_off`): out [B, H, Q, dv], no lse."""
     B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
     allowed = all_allowed(p)
     if p.bias is None and allowed:  # every query sees every key (a decode step): no mask to build

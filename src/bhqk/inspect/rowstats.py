@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..functional.merge import add_sinks, lse_of
 from ..functional.problem import Problem
 from ..masks import Tile
 from ..shapes import as_4d, compute_dtype, per_query_head
@@ -220,11 +221,11 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     """The lse [B, h, r] from PyTorch's fused CPU flash kernel (which returns it), where it computes the
     call as bhqk does (no mask or a causal one it aligns the same way, no bias, softcap or dropout;
     the sinks are added after), else None."""
+    from ..functional.spans_kernels import fused_lse, fused_refuses
     from ..functional.torch_sdpa import all_allowed, structure_free
 
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if (op is None or p.q.device.type != "cpu" or p.softcap is not None or not structure_free(p)
-            or p.q.dtype not in (torch.float32, torch.float64) or p.ext.Q == 0 or p.ext.K == 0):
+    if (fused_refuses(p.q, exact_lse=True) is not None or p.softcap is not None or not structure_free(p)
+            or p.ext.Q == 0 or p.ext.K == 0):
         return None
     H = p.ext.H
     if rows is not None and p.mask is not None:
@@ -234,11 +235,11 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))  # the kernel reads d at stride 1 (design.md §4)
     try:
         # is_causal is top-left: only for a causal mask that is not a decode step (which sees every key)
-        lse = op(q, k, k, 0.0, not all_allowed(p), scale=p.scale)[1]  # [B, h, r]; v = k: only the lse is kept
+        lse = fused_lse(q, k, not all_allowed(p), scale=p.scale)  # [B, h, r]
     except RuntimeError:  # a shape or dtype the kernel refuses: the online pass computes it
         return None
     if p.sinks is not None:
-        lse = torch.logaddexp(lse, p.sinks[heads].to(lse.dtype)[None, :, None])  # [B, h, r] with [1, h, 1]
+        lse = add_sinks(lse, p.sinks[heads])  # [B, h, r] with [h]
     return lse
 
 
@@ -269,9 +270,9 @@ def row_lse(p: Problem, heads: list[int], rows: list[int] | None, *, block_q: in
             l = l * torch.exp(torch.where(torch.isfinite(m), m - m_use, float("-inf"))) \
                 + torch.exp(S.sub_(m_use[..., None])).sum(-1)
             m = m_new
-        out[:, :, a:b] = torch.where(l > 0, torch.log(l) + torch.where(torch.isfinite(m), m, 0.0), float("-inf"))
+        out[:, :, a:b] = lse_of(m, l)  # [B, h, bq]: -inf where the row saw no key
     if call.sinks is not None:
-        out = torch.logaddexp(out, call.sinks[None, :, None])  # [B, h, r] with [1, h, 1]
+        out = add_sinks(out, call.sinks)  # [B, h, r] with [h]
     return out
 
 

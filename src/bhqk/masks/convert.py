@@ -7,7 +7,6 @@ import torch
 from ..errors import MaskError
 from .args import _what, count
 from .base import Extent, Mask, _as_mask
-from .causal import Causal
 from .dense import dense, warn_if_inverted
 from .padding import key_padding
 
@@ -82,7 +81,7 @@ def to_sdpa(mask: Mask | None, B: int, H: int, Q: int, K: int, device=None) -> d
     ``is_causal=True`` only where PyTorch's top-left causal agrees; otherwise a dense bool mask."""
     if mask is None:
         return {"attn_mask": None, "is_causal": False}
-    if isinstance(mask, Causal) and (mask.align == "top_left" or Q == K):
+    if mask.causal_diagonal(Extent(B, H, Q, K)) == 0:  # exactly key ≤ query: SDPA's top-left is_causal
         return {"attn_mask": None, "is_causal": True}
     return {"attn_mask": mask.materialize(B, H, Q, K, device=device), "is_causal": False}
 

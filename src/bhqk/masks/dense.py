@@ -11,6 +11,7 @@ import torch
 
 from ..errors import MaskError, warn_misuse
 from ..shapes import Sizes, as_4d, check_broadcast, tile_of
+from ..shortcuts import Store, declare
 from .base import Extent, Mask, Tile
 
 
@@ -78,10 +79,13 @@ class Dense(Mask):
         key = (ext.Q, ext.K, block_q, block_k)
         if ext.Q == 0 or ext.K == 0:
             return torch.zeros(-(-ext.Q // block_q), -(-ext.K // block_k), dtype=torch.int8)
-        if key not in self._grids:
+        grids = self._grids if GRIDS.on else {}
+        if key in grids:
+            GRIDS.hits += 1
+        else:
             with _one_thread():
-                self._grids[key] = self._classify_grid(ext, block_q, block_k)
-        return self._grids[key]
+                grids[key] = self._classify_grid(ext, block_q, block_k)
+        return grids[key]
 
     def _classify_grid(self, ext: Extent, block_q: int, block_k: int) -> torch.Tensor:
         base = math.gcd(block_q, 16)
@@ -101,7 +105,8 @@ class Dense(Mask):
         (later reductions then run along the outer axis, the fast one): [#K, ⌈Q/rows⌉ | 1] each;
         cached per ``rows``."""
         key = ("rows", rows)
-        if key not in self._grids:
+        grids = self._grids if GRIDS.on else {}
+        if key not in grids:
             t = self.tensor.detach().view(torch.uint8)  # [#B, #H, #Q, #K], 0/1 bytes
             if t.shape[0] * t.shape[1] == 1:
                 hi = lo = t[0, 0]  # [#Q, #K]
@@ -109,8 +114,8 @@ class Dense(Mask):
                 hi, lo = t.amax(dim=(0, 1)), t.amin(dim=(0, 1))  # [#Q, #K]: any / all over batch and heads
             if hi.shape[0] != 1:
                 hi, lo = _blocks(hi, 0, rows, torch.amax), _blocks(lo, 0, rows, torch.amin)  # [⌈Q/rows⌉, #K]
-            self._grids[key] = hi.t().contiguous(), lo.t().contiguous()  # [#K, ⌈Q/rows⌉ | 1]
-        return self._grids[key]
+            grids[key] = hi.t().contiguous(), lo.t().contiguous()  # [#K, ⌈Q/rows⌉ | 1]
+        return grids[key]
 
     def natural_size(self):
         return (self.tensor.shape[2], self.tensor.shape[3])
@@ -141,6 +146,12 @@ def warn_if_inverted(mask: Mask) -> None:
 
 
 _SHARED: dict[int, tuple[weakref.ref, int, dict]] = {}  # id(tensor) -> (tensor, its version, grids)
+GRIDS = declare(Store(
+    "dense mask grids", "classifying a dense mask's tiles again (one pass over its [B, H, Q, K] tensor) for each "
+    "candidate grid, the backward, a later call and FlexAttention's block mask", "the tensor (by identity, held "
+    "weakly) and its in-place version; (Q, K, block_q, block_k) per grid; an inference tensor's on its Dense alone",
+    "one version per tensor (its grids, and the plan caches' store for it); gone with the tensor",
+    "an in-place write into the tensor (a new version starts a new store)", _SHARED))
 
 
 def _grids_of(tensor: torch.Tensor) -> dict:
