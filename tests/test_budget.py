@@ -12,6 +12,7 @@ import transformers
 
 from bhqk import masks
 from bhqk.budget import BudgetCache, GroupedKV, Plan, find, score_heads, streaming_mask
+from bhqk.budget.find import rank, score_keys
 from bhqk.errors import BackendError, LoadError, ShapeError
 from bhqk.integrations.transformers import register
 from tolerance import assert_models_close
@@ -193,13 +194,18 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
                 layers=["a.0", "a.1"])
     text = str(plan)
     assert "2 of 4 K/V heads full" in text and "sink=4 + window=16" in text
-    assert "| 0     | a.0  | 0       | 0.900     | full      |" in text
-    assert "| 1     | a.1  | 1       | -         | full      |" in text
+    assert "| 0     | a.0  | 0       | 0.900     | full      | induction  |" in text
+    assert "| 1     | a.1  | 1       | -         | full      | -          |" in text
     assert plan._repr_html_().count("<td") == 4
     back = Plan.load(plan.save(tmp_path / "plan.json"))
     assert torch.equal(back.full, plan.full)
     assert (back.sink, back.window, back.score, back.layers) == (4, 16, "induction", ["a.0", "a.1"])
     torch.testing.assert_close(back.scores, scores, equal_nan=True)
+    tied = Plan(plan.full, scores=scores, score="retrieval", tie_scores=scores * 2, tie_score="copy mass")
+    back = Plan.load(tied.save(tmp_path / "tied.json"))
+    assert back.tie_score == "copy mass" and back.decided() == tied.decided()
+    torch.testing.assert_close(back.tie_scores, scores * 2, equal_nan=True)
+    assert "| copy mass |" in str(back) and "decided by" in str(back)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(LoadError, match="not a bhqk budget plan"):
         Plan.load(tmp_path / "bad.json")
@@ -236,6 +242,39 @@ def test_find_keeps_the_top_fraction_by_the_kv_heads_max_score(score):
     torch.testing.assert_close(kv, per_q.reshape(2, 2, 4).amax(-1))  # a K/V head: the max of its 4 query heads
     torch.testing.assert_close(kv.double(), plan.scores)
     assert model.config._attn_implementation == "bhqk"
+
+
+def test_find_breaks_ties_of_the_retrieval_score_by_copy_mass_not_by_index():
+    """A random model never copies the needle, so every K/V head's retrieval score is 0 (one tie across
+    the cut): the full heads must be those with the most copy mass, which is not the index order."""
+    model = _llama(layers=3, H=4, Hkv=4)
+    (first, k1, _), (second, k2, _) = score_keys(model, "retrieval", length=32, batch=2)
+    assert (first, second) == ("retrieval", "copy mass")
+    plan = find(model, full=0.5, length=32, batch=2)
+    n = int(plan.full.sum())
+    a, b = k1.flatten().tolist(), k2.flatten().tolist()
+    want = sorted(range(len(a)), key=lambda i: (-a[i], -b[i], i))[:n]  # the first key, then the second, then index
+    by_index = sorted(range(len(a)), key=lambda i: (-a[i], i))[:n]
+    assert sorted(want) != sorted(by_index), "the first key must tie across the cut (else this proves nothing)"
+    assert sorted(plan.full.flatten().nonzero().flatten().tolist()) == sorted(want)
+    torch.testing.assert_close(plan.tie_scores, k2.double())
+    assert plan.tie_score == "copy mass" and "ties by copy mass" in str(plan)
+    verdicts = [v for row in plan.decided() for v in row]
+    assert "copy mass" in verdicts and set(verdicts) <= {"retrieval", "copy mass"}
+
+
+def test_rank_and_decided_follow_the_keys_in_order():
+    k1 = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    k2 = torch.tensor([[0.0, 0.1], [0.3, 0.1]])
+    assert rank([k1, k2]).tolist() == [0, 2, 1, 3]  # 1 ties with 3 on both keys: the lower index first
+    assert rank([k1]).tolist() == [0, 1, 2, 3]
+    plan = Plan(torch.tensor([[True, True], [True, False]]), scores=k1, score="a", tie_scores=k2, tie_score="b")
+    assert plan.decided() == [["a", "index"], ["b", "index"]]
+    plan = Plan(torch.tensor([[True, False], [False, True]]), scores=k1, score="a", tie_scores=k2, tie_score="b")
+    assert plan.decided() == [["a", "hand"], ["hand", "hand"]]  # 3 is full though 2 ranks above it
+    assert Plan(torch.ones(2, 2, dtype=torch.bool), scores=k1).decided() == [["-", "-"], ["-", "-"]]
+    with pytest.raises(ValueError, match="tie_scores"):
+        Plan(torch.ones(2, 2, dtype=torch.bool), tie_scores=k2)
 
 
 def test_find_on_a_model_loaded_with_another_attention_restores_it():
