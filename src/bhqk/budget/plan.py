@@ -31,7 +31,18 @@ FORMAT = "bhqk.budget.Plan/1"
 
 def model_sizes(model: nn.Module) -> tuple[int, int, int, int, list[str]]:
     """(layers, query heads H, K/V heads Hkv, head dim d, attention module paths) of a Hugging Face
-    decoder (its config) — the sizes a plan must fit."""
+    decoder (its config), or of a bhqk model (its ``MultiHeadAttention`` modules, in order) — the
+    sizes a plan must fit."""
+    from ..nn import MultiHeadAttention
+
+    own = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if own:
+        sizes = {(m.num_heads, m.num_kv_heads, m.head_dim) for _, m in own}
+        if len(sizes) != 1:
+            raise ShapeError(f"{type(model).__name__}: its attention modules differ in (H, Hkv, d): {sorted(sizes)}; "
+                             f"a budget plan needs one K/V head count per layer.")
+        (H, Hkv, d), = sizes
+        return len(own), H, Hkv, d, [n for n, _ in own]
     config = getattr(model, "config", None)
     if config is None:
         raise ShapeError(f"{type(model).__name__} has no .config; a budget plan needs a Hugging Face model "
@@ -142,6 +153,16 @@ class Plan:
         if model is not None:
             self.check(model)
         return BudgetCache(self)
+
+    def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
+        """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
+        per layer the full K/V heads keep every position, the streaming heads ``sink`` + a ring of
+        ``window`` + 1; ``model``: checked against the plan first; ``capacity``: the full heads' buffers."""
+        from ..nn import KVCache
+
+        if model is not None:
+            self.check(model)
+        return KVCache(self.num_layers, capacity=capacity, plan=self)
 
     @contextlib.contextmanager
     def emulate(self, model: nn.Module) -> Iterator[None]:
