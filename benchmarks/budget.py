@@ -167,9 +167,12 @@ def child(a) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+    from bhqk.integrations.transformers import cache_keyword
+
+    kw = {cache_keyword(model): cache}  # "cache" from transformers 5.24 on, else "past_key_values"
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
         prefill = time.perf_counter() - t0
         if plan is not None:
             held = cache.nbytes()
@@ -179,7 +182,7 @@ def child(a) -> None:
         steps = []
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            o = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            o = model(input_ids=nxt, use_cache=True, **kw)
             steps.append(time.perf_counter() - t0)
             nxt = o.logits[:, -1:].argmax(-1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -271,9 +271,9 @@ class BudgetLayer(CacheLayerMixin):
 
 
 class BudgetCache(Cache):
-    """A transformers ``Cache`` for ``model.generate(..., past_key_values=plan.cache())``: per layer, the
-    plan's full K/V heads keep every key and value, streaming heads their sink and window. The model
-    must run bhqk's attention (``attn_implementation="bhqk"``)."""
+    """A transformers ``Cache`` for ``model.generate(..., cache=plan.cache())`` (``past_key_values=``
+    before transformers 5.24): per layer, the plan's full K/V heads keep every key and value, streaming
+    heads their sink and window. The model must run bhqk's attention (``attn_implementation="bhqk"``)."""
 
     def __init__(self, plan: Any) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
         layers = []
