@@ -329,3 +329,57 @@ def test_attention_weights_come_back_in_the_models_head_order_with_evicted_keys_
     allowed = (streaming_mask(S, W) & masks.causal("bottom_right")).materialize(1, 1, 6, 20)[0, 0]  # [6, 20]
     assert bool((w[:, 4:] * ~allowed).eq(0).all()) and not bool((w_ref[:, 4:] * ~allowed).eq(0).all())
     torch.testing.assert_close(w[:, 4:].sum(-1), torch.ones(1, 4, 6))
+
+
+# ---- rolling back (crop) ------------------------------------------------------------------------------
+
+
+def test_crop_before_eviction_is_exact_and_after_it_says_why():
+    model = _llama()
+    ids, am = _inputs(B=1, N=14)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], cache=cache)  # 6 < S + W = 8: nothing evicted
+        cache.crop(-2)
+        assert cache.get_seq_length() == 4 and cache.positions(0, 1).tolist() == [0, 1, 2, 3]
+        out = model(input_ids=ids[:, 4:14], cache=cache).logits  # [1, 10, V]
+        with plan.emulate(model):
+            ref = model(input_ids=ids).logits[:, 4:]
+        assert_models_close(out, ref, width=96, layers=2)
+        cache.crop(0)  # nothing to remove: a no-op after eviction too
+        assert cache.get_seq_length() == 14
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-1)  # position 13 − W = 8 was evicted; the query at 13 would need it
+
+
+def test_crop_after_past_recording_is_exact_and_evicts_afterwards():
+    """transformers' assisted decoding: activate_past_recording, a forward over draft tokens, crop the
+    rejected ones; the streaming heads then hold sink + window again, and the next forward equals the
+    edited model's."""
+    model = _llama()
+    ids, am = _inputs(B=2, N=24)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], attention_mask=am[:, :14], cache=cache)
+        model(input_ids=ids[:, 14:19], attention_mask=am[:, :19], cache=cache)  # 5 draft tokens
+        assert cache.positions(0, 1).tolist() == list(range(19))  # recording: nothing evicted yet
+        cache.crop(-3)  # 2 accepted
+        assert cache.get_seq_length() == 16 and cache.positions(0, 1).tolist() == [0, 1, 2] + list(range(11, 16))
+        assert cache.layers[0].sk.shape[-2] == S + W
+        out = model(input_ids=ids[:, 16:], attention_mask=am, cache=cache).logits  # [B, 8, V]
+        with plan.emulate(model):
+            ref = model(input_ids=ids, attention_mask=am).logits[:, 16:]
+    assert_models_close(out, ref, width=96, layers=2)
+
+
+def test_assisted_decoding_with_the_budget_cache_is_greedy_decoding_with_it():
+    model = _llama()
+    ids, am = _inputs(B=1, N=20)
+    plan = _mixed(model)
+    seq, _ = _generate(model, ids, am, n=12, cache=plan.cache(model))
+    assisted = model.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              assistant_model=_llama(layers=1), cache=plan.cache(model))
+    assert torch.equal(assisted, seq)
