@@ -149,6 +149,14 @@ def test_the_cache_holds_the_sink_and_the_window_of_streaming_heads_and_everythi
     assert cache.nbytes() == per * (full_heads * written + stream_heads * (S + W))
     held, full = plan.nbytes(written, model, batch=B)
     assert held == cache.nbytes() and full == per * 4 * written
+    for lay in cache.layers:  # what nbytes counts is all they keep alive: no view into the model's [B, Hkv, N, d]
+        for t in (lay.fk, lay.fv, lay.sk, lay.sv):
+            assert t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am, cache=cache)  # a prefill of 6 < S + W: the streaming heads keep all
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+               for lay in cache.layers for t in (lay.fk, lay.fv, lay.sk, lay.sv) if t is not None)
 
 
 def test_grouped_keys_refuse_any_other_attention_implementation():

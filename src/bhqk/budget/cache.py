@@ -39,6 +39,7 @@ from .. import masks
 from ..errors import BackendError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias
 from ..integrations.hf_mask import AllKeys
+from ..nn.cache import own, take_heads
 from .mask import streaming_mask
 
 
@@ -102,27 +103,27 @@ class GroupedKV(torch.Tensor):
         G = H // Hkv  # query heads per K/V head
         want_w = bool(kw.pop("output_attentions", False))
         sinks = {n: kw.pop(n, None) for n in ("s_aux", "sinks")}
-        outs, weights, order = [], [], []
+        out: torch.Tensor | None = None  # [B, Q, H, dv]: each group writes its heads
+        wt: torch.Tensor | None = None  # [B, H, Q, K]
         for g in self.groups:
             qh = [kv * G + j for kv in g.kv for j in range(G)]
             qi = torch.tensor(qh, device=query.device)
-            q = query.index_select(1, qi)  # [B, H, Q, d] -> [B, h, Q, d]
+            q = take_heads(query, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d] (a view where the heads are a run)
             mask = self._mask(attention_mask, module, B, Q, K, g) if g.streaming else attention_mask
-            extra = {n: (None if s is None else s.reshape(H).index_select(0, qi.to(s.device)))  # [H] -> [h]
+            extra = {n: (None if s is None else take_heads(s.reshape(H), 0, qh))  # [H] -> [h]
                      for n, s in sinks.items()}
             o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
-            outs.append(o)
-            order += qh
+            if out is None:
+                out = o.new_empty(B, Q, H, o.shape[-1])
+            out.index_copy_(2, qi.to(o.device), o)  # [B, Q, h, dv] into the model's head order
             if want_w:
                 assert w is not None
                 if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the positions held
                     w = w.new_zeros(B, len(qh), Q, K).index_copy(3, g.columns.to(w.device), w)
-                weights.append(w)
-        inv = torch.empty(H, dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(H)  # model head h is column inv[h] of the concatenation
-        inv = inv.to(query.device)
-        out = torch.cat(outs, 2).index_select(2, inv)  # [B, Q, H, dv] in the model's head order
-        wt = torch.cat(weights, 1).index_select(1, inv) if want_w else None  # [B, H, Q, K]
+                if wt is None:
+                    wt = w.new_empty(B, H, Q, K)
+                wt.index_copy_(1, qi.to(w.device), w)  # [B, h, Q, K] into the model's head order
+        assert out is not None
         return out, wt
 
     def _mask(self, attention_mask, module, B: int, Q: int, K: int, g: Group):
@@ -208,15 +209,13 @@ class BudgetLayer(CacheLayerMixin):
             self.fk, self.fv = _cat(self.fk, key_states), _cat(self.fv, value_states)
             return self.fk, self.fv
         groups = []
-        if self.full:
-            fi = torch.tensor(self.full, device=key_states.device)
-            self.fk = _cat(self.fk, key_states.index_select(1, fi))  # [B, h_full, P + Q, d]
-            self.fv = _cat(self.fv, value_states.index_select(1, fi))  # [B, h_full, P + Q, dv]
+        if self.full:  # a copy of their own (a view would keep every head's keys alive)
+            self.fk = own(_cat(self.fk, take_heads(key_states, 1, self.full)))  # [B, h_full, P + Q, d]
+            self.fv = own(_cat(self.fv, take_heads(value_states, 1, self.full)))  # [B, h_full, P + Q, dv]
             groups.append(Group(self.full, self.fk, self.fv, None, False))
-        si = torch.tensor(self.stream, device=key_states.device)
         n = 0 if self.sk is None else self.sk.shape[-2]
-        kk = _cat(self.sk, key_states.index_select(1, si))  # [B, h_stream, n + Q, d]
-        vv = _cat(self.sv, value_states.index_select(1, si))  # [B, h_stream, n + Q, dv]
+        kk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
+        vv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
         S, W = self.sink, self.window
         cols = None
         if n < P:  # evicted before: positions 0 … S−1, then tail … P + Q − 1 (tail = P − W unless recording)
@@ -225,6 +224,7 @@ class BudgetLayer(CacheLayerMixin):
         self.sk, self.sv = kk, vv
         if not self.record_past:
             self._evict()
+        self.sk, self.sv = own(self.sk), own(self.sv)  # the prefill's view of every head: copied unless evicted
         shape_k = (key_states.shape[0], Hkv, P + Q, key_states.shape[-1])
         shape_v = (value_states.shape[0], Hkv, P + Q, value_states.shape[-1])
         return (GroupedKV(groups, shape_k, key_states, S, W, "keys"),

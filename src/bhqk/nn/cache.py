@@ -207,6 +207,19 @@ class LayerCache:
         return f"LayerCache(layer {self.index}, {_describe(self.state())})"
 
 
+def take_heads(x: torch.Tensor, dim: int, heads: list[int]) -> torch.Tensor:
+    """``x.index_select(dim, heads)`` — a view (``narrow``) where ``heads`` is an ascending run
+    (no copy: a group of heads next to each other, e.g. a layer's streaming K/V heads)."""
+    if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+        return x.narrow(dim, heads[0], len(heads))
+    return x.index_select(dim, torch.tensor(heads, device=x.device))
+
+
+def own(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied if it is a view into a larger storage (a cache must not keep the rest alive)."""
+    return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+
+
 class BudgetLayerCache:
     """One layer of a head-wise budget: K/V heads ``full`` keep every position (a :class:`LayerCache`),
     heads ``stream`` their first ``sink`` positions and the most recent ones, in a buffer of
@@ -339,29 +352,23 @@ class BudgetLayerCache:
         G = H // Hkv
         P, K = self.end, self.end + k.shape[2]
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
-        if self.full_cache is not None:
-            fi = torch.tensor(self.full, device=k.device)
-            kf, vf = self.full_cache.update(k.index_select(1, fi), v.index_select(1, fi))  # [B, h_full, K, d]
+        if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
+            kf, vf = self.full_cache.update(take_heads(k, 1, self.full), take_heads(v, 1, self.full))  # [B, h_full, K, d]
             parts.append((self.full, kf, vf, mask, torch.arange(K)))
-        si = torch.tensor(self.stream, device=k.device)
-        parts.append((self.stream, *self._stream_call(k.index_select(1, si), v.index_select(1, si), mask, P)))
+        parts.append((self.stream, *self._stream_call(take_heads(k, 1, self.stream), take_heads(v, 1, self.stream), mask, P)))
         self.end = K
-        outs, ws, order = [], [], []
+        o = q.new_empty(B, H, Q, v.shape[-1])  # [B, H, Q, dv]: each group writes its heads
+        w_all = q.new_zeros(B, H, Q, K) if return_weights else None  # [B, H, Q, K]: zeros at evicted keys
         for kv, kk, vv, m, pos in parts:
             qh = [g * G + j for g in kv for j in range(G)]
+            qq = take_heads(q, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d]
+            sk = None if sinks is None else take_heads(sinks, 0, qh)  # [H] -> [h]
             qi = torch.tensor(qh, device=q.device)
-            qq = q.index_select(1, qi)  # [B, H, Q, d] -> [B, h, Q, d]
-            sk = None if sinks is None else sinks.index_select(0, qi.to(sinks.device))  # [H] -> [h]
-            outs.append(attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk))  # [B, h, Q, dv]
-            if return_weights:
+            o.index_copy_(1, qi, attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk))  # [B, h, Q, dv]
+            if w_all is not None:
                 w = attention_weights(qq, kk, m, sinks=sk)  # [B, h, Q, K']
-                ws.append(w.new_zeros(B, len(qh), Q, K).index_copy(3, pos.to(w.device), w))  # [B, h, Q, K]
-            order += qh
-        inv = torch.empty(H, dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(H)  # model head h is row inv[h] of the concatenation
-        inv = inv.to(q.device)
-        o = torch.cat(outs, 1).index_select(1, inv)  # [B, H, Q, dv] in the model's head order
-        return o, (torch.cat(ws, 1).index_select(1, inv) if return_weights else None)  # [B, H, Q, K]
+                w_all.index_copy_(1, qi, w.new_zeros(B, len(qh), Q, K).index_copy(3, pos.to(w.device), w))  # [B, h, Q, K]
+        return o, w_all
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         raise TypeError(f"budget layer {self.index}: its heads hold different keys, so it cannot return one "
