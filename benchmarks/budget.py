@@ -17,7 +17,12 @@ flags, torch/transformers versions, date and load average):
   non-attention floor of a decode step): keys and values held after the prefill
   (``cache.nbytes()``), the prefill's time, the median of ``--steps`` decode steps, the process's
   peak RSS (``ru_maxrss``) over prefill and decode, and the perplexity of the text (teacher-forced:
-  the prefill's own logits; streaming heads see sink + window in the prefill).
+  the prefill's own logits; streaming heads see sink + window in the prefill). ``hwm_after_load_kib``
+  (VmHWM, reset after loading) is the peak to quote: a child's ``ru_maxrss`` starts at its parent's
+  RSS at fork. ``--mmap-threshold BYTES`` runs the children with ``MALLOC_MMAP_THRESHOLD_`` (glibc):
+  blocks above it are unmapped when freed, so the peak is what was held, not what the allocator
+  kept of freed blocks (by default glibc raises the threshold up to 32 MiB as blocks are freed, and
+  the heap then keeps freed memory: the peak depends on the order of allocations, ±20 % here).
 """
 
 from __future__ import annotations
@@ -167,9 +172,12 @@ def child(a) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+    from bhqk.integrations.transformers import cache_keyword
+
+    kw = {cache_keyword(model): cache}  # "cache" from transformers 5.24 on, else "past_key_values"
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
         prefill = time.perf_counter() - t0
         if plan is not None:
             held = cache.nbytes()
@@ -179,7 +187,7 @@ def child(a) -> None:
         steps = []
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            o = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            o = model(input_ids=nxt, use_cache=True, **kw)
             steps.append(time.perf_counter() - t0)
             nxt = o.logits[:, -1:].argmax(-1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -214,7 +222,10 @@ def part_cost(a) -> None:
             plan.save(f)
             cmd += ["--plan-file", str(f)]
             bytes_plan, bytes_full = plan.nbytes(a.n, model)
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        env = dict(os.environ)
+        if a.mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if r.returncode != 0:
             print(r.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"{name}: the child failed")
@@ -222,10 +233,11 @@ def part_cost(a) -> None:
         if frac is not None:
             res["predicted_bytes"] = [bytes_plan, bytes_full]
         res["loadavg"] = os.getloadavg()
+        res["malloc_mmap_threshold"] = a.mmap_threshold
         out["configs"][name] = res
         print(f"{name}: prefill {res['prefill_s']:.2f} s, decode step {1e3 * res['step_median_s']:.1f} ms, "
-              f"KV {res['kv_bytes'] / 2**20:.1f} MiB, peak RSS {res['rss_peak_kib'] / 1024:.0f} MiB "
-              f"(before {res['rss_before_kib'] / 1024:.0f}), ppl {res['ppl']:.3f}", flush=True)
+              f"KV {res['kv_bytes'] / 2**20:.1f} MiB, peak (VmHWM) {res['hwm_after_load_kib'] / 1024:.0f} MiB, "
+              f"ppl {res['ppl']:.3f}", flush=True)
         merge(a.tag, "cost", out)
     print(cost_table(out))
 
@@ -234,13 +246,13 @@ def cost_table(out: dict) -> str:
     c = out["configs"]
     full = c.get("full")
     floor = c.get("full@512")
-    lines = ["| cache | KV bytes | × full | prefill s | × full | decode step ms | × full | peak RSS MiB | ppl |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| cache | KV bytes | × full | prefill s | × full | decode step ms | × full | peak (VmHWM) MiB | × full | ppl |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in c.items():
         rel = lambda k, r=r: f"{r[k] / full[k]:.2f}" if full else "-"  # noqa: E731
         lines.append(f"| {name} | {r['kv_bytes'] / 2**20:.1f} MiB | {rel('kv_bytes')} | {r['prefill_s']:.1f} | "
                      f"{rel('prefill_s')} | {1e3 * r['step_median_s']:.0f} | {rel('step_median_s')} | "
-                     f"{r['rss_peak_kib'] / 1024:.0f} | {r['ppl']:.3f} |")
+                     f"{r['hwm_after_load_kib'] / 1024:.0f} | {rel('hwm_after_load_kib')} | {r['ppl']:.3f} |")
     if full and floor:
         att = full["step_median_s"] - floor["step_median_s"]
         lines.append(f"\nfull decode step {1e3 * full['step_median_s']:.0f} ms = floor at 512 tokens "
@@ -259,6 +271,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help="run the children with MALLOC_MMAP_THRESHOLD_=BYTES (glibc; e.g. 131072): peaks of what is held")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plan-file", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -12,6 +12,7 @@ import transformers
 
 from bhqk import masks
 from bhqk.budget import BudgetCache, GroupedKV, Plan, find, score_heads, streaming_mask
+from bhqk.budget.find import rank, score_keys
 from bhqk.errors import BackendError, LoadError, ShapeError
 from bhqk.integrations.transformers import register
 from tolerance import assert_models_close
@@ -148,6 +149,14 @@ def test_the_cache_holds_the_sink_and_the_window_of_streaming_heads_and_everythi
     assert cache.nbytes() == per * (full_heads * written + stream_heads * (S + W))
     held, full = plan.nbytes(written, model, batch=B)
     assert held == cache.nbytes() and full == per * 4 * written
+    for lay in cache.layers:  # what nbytes counts is all they keep alive: no view into the model's [B, Hkv, N, d]
+        for t in (lay.fk, lay.fv, lay.sk, lay.sv):
+            assert t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am, cache=cache)  # a prefill of 6 < S + W: the streaming heads keep all
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+               for lay in cache.layers for t in (lay.fk, lay.fv, lay.sk, lay.sv) if t is not None)
 
 
 def test_grouped_keys_refuse_any_other_attention_implementation():
@@ -193,13 +202,18 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
                 layers=["a.0", "a.1"])
     text = str(plan)
     assert "2 of 4 K/V heads full" in text and "sink=4 + window=16" in text
-    assert "| 0     | a.0  | 0       | 0.900     | full      |" in text
-    assert "| 1     | a.1  | 1       | -         | full      |" in text
+    assert "| 0     | a.0  | 0       | 0.900     | full      | induction  |" in text
+    assert "| 1     | a.1  | 1       | -         | full      | -          |" in text
     assert plan._repr_html_().count("<td") == 4
     back = Plan.load(plan.save(tmp_path / "plan.json"))
     assert torch.equal(back.full, plan.full)
     assert (back.sink, back.window, back.score, back.layers) == (4, 16, "induction", ["a.0", "a.1"])
     torch.testing.assert_close(back.scores, scores, equal_nan=True)
+    tied = Plan(plan.full, scores=scores, score="retrieval", tie_scores=scores * 2, tie_score="copy mass")
+    back = Plan.load(tied.save(tmp_path / "tied.json"))
+    assert back.tie_score == "copy mass" and back.decided() == tied.decided()
+    torch.testing.assert_close(back.tie_scores, scores * 2, equal_nan=True)
+    assert "| copy mass |" in str(back) and "decided by" in str(back)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(LoadError, match="not a bhqk budget plan"):
         Plan.load(tmp_path / "bad.json")
@@ -236,6 +250,39 @@ def test_find_keeps_the_top_fraction_by_the_kv_heads_max_score(score):
     torch.testing.assert_close(kv, per_q.reshape(2, 2, 4).amax(-1))  # a K/V head: the max of its 4 query heads
     torch.testing.assert_close(kv.double(), plan.scores)
     assert model.config._attn_implementation == "bhqk"
+
+
+def test_find_breaks_ties_of_the_retrieval_score_by_copy_mass_not_by_index():
+    """A random model never copies the needle, so every K/V head's retrieval score is 0 (one tie across
+    the cut): the full heads must be those with the most copy mass, which is not the index order."""
+    model = _llama(layers=3, H=4, Hkv=4)
+    (first, k1, _), (second, k2, _) = score_keys(model, "retrieval", length=32, batch=2)
+    assert (first, second) == ("retrieval", "copy mass")
+    plan = find(model, full=0.5, length=32, batch=2)
+    n = int(plan.full.sum())
+    a, b = k1.flatten().tolist(), k2.flatten().tolist()
+    want = sorted(range(len(a)), key=lambda i: (-a[i], -b[i], i))[:n]  # the first key, then the second, then index
+    by_index = sorted(range(len(a)), key=lambda i: (-a[i], i))[:n]
+    assert sorted(want) != sorted(by_index), "the first key must tie across the cut (else this proves nothing)"
+    assert sorted(plan.full.flatten().nonzero().flatten().tolist()) == sorted(want)
+    torch.testing.assert_close(plan.tie_scores, k2.double())
+    assert plan.tie_score == "copy mass" and "ties by copy mass" in str(plan)
+    verdicts = [v for row in plan.decided() for v in row]
+    assert "copy mass" in verdicts and set(verdicts) <= {"retrieval", "copy mass"}
+
+
+def test_rank_and_decided_follow_the_keys_in_order():
+    k1 = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    k2 = torch.tensor([[0.0, 0.1], [0.3, 0.1]])
+    assert rank([k1, k2]).tolist() == [0, 2, 1, 3]  # 1 ties with 3 on both keys: the lower index first
+    assert rank([k1]).tolist() == [0, 1, 2, 3]
+    plan = Plan(torch.tensor([[True, True], [True, False]]), scores=k1, score="a", tie_scores=k2, tie_score="b")
+    assert plan.decided() == [["a", "index"], ["b", "index"]]
+    plan = Plan(torch.tensor([[True, False], [False, True]]), scores=k1, score="a", tie_scores=k2, tie_score="b")
+    assert plan.decided() == [["a", "hand"], ["hand", "hand"]]  # 3 is full though 2 ranks above it
+    assert Plan(torch.ones(2, 2, dtype=torch.bool), scores=k1).decided() == [["-", "-"], ["-", "-"]]
+    with pytest.raises(ValueError, match="tie_scores"):
+        Plan(torch.ones(2, 2, dtype=torch.bool), tie_scores=k2)
 
 
 def test_find_on_a_model_loaded_with_another_attention_restores_it():
@@ -290,3 +337,57 @@ def test_attention_weights_come_back_in_the_models_head_order_with_evicted_keys_
     allowed = (streaming_mask(S, W) & masks.causal("bottom_right")).materialize(1, 1, 6, 20)[0, 0]  # [6, 20]
     assert bool((w[:, 4:] * ~allowed).eq(0).all()) and not bool((w_ref[:, 4:] * ~allowed).eq(0).all())
     torch.testing.assert_close(w[:, 4:].sum(-1), torch.ones(1, 4, 6))
+
+
+# ---- rolling back (crop) ------------------------------------------------------------------------------
+
+
+def test_crop_before_eviction_is_exact_and_after_it_says_why():
+    model = _llama()
+    ids, am = _inputs(B=1, N=14)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], cache=cache)  # 6 < S + W = 8: nothing evicted
+        cache.crop(-2)
+        assert cache.get_seq_length() == 4 and cache.positions(0, 1).tolist() == [0, 1, 2, 3]
+        out = model(input_ids=ids[:, 4:14], cache=cache).logits  # [1, 10, V]
+        with plan.emulate(model):
+            ref = model(input_ids=ids).logits[:, 4:]
+        assert_models_close(out, ref, width=96, layers=2)
+        cache.crop(0)  # nothing to remove: a no-op after eviction too
+        assert cache.get_seq_length() == 14
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-1)  # position 13 − W = 8 was evicted; the query at 13 would need it
+
+
+def test_crop_after_past_recording_is_exact_and_evicts_afterwards():
+    """transformers' assisted decoding: activate_past_recording, a forward over draft tokens, crop the
+    rejected ones; the streaming heads then hold sink + window again, and the next forward equals the
+    edited model's."""
+    model = _llama()
+    ids, am = _inputs(B=2, N=24)
+    plan = _mixed(model)
+    cache = plan.cache(model)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], attention_mask=am[:, :14], cache=cache)
+        model(input_ids=ids[:, 14:19], attention_mask=am[:, :19], cache=cache)  # 5 draft tokens
+        assert cache.positions(0, 1).tolist() == list(range(19))  # recording: nothing evicted yet
+        cache.crop(-3)  # 2 accepted
+        assert cache.get_seq_length() == 16 and cache.positions(0, 1).tolist() == [0, 1, 2] + list(range(11, 16))
+        assert cache.layers[0].sk.shape[-2] == S + W
+        out = model(input_ids=ids[:, 16:], attention_mask=am, cache=cache).logits  # [B, 8, V]
+        with plan.emulate(model):
+            ref = model(input_ids=ids, attention_mask=am).logits[:, 16:]
+    assert_models_close(out, ref, width=96, layers=2)
+
+
+def test_assisted_decoding_with_the_budget_cache_is_greedy_decoding_with_it():
+    model = _llama()
+    ids, am = _inputs(B=1, N=20)
+    plan = _mixed(model)
+    seq, _ = _generate(model, ids, am, n=12, cache=plan.cache(model))
+    assisted = model.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              assistant_model=_llama(layers=1), cache=plan.cache(model))
+    assert torch.equal(assisted, seq)

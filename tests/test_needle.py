@@ -176,3 +176,42 @@ def test_cli_needle_plan_generates_with_the_plans_cache(cli_model, smollm2, tmp_
         answers[all_full] = json.loads((tmp_path / "needle.json").read_text())["trials"][0]
     assert answers[True]["answer"] == full_answer
     assert answers[False]["answer"] != full_answer and not answers[False]["found"], (answers, full_answer)
+
+
+def test_ask_passes_the_cache_by_the_keyword_the_model_takes():
+    """transformers 5.24 renamed generate's ``past_key_values`` to ``cache`` (a FutureWarning for the old
+    name); older 5.x models take ``past_key_values``. ``ask`` uses the name the model's forward has."""
+    import warnings
+
+    import transformers
+
+    from bhqk.integrations.transformers import cache_keyword, register
+
+    register()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, attn_implementation="bhqk")).eval()
+    model.generation_config.pad_token_id = 0
+    made = []
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids.tolist()))
+
+    def factory():
+        made.append(transformers.DynamicCache())
+        return made[-1]
+
+    trial = needle.Trial(length=5, depth=0.0, trial=0, key="1", ids=[1, 2, 3, 4, 5], needle_at=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        needle.ask(model, Tok(), trial, max_new_tokens=3, past_key_values=factory)
+    assert len(made) == 1 and made[0].get_seq_length() == 5 + 3 - 1  # the cache given was the one filled
+    assert cache_keyword(model) == "cache"
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_keyword(Old()) == "past_key_values"

@@ -17,6 +17,13 @@ Layout of a streaming group (n stored positions, Q new keys, P positions written
 - P > sink + window: positions 0 … S−1, then P−W … P+Q−1 (contiguous): the same streaming mask on
   these K' = S+W+Q columns is exactly what each query may see, and the model's mask is taken at
   those columns (a [B, 1, Q, K'] gather).
+
+Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
+then the streaming heads keep every new position (the tail after the sink stays contiguous, so the
+same masks apply) until the next ``crop``, which removes the rejected positions and only then evicts
+down to sink + window — exact. Without past recording a ``crop`` that removes positions is exact
+while the streaming heads still hold what the next query needs (nothing evicted yet), and is
+otherwise refused with a ``ValueError`` saying so.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .. import masks
 from ..errors import BackendError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias
 from ..integrations.hf_mask import AllKeys
+from ..nn.cache import own, take_heads
 from .mask import streaming_mask
 
 
@@ -95,27 +103,27 @@ class GroupedKV(torch.Tensor):
         G = H // Hkv  # query heads per K/V head
         want_w = bool(kw.pop("output_attentions", False))
         sinks = {n: kw.pop(n, None) for n in ("s_aux", "sinks")}
-        outs, weights, order = [], [], []
+        out: torch.Tensor | None = None  # [B, Q, H, dv]: each group writes its heads
+        wt: torch.Tensor | None = None  # [B, H, Q, K]
         for g in self.groups:
             qh = [kv * G + j for kv in g.kv for j in range(G)]
             qi = torch.tensor(qh, device=query.device)
-            q = query.index_select(1, qi)  # [B, H, Q, d] -> [B, h, Q, d]
+            q = take_heads(query, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d] (a view where the heads are a run)
             mask = self._mask(attention_mask, module, B, Q, K, g) if g.streaming else attention_mask
-            extra = {n: (None if s is None else s.reshape(H).index_select(0, qi.to(s.device)))  # [H] -> [h]
+            extra = {n: (None if s is None else take_heads(s.reshape(H), 0, qh))  # [H] -> [h]
                      for n, s in sinks.items()}
             o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
-            outs.append(o)
-            order += qh
+            if out is None:
+                out = o.new_empty(B, Q, H, o.shape[-1])
+            out.index_copy_(2, qi.to(o.device), o)  # [B, Q, h, dv] into the model's head order
             if want_w:
                 assert w is not None
                 if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the positions held
                     w = w.new_zeros(B, len(qh), Q, K).index_copy(3, g.columns.to(w.device), w)
-                weights.append(w)
-        inv = torch.empty(H, dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(H)  # model head h is column inv[h] of the concatenation
-        inv = inv.to(query.device)
-        out = torch.cat(outs, 2).index_select(2, inv)  # [B, Q, H, dv] in the model's head order
-        wt = torch.cat(weights, 1).index_select(1, inv) if want_w else None  # [B, H, Q, K]
+                if wt is None:
+                    wt = w.new_empty(B, H, Q, K)
+                wt.index_copy_(1, qi.to(w.device), w)  # [B, h, Q, K] into the model's head order
+        assert out is not None
         return out, wt
 
     def _mask(self, attention_mask, module, B: int, Q: int, K: int, g: Group):
@@ -166,12 +174,14 @@ class BudgetLayer(CacheLayerMixin):
     heads ``stream`` the first ``sink`` and the last ``window`` (see the module doc for the layout)."""
 
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # exactly, with activate_past_recording() (module doc)
 
     def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int) -> None:
         super().__init__()
         self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
         self.length = 0  # positions written
+        self.tail = 0  # streaming heads hold positions 0 … S−1 and max(S, tail) … length−1
+        self.record_past = False  # keep every new position until the next crop (assisted decoding)
         self.fk: torch.Tensor | None = None  # [B, h_full, length, d]
         self.fv: torch.Tensor | None = None
         self.sk: torch.Tensor | None = None  # [B, h_stream, min(length, S + W), d]
@@ -199,38 +209,49 @@ class BudgetLayer(CacheLayerMixin):
             self.fk, self.fv = _cat(self.fk, key_states), _cat(self.fv, value_states)
             return self.fk, self.fv
         groups = []
-        if self.full:
-            fi = torch.tensor(self.full, device=key_states.device)
-            self.fk = _cat(self.fk, key_states.index_select(1, fi))  # [B, h_full, P + Q, d]
-            self.fv = _cat(self.fv, value_states.index_select(1, fi))  # [B, h_full, P + Q, dv]
+        if self.full:  # a copy of their own (a view would keep every head's keys alive)
+            self.fk = own(_cat(self.fk, take_heads(key_states, 1, self.full)))  # [B, h_full, P + Q, d]
+            self.fv = own(_cat(self.fv, take_heads(value_states, 1, self.full)))  # [B, h_full, P + Q, dv]
             groups.append(Group(self.full, self.fk, self.fv, None, False))
-        si = torch.tensor(self.stream, device=key_states.device)
         n = 0 if self.sk is None else self.sk.shape[-2]
-        kk = _cat(self.sk, key_states.index_select(1, si))  # [B, h_stream, n + Q, d]
-        vv = _cat(self.sv, value_states.index_select(1, si))  # [B, h_stream, n + Q, dv]
+        kk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
+        vv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
         S, W = self.sink, self.window
         cols = None
-        if n < P:  # evicted before: positions 0 … S−1, then P − W … P + Q − 1
-            cols = torch.cat([torch.arange(S), torch.arange(P - W, P + Q)]).to(key_states.device)  # [S + W + Q]
+        if n < P:  # evicted before: positions 0 … S−1, then tail … P + Q − 1 (tail = P − W unless recording)
+            cols = torch.cat([torch.arange(S), torch.arange(self.tail, P + Q)]).to(key_states.device)  # [n + Q]
         groups.append(Group(self.stream, kk, vv, cols, True))
-        if n + Q <= S + W:
-            self.sk, self.sv = kk, vv
-        else:  # keep the first S and the last W positions
-            end = kk.shape[-2]
-            self.sk = torch.cat([kk[..., :S, :], kk[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, d]
-            self.sv = torch.cat([vv[..., :S, :], vv[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, dv]
+        self.sk, self.sv = kk, vv
+        if not self.record_past:
+            self._evict()
+        self.sk, self.sv = own(self.sk), own(self.sv)  # the prefill's view of every head: copied unless evicted
         shape_k = (key_states.shape[0], Hkv, P + Q, key_states.shape[-1])
         shape_v = (value_states.shape[0], Hkv, P + Q, value_states.shape[-1])
         return (GroupedKV(groups, shape_k, key_states, S, W, "keys"),
                 GroupedKV(groups, shape_v, value_states, S, W, "values"))
 
+    def _evict(self) -> None:
+        """Keep the streaming heads' first S and last W positions."""
+        S, W = self.sink, self.window
+        if self.sk is None or self.sv is None or self.sk.shape[-2] <= S + W:
+            return
+        end = self.sk.shape[-2]
+        self.sk = torch.cat([self.sk[..., :S, :], self.sk[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, d]
+        self.sv = torch.cat([self.sv[..., :S, :], self.sv[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, dv]
+        self.tail = self.length - W
+
+    def activate_past_recording(self) -> None:
+        """Keep every new position of the streaming heads until the next :meth:`crop` (which evicts)."""
+        self.record_past = True
+
     def positions(self, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` holds now (int64, ascending)."""
-        if kv in self.full or self.length <= self.sink + self.window:
+        if kv in self.full:
             return torch.arange(self.length)
         if kv not in self.stream:
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
-        return torch.cat([torch.arange(self.sink), torch.arange(self.length - self.window, self.length)])
+        S = self.sink
+        return torch.cat([torch.arange(min(S, self.length)), torch.arange(max(S, self.tail), self.length)])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.fk, self.fv, self.sk, self.sv) if t is not None)
@@ -245,7 +266,7 @@ class BudgetLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.length, self.fk, self.fv, self.sk, self.sv = 0, None, None, None, None
+        self.length, self.tail, self.fk, self.fv, self.sk, self.sv = 0, 0, None, None, None, None
         self.is_initialized = False
 
     def _each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -261,7 +282,33 @@ class BudgetLayer(CacheLayerMixin):
         self._each(lambda t: t[indices, ...])  # [B, h, n, d] -> [b, h, n, d]
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a budget cache cannot be cropped: its streaming heads have evicted keys.")
+        """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
+        length to keep, as older versions call it), then evict down to sink + window. Exact, or a
+        ValueError when the streaming heads already evicted what the next query would need."""
+        L, S, W = self.length, self.sink, self.window
+        target = L + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        if not 0 <= target <= L:
+            raise ValueError(f"budget cache layer {self.index}: cannot crop to {target} positions; it holds {L}.")
+        if target < L and self.stream:
+            first = max(S, self.tail)  # the first tail position held
+            need = max(S, target - W)  # the first tail position the query at `target` sees
+            if target > S and need < first:
+                raise ValueError(
+                    f"budget cache layer {self.index}: cannot crop to {target} positions: its streaming heads (sink={S}, "
+                    f"window={W}) keep positions {first}…{L - 1} after the sink, and the next query would need {need}…"
+                    f"{target - 1}. Call cache.activate_past_recording() before the forward to be rolled back "
+                    f"(transformers' assisted decoding does) so that eviction waits for the crop.")
+        if target < L:
+            self._each_full(lambda t: t[..., :target, :])  # [B, h_full, L, d] -> [B, h_full, target, d]
+            if self.sk is not None and self.sv is not None:
+                keep = int((self.positions(self.stream[0]) < target).sum())  # the held positions are ascending
+                self.sk, self.sv = self.sk[..., :keep, :], self.sv[..., :keep, :]  # [B, h_stream, keep, d]
+            self.length = target
+            self.tail = min(self.tail, target)
+        self._evict()
+
+    def _each_full(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fk, self.fv = (None if t is None else fn(t) for t in (self.fk, self.fv))
 
     def offload(self):
         raise NotImplementedError("a budget cache is not offloaded.")
@@ -271,9 +318,9 @@ class BudgetLayer(CacheLayerMixin):
 
 
 class BudgetCache(Cache):
-    """A transformers ``Cache`` for ``model.generate(..., past_key_values=plan.cache())``: per layer, the
-    plan's full K/V heads keep every key and value, streaming heads their sink and window. The model
-    must run bhqk's attention (``attn_implementation="bhqk"``)."""
+    """A transformers ``Cache`` for ``model.generate(..., cache=plan.cache())`` (``past_key_values=``
+    before transformers 5.24): per layer, the plan's full K/V heads keep every key and value, streaming
+    heads their sink and window. The model must run bhqk's attention (``attn_implementation="bhqk"``)."""
 
     def __init__(self, plan: Any) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
         layers = []

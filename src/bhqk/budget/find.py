@@ -14,6 +14,14 @@ far):
   in which the head's most-attended key is that token in the first needle (the token being copied).
 - ``distant``: on real text (``pydoc_data.topics``, or ``texts``), the attention mass outside the
   window and off key 0: ``1 − local − sink`` (needs a tokenizer).
+
+Ties. ``find`` ranks K/V heads by a list of keys (:func:`score_keys`), first to last, then by index
+(layer · Hkv + head, lower first). ``retrieval`` has a second key from the same forward: ``copy
+mass``, the attention weight on the token being copied, averaged over every step of the repeated
+needle (copied correctly or not): the soft form of the top-1 hit, so it orders the many heads whose
+top-1 key never lands on the needle (on SmolLM2-135M, 83 of its 90 K/V heads) by how close they come.
+``induction`` and ``distant`` are continuous masses and have no second key. ``Plan.decided()`` says
+which key placed each head on its side of the cut.
 """
 
 from __future__ import annotations
@@ -73,9 +81,10 @@ def _induction(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
     return head_table(cap.records)[f"offset {length - 1}"]  # [L, H]
 
 
-def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16) -> torch.Tensor:
-    """Per query head [L, H]: the fraction of correctly copied needle tokens whose top-1 key is the
-    token copied."""
+def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head ([L, H] retrieval, [L, H] copy mass): the fraction of correctly copied needle
+    tokens whose top-1 key is the token copied, and the mean weight on the token being copied over
+    every step of the repeated needle (one forward)."""
     dev = _device(model)
     vocab = _vocab(model)
     low = min(100, vocab // 2)
@@ -91,22 +100,27 @@ def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16)
     x = torch.stack(ids)  # [B, N + 2m]
     start = length + needle  # first row of the repeated needle
     rows = list(range(start, start + needle - 1))  # row start + j predicts needle token j + 1
-    with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, model=model) as cap:
+    # row start + j copies the token at src + 1 + j: an offset of start − src − 1, one per sequence
+    offsets = [start - a - 1 for a in src]
+    with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, offsets=sorted(set(offsets)),
+                                  model=model) as cap:
         logits = model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
     pred = logits[:, rows].argmax(-1).cpu()  # [B, m − 1]
     target = ndl[:, 1:]  # [B, m − 1]
     ok = (pred == target).double()  # [B, m − 1]: the steps where the model copies
     want = torch.tensor(src)[:, None] + torch.arange(1, needle)  # [B, m − 1] position of the token being copied
     L, H = len({r.name for r in cap.records}), None
-    out = []
+    hits, mass = [], []
     for r in cap.records:
         assert r.topk_keys is not None
         top = r.topk_keys[..., 0].cpu()  # [B, h, m − 1]
         hit = (top == want[:, None]).double() * ok[:, None]  # [B, h, m − 1]
         H = r.sizes["H"]
-        out.append(hit.sum((0, 2)) / ok.sum().clamp(min=1))  # [h]
-    assert H is not None and len(out) == L
-    return torch.stack(out).float()  # [L, H]
+        hits.append(hit.sum((0, 2)) / ok.sum().clamp(min=1))  # [h]
+        on_copied = torch.stack([r.offset(o)[b].cpu() for b, o in enumerate(offsets)])  # [B, h, m − 1]
+        mass.append(on_copied.double().mean((0, 2)))  # [h]
+    assert H is not None and len(hits) == L
+    return torch.stack(hits).float(), torch.stack(mass).float()  # [L, H], [L, H]
 
 
 def _text_ids(tokenizer, texts: Sequence[str] | None, length: int, batch: int) -> torch.Tensor:
@@ -135,10 +149,14 @@ def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int)
     return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
 
 
-def score_heads(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
-                texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-                batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per K/V head [L, Hkv] = max over its query heads, per query head [L, H]) of ``score``."""
+TIES = {"retrieval": "copy mass"}  # a score's second key, from the same forward
+
+
+def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
+               texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
+               batch: int = 4) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The keys ``find`` ranks by, first to last: (name, per K/V head [L, Hkv] = max over its query
+    heads, per query head [L, H]) — ``score``, then its second key (:data:`TIES`) if it has one."""
     if score not in SCORES:
         raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
     L, H, Hkv, _, _ = model_sizes(model)
@@ -147,38 +165,61 @@ def score_heads(model: nn.Module, score: str = "induction", *, window: int = 256
     try:
         with _on_bhqk(model):
             if score == "induction":
-                per_q = _induction(model, length or 64, batch, seed)
+                per_q = [_induction(model, length or 64, batch, seed)]
             elif score == "retrieval":
-                per_q = _retrieval(model, length or max(256, 4 * window), batch, seed)
+                per_q = list(_retrieval(model, length or max(256, 4 * window), batch, seed))
             else:
-                per_q = _distant(model, tokenizer, texts, length or max(512, 4 * window), batch, window)
+                per_q = [_distant(model, tokenizer, texts, length or max(512, 4 * window), batch, window)]
     finally:
         model.train(was)
-    if tuple(per_q.shape) != (L, H):
-        from ..errors import ShapeError
+    out = []
+    for name, t in zip([score, TIES.get(score)], per_q):
+        assert name is not None
+        if tuple(t.shape) != (L, H):
+            from ..errors import ShapeError
 
-        raise ShapeError(f"find: captured {list(per_q.shape)} layer × head scores but the model has layers={L}, H={H}.")
-    per_q = torch.nan_to_num(per_q, nan=0.0)
-    return per_q.reshape(L, Hkv, H // Hkv).amax(-1), per_q  # [L, H] -> [L, Hkv, G] -> [L, Hkv]
+            raise ShapeError(f"find: captured {list(t.shape)} layer × head scores but the model has layers={L}, H={H}.")
+        t = torch.nan_to_num(t, nan=0.0)
+        out.append((name, t.reshape(L, Hkv, H // Hkv).amax(-1), t))  # [L, H] -> [L, Hkv, G] -> [L, Hkv]
+    return out
+
+
+def score_heads(model: nn.Module, score: str = "induction", **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per K/V head [L, Hkv] = max over its query heads, per query head [L, H]) of ``score`` (the
+    first key of :func:`score_keys`, which takes the same arguments)."""
+    _, kv, per_q = score_keys(model, score, **kw)[0]
+    return kv, per_q
+
+
+def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The order of K/V heads, best first: by ``keys[0]`` [L, Hkv] descending, ties by ``keys[1]``
+    and so on, then by index (layer · Hkv + head) ascending → int64 [L·Hkv] flat indices."""
+    order = torch.arange(keys[0].numel())  # [L·Hkv]
+    for k in reversed(keys):  # a stable sort per key, last key first: the first key decides, then the next
+        flat = k.flatten()[order]  # [L·Hkv] in the current order
+        order = order[torch.argsort(flat, descending=True, stable=True)]
+    return order
 
 
 def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "retrieval", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
          batch: int = 4) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of K/V heads
-    by ``score`` (module doc) full and streams the rest with ``sink`` + ``window``. ``length``,
-    ``batch``: the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
+    by ``score`` (module doc; ties by its second key, then by index) full and streams the rest with
+    ``sink`` + ``window``. ``length``, ``batch``: the probe sequences (defaults per score);
+    ``tokenizer``/``texts``: for ``distant``."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
     L, _, Hkv, _, paths = model_sizes(model)
-    scores, _ = score_heads(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
-                            length=length, batch=batch)
+    keys = score_keys(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
+                      length=length, batch=batch)
     n = round(full * L * Hkv)
-    order = torch.argsort(scores.flatten(), descending=True, stable=True)[:n]  # [L·Hkv] index = layer·Hkv + head
+    order = rank([kv for _, kv, _ in keys])[:n]  # [n] flat indices = layer·Hkv + head
     mask = torch.zeros(L * Hkv, dtype=torch.bool)
     mask[order] = True
-    return Plan(mask.reshape(L, Hkv), sink, window, scores, score, paths or None,  # [L·Hkv] -> [L, Hkv]
-                {"fraction": full, "seed": seed})
+    tie = keys[1] if len(keys) > 1 else None
+    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, paths or None,  # [L·Hkv] -> [L, Hkv]
+                {"fraction": full, "seed": seed}, None if tie is None else tie[1], None if tie is None else tie[0])
 
 
-__all__ = ["find", "score_heads", "SCORES"]
+__all__ = ["find", "score_heads", "score_keys", "rank", "SCORES", "TIES"]

@@ -31,7 +31,18 @@ FORMAT = "bhqk.budget.Plan/1"
 
 def model_sizes(model: nn.Module) -> tuple[int, int, int, int, list[str]]:
     """(layers, query heads H, K/V heads Hkv, head dim d, attention module paths) of a Hugging Face
-    decoder (its config) — the sizes a plan must fit."""
+    decoder (its config), or of a bhqk model (its ``MultiHeadAttention`` modules, in order) — the
+    sizes a plan must fit."""
+    from ..nn import MultiHeadAttention
+
+    own = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if own:
+        sizes = {(m.num_heads, m.num_kv_heads, m.head_dim) for _, m in own}
+        if len(sizes) != 1:
+            raise ShapeError(f"{type(model).__name__}: its attention modules differ in (H, Hkv, d): {sorted(sizes)}; "
+                             f"a budget plan needs one K/V head count per layer.")
+        (H, Hkv, d), = sizes
+        return len(own), H, Hkv, d, [n for n, _ in own]
     config = getattr(model, "config", None)
     if config is None:
         raise ShapeError(f"{type(model).__name__} has no .config; a budget plan needs a Hugging Face model "
@@ -55,7 +66,8 @@ def attention_modules(model: nn.Module) -> list[str]:
 class Plan:
     """Which K/V heads keep every key. ``full``: bool [layers, Hkv] (True = full, False = streaming:
     ``sink`` first keys + ``window`` recent keys). ``scores`` (float [layers, Hkv], optional) and
-    ``score`` (its name) say how it was chosen; ``layers`` names the layers (module paths)."""
+    ``score`` (its name) say how it was chosen, ``tie_scores`` and ``tie_score`` the second key that
+    broke its ties (``find``; then the lower index); ``layers`` names the layers (module paths)."""
 
     full: torch.Tensor
     sink: int = 64
@@ -64,6 +76,8 @@ class Plan:
     score: str | None = None
     layers: list[str] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    tie_scores: torch.Tensor | None = None
+    tie_score: str | None = None
 
     def __post_init__(self) -> None:
         full = self.full
@@ -77,12 +91,16 @@ class Plan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Plan: {name} must be an int >= 0 (keys), got {v!r}.")
-        if self.scores is not None:
-            s = torch.as_tensor(self.scores, dtype=torch.float64).cpu()
+        for name in ("scores", "tie_scores"):
+            if getattr(self, name) is None:
+                continue
+            s = torch.as_tensor(getattr(self, name), dtype=torch.float64).cpu()
             if tuple(s.shape) != tuple(self.full.shape):
-                raise ShapeError(f"Plan: scores has shape {list(s.shape)} but full is [layers={self.full.shape[0]}, "
+                raise ShapeError(f"Plan: {name} has shape {list(s.shape)} but full is [layers={self.full.shape[0]}, "
                                  f"Hkv={self.full.shape[1]}].")
-            self.scores = s
+            setattr(self, name, s)
+        if self.tie_scores is not None and self.scores is None:
+            raise ValueError("Plan: tie_scores break ties of scores; pass scores too.")
         if self.layers is not None and len(self.layers) != self.full.shape[0]:
             raise ShapeError(f"Plan: {len(self.layers)} layer names for {self.full.shape[0]} layers.")
 
@@ -136,6 +154,16 @@ class Plan:
             self.check(model)
         return BudgetCache(self)
 
+    def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
+        """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
+        per layer the full K/V heads keep every position, the streaming heads ``sink`` + a ring of
+        ``window`` + 1; ``model``: checked against the plan first; ``capacity``: the full heads' buffers."""
+        from ..nn import KVCache
+
+        if model is not None:
+            self.check(model)
+        return KVCache(self.num_layers, capacity=capacity, plan=self)
+
     @contextlib.contextmanager
     def emulate(self, model: nn.Module) -> Iterator[None]:
         """Inside the block, the model's streaming heads see only what the plan keeps, by
@@ -159,23 +187,66 @@ class Plan:
             yield
 
     # ---- show -----------------------------------------------------------------------------------
+    def decided(self) -> list[list[str]]:
+        """[layers][Hkv]: which key put each K/V head on its side of the cut (full vs streaming) —
+        ``score`` when its score alone separates it from every head on the other side, else
+        ``tie_score`` when that separates it from the other side's heads of equal score, else
+        ``"index"`` when the lower index does (the last tie-break of ``find``); ``"hand"`` where the
+        plan contradicts its keys (built by hand), ``"-"`` without scores or without a cut."""
+        L, Hkv = self.num_layers, self.num_kv_heads
+        out = [["-"] * Hkv for _ in range(L)]
+        if self.scores is None or bool(self.full.all()) or not bool(self.full.any()):
+            return out
+        flat = self.full.flatten()  # [L·Hkv]
+        keys = [(self.score or "score", self.scores.flatten())]  # [L·Hkv] each
+        if self.tie_scores is not None:
+            keys.append((self.tie_score or "tie score", self.tie_scores.flatten()))
+        index = torch.arange(flat.numel(), dtype=torch.float64)
+        keys.append(("index", -index))  # a lower index ranks higher
+        known = ~torch.stack([k.isnan() for _, k in keys]).any(0)  # [L·Hkv] heads with every key
+        for i in range(flat.numel()):
+            if not bool(known[i]):
+                continue
+            sign = 1.0 if bool(flat[i]) else -1.0  # full: must rank above the other side; streaming: below
+            other = (flat != flat[i]) & known  # [L·Hkv] the other side, narrowed to the tied heads key by key
+            verdict = "hand"
+            for name, k in keys:
+                d = sign * (k[i] - k[other])  # [n] > 0: this key puts head i on its side of that head
+                if bool((d > 0).all()):
+                    verdict = name
+                    break
+                if bool((d < 0).any()):
+                    break  # a head on the other side ranks higher by this key: not find's order
+                other = other & (k == k[i])  # [L·Hkv] the heads this key ties with go to the next key
+            out[i // Hkv][i % Hkv] = verdict
+        return out
+
     def rows(self) -> list[list[str]]:
+        decided = self.decided()
         out = []
         for li in range(self.num_layers):
             name = self.layers[li] if self.layers else str(li)
             for g in range(self.num_kv_heads):
-                s = "-" if self.scores is None or math.isnan(float(self.scores[li, g])) else f"{float(self.scores[li, g]):.3f}"
-                out.append([str(li), name, str(g), s, "full" if bool(self.full[li, g]) else "streaming"])
+                row = [str(li), name, str(g), _num(self.scores, li, g)]
+                if self.tie_scores is not None:
+                    row.append(_num(self.tie_scores, li, g, 4))
+                row += ["full" if bool(self.full[li, g]) else "streaming", decided[li][g]]
+                out.append(row)
         return out
 
     def summary(self) -> str:
         n, total = int(self.full.sum()), self.full.numel()
         by = f", chosen by {self.score}" if self.score else ""
+        if self.score and self.tie_score:
+            by += f" (ties by {self.tie_score}, then index)"
         return (f"Plan: {n} of {total} K/V heads full ({self.num_layers} layers × "
                 f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}")
 
     def __str__(self) -> str:
-        return self.summary() + "\n\n" + table(["layer", "name", "kv head", self.score or "score", "keeps"], self.rows())
+        head = ["layer", "name", "kv head", self.score or "score"]
+        if self.tie_scores is not None:
+            head.append(self.tie_score or "tie score")
+        return self.summary() + "\n\n" + table(head + ["keeps", "decided by"], self.rows())
 
     def __repr__(self) -> str:
         return self.summary()
@@ -196,6 +267,8 @@ class Plan:
                 v = None if s is None else float(s[li, g])
                 shade = 0.15 if v is None or math.isnan(v) else 0.15 + 0.85 * (v - lo) / span
                 title = f"layer {li} kv head {g}: {'full' if full else 'streaming'}" + ("" if v is None else f", score {v:.3f}")
+                if self.tie_scores is not None:
+                    title += f", {self.tie_score or 'tie score'} {float(self.tie_scores[li, g]):.4f}"
                 style = (f"width:16px;height:16px;background:rgba(200,60,40,{shade:.2f})" if full else
                          f"width:16px;height:16px;background:rgba(40,90,200,{shade * 0.5:.2f})")
                 row.append(f"<td title='{html.escape(title)}' style='{style}'>{'■' if full else ''}</td>")
@@ -209,6 +282,9 @@ class Plan:
                 "full": self.full.int().tolist(), "layers": self.layers,
                 "scores": None if self.scores is None else
                 [[None if math.isnan(x) else round(x, 6) for x in row] for row in self.scores.tolist()],
+                "tie_score": self.tie_score,
+                "tie_scores": None if self.tie_scores is None else
+                [[None if math.isnan(x) else float(x) for x in row] for row in self.tie_scores.tolist()],
                 "notes": self.notes}
 
     def save(self, path: str | Path) -> Path:
@@ -222,10 +298,11 @@ class Plan:
             raise LoadError(f"{source}: not a bhqk budget plan (expected \"format\": {FORMAT!r}).")
         try:
             full = torch.tensor(d["full"], dtype=torch.long).bool()
-            scores = d.get("scores")
-            sc = None if scores is None else torch.tensor([[math.nan if x is None else x for x in r] for r in scores],
-                                                          dtype=torch.float64)
-            return cls(full, int(d["sink"]), int(d["window"]), sc, d.get("score"), d.get("layers"), d.get("notes") or {})
+            sc, tie = (None if d.get(k) is None else  # [[x or None]] -> [layers, Hkv], None -> nan
+                       torch.tensor([[math.nan if x is None else x for x in r] for r in d[k]], dtype=torch.float64)
+                       for k in ("scores", "tie_scores"))
+            return cls(full, int(d["sink"]), int(d["window"]), sc, d.get("score"), d.get("layers"), d.get("notes") or {},
+                       tie, d.get("tie_score"))
         except (KeyError, TypeError, ValueError) as e:
             raise LoadError(f"{source}: a malformed plan ({type(e).__name__}: {e}).") from None
 
@@ -237,6 +314,10 @@ class Plan:
         except json.JSONDecodeError as e:
             raise LoadError(f"{path}: not JSON ({e}).") from None
         return cls.from_dict(d, str(path))
+
+
+def _num(t: torch.Tensor | None, li: int, g: int, digits: int = 3) -> str:
+    return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}f}"
 
 
 __all__ = ["Plan", "streaming_mask", "model_sizes", "attention_modules"]

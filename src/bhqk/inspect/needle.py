@@ -17,8 +17,9 @@ The answer is ``max_new_tokens`` greedy tokens; ``found``: the key appears in it
 
 Hooks for grading a change to the model on the same grid: ``edit`` (a factory of context managers
 entered around each generation, e.g. :func:`zero_heads`, or a dict of :func:`bhqk.edit` keywords),
-``past_key_values`` (a factory of a transformers ``Cache`` per generation) and ``plan`` (an object
-with ``.cache()``, e.g. a KV budget plan: ``past_key_values=plan.cache``).
+``past_key_values`` (a factory of a transformers ``Cache`` per generation, handed to ``generate`` by
+the keyword the model takes: ``cache=`` from transformers 5.24 on) and ``plan`` (an object with
+``.cache()``, e.g. a KV budget plan: ``past_key_values=plan.cache``).
 """
 
 from __future__ import annotations
@@ -263,7 +264,9 @@ def ask(model, tok, t: Trial, *, max_new_tokens: int = 16, edit: Callable[[], An
     ids = torch.tensor([t.ids])  # [1, N]
     kwargs: dict[str, Any] = {}
     if past_key_values is not None:
-        kwargs["past_key_values"] = past_key_values()
+        from ..integrations.transformers import cache_keyword
+
+        kwargs[cache_keyword(model)] = past_key_values()  # "cache" from transformers 5.24 on
     pad = model.generation_config.pad_token_id
     pad = model.generation_config.eos_token_id if pad is None else pad
     with torch.no_grad(), _editor(model, edit)():

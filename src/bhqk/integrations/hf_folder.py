@@ -50,6 +50,19 @@ def load_folder(folder: str | Path, name: str = "bhqk", dtype: torch.dtype = tor
     return Loaded(model, tokenizer, decoder, folder)
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword a transformers model's ``forward`` and ``generate`` take a ``Cache`` by: ``"cache"``
+    where its forward has that parameter (transformers 5.24 renamed ``past_key_values`` to it and warns
+    about the old name), else ``"past_key_values"`` (older 5.x)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
     """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens."""
     if loaded.tokenizer is None:

@@ -111,9 +111,11 @@ class GPT2(nn.Module):
         load_gpt2(model, folder)
         return model.eval()
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty KV cache with one layer per block, room for ``capacity`` positions."""
-        return KVCache(len(self.blocks), capacity=capacity)
+    def new_cache(self, capacity: int | None = None, plan=None) -> KVCache:
+        """An empty KV cache with one layer per block, room for ``capacity`` positions; ``plan``: a
+        head-wise KV budget (``bhqk.budget.Plan``, [n_layer, n_head]) whose streaming heads keep a
+        sink and a window."""
+        return KVCache(len(self.blocks), capacity=capacity, plan=plan)
 
     def forward(
         self,
@@ -176,12 +178,15 @@ class GPT2(nn.Module):
         seed: int | None = None,
         eos_token_id: int | None = None,
         use_cache: bool = True,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """prompt_ids [B, N] (left-padded with ``attention_mask`` [B, N] for ragged prompts) →
         [B, N + max_new_tokens]. ``temperature=0``: greedy; otherwise sample from
         softmax(logits / temperature), restricted to the ``top_k`` best when given, with
         ``seed`` for repeatability. A row that emitted ``eos_token_id`` repeats it; generation
-        stops once every row has. ``use_cache=False`` recomputes the whole sequence each step."""
+        stops once every row has. ``use_cache=False`` recomputes the whole sequence each step.
+        ``cache``: an empty cache to fill instead of a new one (e.g. ``plan.kv_cache(model)``, a head-wise
+        KV budget); it holds the sequence afterwards."""
         if not isinstance(prompt_ids, torch.Tensor):
             raise TypeError(f"prompt_ids must be an integer tensor [B, N] or [N], got {type(prompt_ids).__name__}.")
         if prompt_ids.dim() == 1:
@@ -213,7 +218,11 @@ class GPT2(nn.Module):
         if attention_mask is not None:
             mask = attention_mask.new_ones(B, total)  # [B, N + new]: generated tokens are real
             mask[:, :N] = attention_mask
-        cache = self.new_cache(total) if use_cache else None
+        if cache is not None and (not use_cache or cache.length != 0):
+            raise ValueError(f"generate: cache= must be an empty cache and use_cache=True (got length {cache.length}, "
+                             f"use_cache={use_cache}).")
+        if cache is None and use_cache:
+            cache = self.new_cache(total)
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
         end = N
         for step in range(max_new_tokens):

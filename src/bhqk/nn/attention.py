@@ -15,6 +15,7 @@ from .. import observe
 from ..errors import ShapeError, warn_misuse
 from ..functional import attention, attention_weights
 from ..shapes import Sizes
+from .cache import BudgetLayerCache, KVCache
 from .heads import merge_heads, split_heads
 
 
@@ -158,9 +159,15 @@ class MultiHeadAttention(nn.Module):
         q = split_heads(self.q_proj(x), self.num_heads, "q_proj(x)")  # [B, H, Q, d]
         k = split_heads(self.k_proj(key), self.num_kv_heads, "k_proj(key)")  # [B, Hkv, K, d]
         v = split_heads(self.v_proj(value), self.num_kv_heads, "v_proj(value)")  # [B, Hkv, K, dv]
-        if cache is not None:
-            k, v = cache.update(k, v)  # [B, Hkv, K_past + Q, d], [B, Hkv, K_past + Q, dv]
-        result = self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, backend=backend)
+        if isinstance(cache, KVCache) and len(cache) == 1:
+            cache = cache[0]
+        if isinstance(cache, BudgetLayerCache):  # a head-wise budget: the layer attends per group of heads
+            result = self._attend_budget(q, k, v, cache, mask=mask, bias=bias, return_weights=return_weights,
+                                         backend=backend)
+        else:
+            if cache is not None:
+                k, v = cache.update(k, v)  # [B, Hkv, K_past + Q, d], [B, Hkv, K_past + Q, dv]
+            result = self.attend(q, k, v, mask=mask, bias=bias, return_weights=return_weights, backend=backend)
         if observe.active():
             out = result[0] if return_weights else result
             observe.emit("mha", module=self, x=x, q=q, k=k, v=v, out=out)
@@ -176,6 +183,16 @@ class MultiHeadAttention(nn.Module):
         if return_weights:
             return out, attention_weights(q, k, mask, bias=bias, sinks=self.sinks)  # [B, H, Q, K]
         return out
+
+    def _attend_budget(self, q, k, v, cache: BudgetLayerCache, *, mask, bias, return_weights, backend):
+        """As :meth:`attend`, the budget layer storing k, v and attending each group of heads over what it holds."""
+        dropout_p = self.dropout if self.training else 0.0
+        backend = self.backend if backend is None else backend
+        with observe.scope(self):
+            o, w = cache.attention(q, k, v, mask, bias=bias, dropout_p=dropout_p, backend=backend, sinks=self.sinks,
+                                   return_weights=return_weights)  # [B, H, Q, dv], [B, H, Q, K] or None
+        out = self.out_proj(merge_heads(o))  # [B, Q, H·dv] -> [B, Q, D]
+        return (out, w) if return_weights else out
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto",

@@ -16,13 +16,25 @@ positions; the queries are the *last* Q positions of the keys, so mask with
 
 ``window=W`` evicts keys no future query can see under ``sliding_window(W - 1, align="bottom_right")``
 (each query sees W keys ending at itself). ``crop(n)`` rolls back to n positions.
+
+``plan=`` (a head-wise KV budget, ``bhqk.budget.Plan``; ``plan.kv_cache(model)``): per layer the plan's
+full K/V heads keep every position (a :class:`LayerCache`) and its streaming heads keep the first
+``sink`` positions and a ring of the ``window + 1`` most recent (:class:`BudgetLayerCache`; the extra
+slot takes each decode step's new key in place, over the one position no query can see any more).
+Such a layer attends itself — one attention call per group of heads — so ``MultiHeadAttention``
+hands it the queries (:meth:`BudgetLayerCache.attention`) instead of calling ``update``. A layer
+whose heads are all full is a plain :class:`LayerCache`: an all-full plan is the ordinary cache.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..errors import ShapeError
+from .. import masks
+from ..errors import MaskError, ShapeError
+from ..functional import attention, attention_weights
 
 
 class LayerCache:
@@ -178,6 +190,10 @@ class LayerCache:
         self.k, self.v = k, v
         return k, v
 
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (as allocated: ``capacity`` positions)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
     def state(self) -> dict:
         """Length, stored shapes [B, Hkv, kept, ·], ``capacity`` (positions the buffers hold; before the
         first call, what it will allocate) and ``grown_from`` (the first allocation, once outgrown)."""
@@ -189,6 +205,215 @@ class LayerCache:
 
     def __repr__(self) -> str:
         return f"LayerCache(layer {self.index}, {_describe(self.state())})"
+
+
+def take_heads(x: torch.Tensor, dim: int, heads: list[int]) -> torch.Tensor:
+    """``x.index_select(dim, heads)`` — a view (``narrow``) where ``heads`` is an ascending run
+    (no copy: a group of heads next to each other, e.g. a layer's streaming K/V heads)."""
+    if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+        return x.narrow(dim, heads[0], len(heads))
+    return x.index_select(dim, torch.tensor(heads, device=x.device))
+
+
+def own(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied if it is a view into a larger storage (a cache must not keep the rest alive)."""
+    return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+
+
+class BudgetLayerCache:
+    """One layer of a head-wise budget: K/V heads ``full`` keep every position (a :class:`LayerCache`),
+    heads ``stream`` their first ``sink`` positions and the most recent ones, in a buffer of
+    R = sink + window + 1 slots: position p < sink in slot p, p ≥ sink in slot sink + (p − sink) mod
+    (window + 1). A query at position i of a streaming head sees keys 0 … sink−1 and i − window … i
+    (``~key_span(0, sink) | sliding_window(window, align="bottom_right")``) ANDed with the mask it
+    is given, which covers every position as for a plain cache ([Q, length + Q])."""
+
+    def __init__(self, full: list[int], stream: list[int], sink: int, window: int,
+                 capacity: int | None = None, index: int = 0) -> None:
+        self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
+        self.full_cache = LayerCache(capacity, None, index) if full else None
+        self.slots = sink + window + 1  # R
+        self.k: torch.Tensor | None = None  # [B, h_stream, R, d]
+        self.v: torch.Tensor | None = None  # [B, h_stream, R, dv]
+        self.end = 0
+
+    @property
+    def length(self) -> int:
+        """Positions seen so far: the position of the next token."""
+        return self.end
+
+    def span(self, new: int) -> tuple[int, int]:
+        """The positions the mask of a call with ``new`` tokens covers: every one, as a plain cache."""
+        return 0, self.end + new
+
+    def positions(self, kv: int | None = None, end: int | None = None) -> torch.Tensor:
+        """int64: the position held in each filled slot of the streaming heads (``kv`` a full head:
+        every position), after ``end`` positions (default: now)."""
+        end = self.end if end is None else end
+        if kv is not None and kv in self.full:
+            return torch.arange(end)
+        if kv is not None and kv not in self.stream:
+            raise ShapeError(f"budget layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
+        S, ring = self.sink, self.window + 1
+        if end <= self.slots:
+            return torch.arange(end)
+        j = torch.arange(ring)  # ring slot S + j holds the latest p < end with (p − S) mod ring == j
+        return torch.cat([torch.arange(S), end - 1 - (end - 1 - S - j) % ring])  # [R]
+
+    def _slot(self, p: torch.Tensor) -> torch.Tensor:
+        S = self.sink
+        return torch.where(p < S, p, S + (p - S) % (self.window + 1))
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, P: int) -> None:
+        """Store the streaming heads' new positions P … P+Q−1 that a later query can still see."""
+        Q = k.shape[2]
+        if self.k is None or self.v is None:
+            B, h, _, d = k.shape
+            self.k = k.new_empty(B, h, self.slots, d)  # [B, h_stream, R, d]
+            self.v = v.new_empty(B, h, self.slots, v.shape[-1])  # [B, h_stream, R, dv]
+        pos = torch.arange(P, P + Q)
+        keep = (pos < self.sink) | (pos >= P + Q - (self.window + 1))  # [Q]: the sink and the last window + 1
+        idx = keep.nonzero().flatten()
+        slots = self._slot(pos[idx]).to(k.device)
+        idx = idx.to(k.device)
+        self.k.index_copy_(2, slots, k.index_select(2, idx))  # [B, h, n, d] into their slots
+        self.v.index_copy_(2, slots, v.index_select(2, idx))  # [B, h, n, dv] into their slots
+
+    def _given_mask(self, mask, B: int, Q: int, K: int, cols: torch.Tensor, device) -> torch.Tensor | None:
+        """The given mask ([Q, K] over every position) at the columns ``cols``: bool [#B, 1, Q, len(cols)]."""
+        m = masks.as_mask(mask)
+        if m is None:
+            return None
+        if m.head_dependent:
+            raise MaskError(f"budget layer {self.index}: a head-dependent mask ({m!r}) cannot be taken at the held "
+                            f"positions of the streaming heads; give a mask that is the same for every head.")
+        blk = m.block(masks.Extent(B, 1, Q, K), 0, Q, 0, K, device)  # [.., Q, K]
+        while blk.dim() < 4:
+            blk = blk[None]
+        return blk.index_select(3, cols.to(device))  # [#B, #H, Q, K']
+
+    def _stream_call(self, k: torch.Tensor, v: torch.Tensor, mask, P: int):
+        """(keys [B, h, K', d], values, the mask, positions [K']) the streaming heads attend to, having
+        stored what they keep."""
+        Q, B, dev = k.shape[2], k.shape[0], k.device
+        K = P + Q
+        stream = ~masks.key_span(0, self.sink) | masks.sliding_window(self.window, align="bottom_right")
+        m = masks.as_mask(mask)
+        if Q == 1:  # decode: write in place, then the query sees every filled slot
+            self._write(k, v, P)
+            n = min(K, self.slots)
+            pos = self.positions(end=K)
+            assert self.k is not None and self.v is not None
+            if K <= self.slots:  # slots = positions 0 … P
+                return self.k[:, :, :n], self.v[:, :, :n], m, pos
+            got = self._given_mask(m, B, Q, K, pos, dev)
+            return self.k, self.v, (None if got is None else masks.dense(got)), pos
+        if P + Q <= self.slots:  # positions 0 … P+Q−1 in their slots: the masks apply as they are
+            self._write(k, v, P)
+            assert self.k is not None and self.v is not None
+            both = stream if m is None else m & stream
+            return self.k[:, :, :K], self.v[:, :, :K], both, torch.arange(K)
+        if P <= self.slots:  # still positions 0 … P−1: attend over them and the new keys, then store
+            kk = k if P == 0 or self.k is None else torch.cat([self.k[:, :, :P], k], 2)  # [B, h, P + Q, d]
+            vv = v if P == 0 or self.v is None else torch.cat([self.v[:, :, :P], v], 2)  # [B, h, P + Q, dv]
+            self._write(k, v, P)
+            return kk, vv, (stream if m is None else m & stream), torch.arange(K)
+        # evicted before and Q > 1: the held slots and the new keys, with a mask built from their positions
+        assert self.k is not None and self.v is not None
+        pos = torch.cat([self.positions(end=P), torch.arange(P, K)])  # [R + Q]
+        kk = torch.cat([self.k, k], 2)  # [B, h, R + Q, d]
+        vv = torch.cat([self.v, v], 2)  # [B, h, R + Q, dv]
+        qpos = torch.arange(P, K)[:, None]  # [Q, 1]
+        allowed = (pos[None] <= qpos) & ((pos[None] < self.sink) | (pos[None] >= qpos - self.window))  # [Q, R + Q]
+        allowed = allowed.to(dev)[None, None]  # [1, 1, Q, R + Q]
+        got = self._given_mask(m, B, Q, K, pos, dev)
+        if got is not None:
+            allowed = allowed & got
+        self._write(k, v, P)
+        return kk, vv, masks.dense(allowed), pos
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, bias=None,
+                  dropout_p: float = 0.0, backend: str = "auto", sinks: torch.Tensor | None = None,
+                  return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store this call's k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and attend q [B, H, Q, d] over what
+        each group of heads holds (``mask`` [Q, length + Q] as for a plain cache) → (o [B, H, Q, dv]
+        in the model's head order, weights [B, H, Q, length + Q] with zeros at evicted keys, or None)."""
+        Hkv = len(self.full) + len(self.stream)
+        if k.dim() != 4 or v.dim() != 4 or k.shape[1] != Hkv or v.shape[1] != Hkv or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(f"budget layer {self.index}: the plan has Hkv={Hkv} K/V heads but got keys "
+                             f"{list(k.shape)} and values {list(v.shape)} ([B, Hkv, Q, d]).")
+        if bias is not None:
+            raise ValueError(f"budget layer {self.index}: bias= is not supported with a head-wise budget cache "
+                             f"(its streaming heads hold a subset of the keys the bias covers).")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError(f"budget layer {self.index}: a head-wise budget cache is for inference (its ring buffer "
+                             f"is written in place); run under torch.no_grad().")
+        B, H, Q, _ = q.shape
+        G = H // Hkv
+        P, K = self.end, self.end + k.shape[2]
+        parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
+        if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
+            kf, vf = self.full_cache.update(take_heads(k, 1, self.full), take_heads(v, 1, self.full))  # [B, h_full, K, d]
+            parts.append((self.full, kf, vf, mask, torch.arange(K)))
+        parts.append((self.stream, *self._stream_call(take_heads(k, 1, self.stream), take_heads(v, 1, self.stream), mask, P)))
+        self.end = K
+        o = q.new_empty(B, H, Q, v.shape[-1])  # [B, H, Q, dv]: each group writes its heads
+        w_all = q.new_zeros(B, H, Q, K) if return_weights else None  # [B, H, Q, K]: zeros at evicted keys
+        for kv, kk, vv, m, pos in parts:
+            qh = [g * G + j for g in kv for j in range(G)]
+            qq = take_heads(q, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d]
+            sk = None if sinks is None else take_heads(sinks, 0, qh)  # [H] -> [h]
+            qi = torch.tensor(qh, device=q.device)
+            o.index_copy_(1, qi, attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk))  # [B, h, Q, dv]
+            if w_all is not None:
+                w = attention_weights(qq, kk, m, sinks=sk)  # [B, h, Q, K']
+                w_all.index_copy_(1, qi, w.new_zeros(B, len(qh), Q, K).index_copy(3, pos.to(w.device), w))  # [B, h, Q, K]
+        return o, w_all
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        raise TypeError(f"budget layer {self.index}: its heads hold different keys, so it cannot return one "
+                        f"[B, Hkv, K, d] tensor; MultiHeadAttention calls .attention(q, k, v, mask) instead.")
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on — exact while the streaming heads still hold what
+        the next query needs (nothing evicted yet, or ``length`` ≥ the current length − 1: the ring's
+        spare slot); else a ValueError saying why."""
+        if not 0 <= length <= self.end:
+            raise ValueError(f"KVCache layer {self.index}: cannot crop to {length}; it holds positions 0…{self.end - 1}.")
+        if self.end > self.slots and length < self.end - 1:
+            lowest = self.end - (self.window + 1)
+            raise ValueError(
+                f"KVCache layer {self.index}: cannot crop to {length}; its streaming heads (sink={self.sink}, "
+                f"window={self.window}) keep positions from {lowest} on, and the next query (at {length}) would "
+                f"need positions {max(self.sink, length - self.window)}…{length - 1}, evicted.")
+        if self.full_cache is not None:
+            self.full_cache.crop(length)
+        self.end = length
+
+    def reset(self) -> None:
+        if self.full_cache is not None:
+            self.full_cache.reset()
+        self.end = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers: the full heads' (``capacity`` positions) and the
+        streaming heads' R = sink + window + 1 slots."""
+        held = sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        return held + (0 if self.full_cache is None else self.full_cache.nbytes())
+
+    def state(self) -> dict:
+        """Length; the streaming heads' stored shapes [B, h_stream, kept, ·] in ``slots`` slots; the full
+        heads' :meth:`LayerCache.state` (``full``, None without full heads)."""
+        kept = min(self.end, self.slots)
+        return {"length": self.end, "kept": kept, "capacity": self.slots, "grown_from": None,
+                "keys": None if self.k is None else [*self.k.shape[:2], kept, self.k.shape[3]],
+                "values": None if self.v is None else [*self.v.shape[:2], kept, self.v.shape[3]],
+                "full_kv": self.full, "stream_kv": self.stream, "slots": self.slots,
+                "full": None if self.full_cache is None else self.full_cache.state()}
+
+    def __repr__(self) -> str:
+        return (f"BudgetLayerCache(layer {self.index}, length={self.end}, full kv {self.full}, "
+                f"streaming kv {self.stream} in {self.slots} slots)")
 
 
 def _describe(st: dict) -> str:
@@ -203,20 +428,35 @@ class KVCache:
     ``capacity``: positions the buffers hold, allocated at the first call (default 16; e.g. prompt +
     new tokens). A longer sequence reallocates them at twice the size, and ``repr`` then says
     ``grown from N``. ``window``: keep only what ``sliding_window(window - 1, align="bottom_right")`` can
-    still see. Pass ``cache[i]`` to layer i: ``mha(x, mask=causal("bottom_right"), cache=cache[i])``.
+    still see. ``plan``: a head-wise KV budget (``bhqk.budget.Plan``: ``full`` bool [num_layers, Hkv],
+    ``sink``, ``window``; module doc). Pass ``cache[i]`` to layer i: ``mha(x, mask=causal("bottom_right"),
+    cache=cache[i])``.
     """
 
-    def __init__(self, num_layers: int = 1, *, capacity: int | None = None, window: int | None = None) -> None:
+    def __init__(self, num_layers: int = 1, *, capacity: int | None = None, window: int | None = None,
+                 plan: Any = None) -> None:
         if num_layers < 1:
             raise ValueError(f"KVCache needs num_layers >= 1, got {num_layers}.")
         if capacity is not None and capacity < 1:
             raise ValueError(f"KVCache capacity must be >= 1, got {capacity}.")
         if window is not None and window < 1:
             raise ValueError(f"KVCache window must be >= 1 (keys each query sees, itself included), got {window}.")
-        self.capacity, self.window = capacity, window
-        self.layers = [LayerCache(capacity, window, i) for i in range(num_layers)]
+        self.capacity, self.window, self.plan = capacity, window, plan
+        self.layers: list[LayerCache | BudgetLayerCache] = [LayerCache(capacity, window, i) for i in range(num_layers)]
+        if plan is not None:
+            if window is not None:
+                raise ValueError("KVCache: give window= or plan=, not both (a plan's streaming heads have their own window).")
+            full = plan.full
+            if full.dim() != 2 or full.shape[0] != num_layers:
+                raise ShapeError(f"KVCache: the plan is [layers={full.shape[0]}, Hkv={full.shape[-1]}] but the cache "
+                                 f"has num_layers={num_layers}.")
+            for i in range(num_layers):
+                keep = [g for g in range(full.shape[1]) if bool(full[i, g])]
+                stream = [g for g in range(full.shape[1]) if not bool(full[i, g])]
+                if stream:
+                    self.layers[i] = BudgetLayerCache(keep, stream, plan.sink, plan.window, capacity, i)
 
-    def __getitem__(self, i: int) -> LayerCache:
+    def __getitem__(self, i: int) -> LayerCache | BudgetLayerCache:
         return self.layers[i]
 
     def __len__(self) -> int:
@@ -234,6 +474,10 @@ class KVCache:
         """Absolute positions ``[first, last + 1)`` of the keys each layer attends to after
         appending ``new`` positions (slice a [B, K_total] padding mask with it)."""
         return self.layers[0].span(new)
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers of every layer (as allocated)."""
+        return sum(layer.nbytes() for layer in self.layers)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-layer cache can stand in for its layer."""

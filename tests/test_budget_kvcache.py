@@ -1,0 +1,196 @@
+"""Head-wise KV budgets on bhqk's own models: ``KVCache(plan=...)`` / ``plan.kv_cache(model)`` holds
+what the plan keeps (full heads every position, streaming heads a sink and a ring of window + 1), and
+GPT-2 with it equals GPT-2 with an ordinary cache and the streaming heads restricted by
+``bhqk.edit(mask=...)`` (``plan.emulate``); an all-full plan is the ordinary cache exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bhqk import masks
+from bhqk.budget import Plan
+from bhqk.errors import ShapeError
+from bhqk.models.gpt2 import GPT2, GPT2Config
+from bhqk.nn import KVCache, MultiHeadAttention
+from bhqk.nn.cache import BudgetLayerCache
+from tolerance import assert_models_close
+
+V = 100
+S, W = 3, 5  # R = S + W + 1 = 9 slots: a 20-token prompt and 10 new tokens wrap the ring
+
+
+def _gpt2(n_head=4):
+    torch.manual_seed(0)
+    return GPT2(GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=n_head, n_inner=64)).eval()
+
+
+def _inputs(B=2, N=20, pad=4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (B, N), generator=g)
+    am = torch.ones_like(ids)
+    if B > 1:
+        ids[1, :pad], am[1, :pad] = 0, 0  # left padding
+    return ids, am
+
+
+def _mixed(full_heads=((0, 0), (1, 3)), H=4) -> Plan:
+    full = torch.zeros(2, H, dtype=torch.bool)
+    for li, g in full_heads:
+        full[li, g] = True
+    return Plan(full, sink=S, window=W)
+
+
+@torch.no_grad()
+def _steps(model, seq, am, N, cache):
+    """The logits generate computes, teacher-forced on ``seq`` [B, N + n]: the prompt's last row, then
+    one decode step per token → [n, B, V]."""
+    out = [model(seq[:, :N], am[:, :N], cache=cache, last_only=True)[:, -1]]
+    for t in range(N, seq.shape[1] - 1):
+        out.append(model(seq[:, t:t + 1], am[:, :t + 1], cache=cache, last_only=True)[:, -1])
+    return torch.stack(out)  # [n, B, V]
+
+
+def _full_am(am, n):
+    return torch.cat([am, torch.ones(am.shape[0], n, dtype=am.dtype)], 1)  # [B, N + n]
+
+
+@pytest.mark.parametrize("kind", ["mixed", "streaming"])
+def test_gpt2_generation_with_the_budget_cache_equals_the_edited_model(kind):
+    model = _gpt2()
+    ids, am = _inputs()
+    plan = _mixed() if kind == "mixed" else Plan(torch.zeros(2, 4, dtype=torch.bool), sink=S, window=W)
+    n = 10
+    seq = model.generate(ids, n, attention_mask=am, cache=plan.kv_cache(model))  # [B, N + n]
+    with plan.emulate(model):
+        ref_seq = model.generate(ids, n, attention_mask=am)
+    assert torch.equal(seq, ref_seq)
+    am2 = _full_am(am, n)
+    logits = _steps(model, seq, am2, ids.shape[1], plan.kv_cache(model))
+    with plan.emulate(model):
+        ref = _steps(model, seq, am2, ids.shape[1], model.new_cache())
+    assert_models_close(logits, ref, width=64, layers=2, msg=f"{kind}: budget KVCache vs edit(mask=...)")
+    plain = _steps(model, seq, am2, ids.shape[1], model.new_cache())
+    assert (plain - ref).abs().max() > 1e-3, "the streaming mask must change something (else the test proves nothing)"
+
+
+def test_an_all_full_plan_is_the_ordinary_cache_exactly():
+    model = _gpt2()
+    ids, am = _inputs()
+    plan = Plan(torch.ones(2, 4, dtype=torch.bool), sink=S, window=W)
+    cache = plan.kv_cache(model)
+    assert all(type(layer).__name__ == "LayerCache" for layer in cache)
+    seq = model.generate(ids, 10, attention_mask=am, cache=cache)
+    assert torch.equal(seq, model.generate(ids, 10, attention_mask=am))
+    am2 = _full_am(am, 10)
+    got = _steps(model, seq, am2, 20, plan.kv_cache(model))
+    assert torch.equal(got, _steps(model, seq, am2, 20, model.new_cache()))
+
+
+@pytest.mark.parametrize("chunks", [[20], [4, 1, 1, 1, 13], [9, 1, 10], [12, 6, 1, 1], [2, 7, 11]])
+def test_any_chunking_equals_one_edited_forward(chunks):
+    """Prefill in chunks (Q > 1 before and after the ring wrapped) and decode steps (Q = 1) read what is held."""
+    model = _gpt2()
+    ids, am = _inputs()
+    plan = _mixed()
+    cache = plan.kv_cache(model)
+    outs, s = [], 0
+    with torch.no_grad():
+        for c in chunks:
+            outs.append(model(ids[:, s:s + c], am[:, :s + c], cache=cache))  # [B, c, V]
+            s += c
+        with plan.emulate(model):
+            ref = model(ids, am)  # [B, N, V]
+    assert_models_close(torch.cat(outs, 1), ref, width=64, layers=2, msg=f"chunks {chunks}")
+
+
+@torch.no_grad()
+def test_the_cache_holds_the_sink_and_a_ring_of_window_plus_one():
+    model = _gpt2()
+    ids, am = _inputs(N=6)
+    plan = _mixed()
+    cache = plan.kv_cache(model, capacity=32)
+    seq = model.generate(ids, 20, attention_mask=am, cache=cache)  # [B, 26]
+    written = 6 + 20 - 1
+    layer = cache[0]
+    assert isinstance(layer, BudgetLayerCache) and cache.length == written
+    assert layer.positions(0).tolist() == list(range(written))  # full
+    held = layer.positions(1)  # streaming: the slot of each position held
+    assert sorted(held.tolist()) == [0, 1, 2] + list(range(written - W - 1, written))
+    ref = model.new_cache()
+    am2 = _full_am(am, written - 6)
+    model(seq[:, :written], am2, cache=ref)
+    want = ref[0].keys[:, layer.stream]  # [B, 3, written, d]: the keys as written (learned positions: as they are)
+    real = am2.bool()[:, held]  # [B, R]: padding keys are never read
+    torch.testing.assert_close(layer.k[real[:, None].expand(-1, 3, -1)],
+                               want[:, :, held][real[:, None].expand(-1, 3, -1)])
+    B, d = 2, 8
+    per = d * 4 * B  # one position of one head, float32, both rows: keys or values
+    assert layer.nbytes() == 2 * per * (1 * 32 + 3 * (S + W + 1))  # full head: its 32-position buffer
+    assert cache.nbytes() == sum(x.nbytes() for x in cache)
+
+
+@torch.no_grad()
+def test_crop_is_exact_where_the_ring_holds_what_the_next_query_needs():
+    model = _gpt2()
+    ids, am = _inputs(B=1)
+    plan = _mixed()
+    cache = plan.kv_cache(model)
+    model(ids[:, :15], cache=cache)
+    a = model(ids[:, 15:16], cache=cache)  # [1, 1, V]: position 15
+    cache.crop(15)  # one back: the ring (window + 1 slots) still holds 15 − W … 14, what position 15 sees
+    b = model(ids[:, 15:16], cache=cache)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.crop(10)
+    short = plan.kv_cache(model)
+    model(ids[:, :8], cache=short)  # 8 < R = 9: nothing evicted, any crop is exact
+    short.crop(3)
+    c = model(ids[:, 3:16], cache=short)[:, -1]
+    with plan.emulate(model):
+        ref = model(ids[:, :16])[:, -1]
+    assert_models_close(c, ref, width=64, layers=2)
+
+
+@torch.no_grad()
+def test_weights_come_back_in_head_order_with_evicted_keys_zero():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    plan = Plan(torch.tensor([[True, False]]), sink=S, window=W)
+    x = torch.randn(1, 16, 32)
+    cache, plain = plan.kv_cache(), KVCache(1)
+    mha(x[:, :12], mask=masks.causal("bottom_right"), cache=cache)
+    mha(x[:, :12], mask=masks.causal("bottom_right"), cache=plain)
+    out, w = mha(x[:, 12:], mask=masks.causal("bottom_right"), cache=cache, return_weights=True)  # [1, 4, 4, 16]
+    out_ref, w_ref = mha(x[:, 12:], mask=masks.causal("bottom_right"), cache=plain, return_weights=True)
+    torch.testing.assert_close(w[:, :2], w_ref[:, :2])  # K/V head 0 (query heads 0, 1) is full
+    allowed = (~masks.key_span(0, S) | masks.sliding_window(W, align="bottom_right")) & masks.causal("bottom_right")
+    seen = allowed.materialize(1, 1, 4, 16)[0, 0]  # [4, 16]
+    assert bool((w[:, 2:] * ~seen).eq(0).all()) and not bool((w_ref[:, 2:] * ~seen).eq(0).all())
+    torch.testing.assert_close(w[:, 2:].sum(-1), torch.ones(1, 2, 4))
+
+
+def test_errors_name_what_is_wrong():
+    model = _gpt2()
+    with pytest.raises(ShapeError, match=r"layers=3, Hkv=4.*layers=2, Hkv=4"):
+        Plan(torch.ones(3, 4, dtype=torch.bool)).kv_cache(model)
+    with pytest.raises(ShapeError, match="num_layers=2"):
+        KVCache(2, plan=Plan(torch.zeros(3, 4, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="window= or plan="):
+        KVCache(2, window=4, plan=_mixed())
+    ids, _ = _inputs(B=1)
+    with pytest.raises(ShapeError, match="Hkv=2"):  # a cache made without the model: refused at the first write
+        model(ids, cache=Plan(torch.zeros(2, 2, dtype=torch.bool)).kv_cache())
+    cache = _mixed().kv_cache(model)
+    with torch.no_grad():
+        model(ids[:, :2], cache=cache)
+    with pytest.raises(ValueError, match="empty cache"):
+        model.generate(ids, 2, cache=cache)
+    mha = MultiHeadAttention(32, 4).eval()
+    one = Plan(torch.tensor([[True, False, False, False]])).kv_cache()
+    with pytest.raises(ValueError, match="torch.no_grad"):
+        mha(torch.randn(1, 3, 32, requires_grad=True), cache=one)
+    with torch.no_grad(), pytest.raises(ValueError, match="bias="):
+        mha(torch.randn(1, 3, 32), bias=torch.zeros(3, 3), cache=one)
+    with pytest.raises(TypeError, match="attention"):
+        one[0].update(torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
