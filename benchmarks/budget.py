@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # benchmarks/machine.py: CPU model and flags for every JSON  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCORE_CONFIGS = ["full", "induction", "retrieval", "distant", "random0", "random1", "streaming"]
+SCORE_CONFIGS = ["full", "induction", "retrieval", "retrieval-copy", "distant", "random0", "random1", "streaming"]
 
 
 def load():
@@ -95,6 +95,8 @@ def make_plan(model, tok, name: str, full: float, sink: int, window: int):
         mask = torch.zeros(L * Hkv, dtype=torch.bool)
         mask[torch.randperm(L * Hkv, generator=g)[: round(full * L * Hkv)]] = True
         return Plan(mask.reshape(L, Hkv), sink, window, score=name)
+    if name == "retrieval-copy":  # retrieval, its ties by copy mass (find's default: by index, earlier layers first)
+        return find(model, full=full, sink=sink, window=window, score="retrieval", tokenizer=tok, ties="copy mass")
     return find(model, full=full, sink=sink, window=window, score=name, tokenizer=tok)
 
 

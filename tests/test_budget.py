@@ -252,13 +252,15 @@ def test_find_keeps_the_top_fraction_by_the_kv_heads_max_score(score):
     assert model.config._attn_implementation == "bhqk"
 
 
-def test_find_breaks_ties_of_the_retrieval_score_by_copy_mass_not_by_index():
+def test_find_breaks_ties_of_the_retrieval_score_by_index_or_by_copy_mass():
     """A random model never copies the needle, so every K/V head's retrieval score is 0 (one tie across
-    the cut): the full heads must be those with the most copy mass, which is not the index order."""
+    the cut): by default the full heads are the first by index (earlier layers); with
+    ``ties="copy mass"`` those with the most copy mass, which is not the index order."""
     model = _llama(layers=3, H=4, Hkv=4)
-    (first, k1, _), (second, k2, _) = score_keys(model, "retrieval", length=32, batch=2)
+    (first, k1, _), (second, k2, _) = score_keys(model, "retrieval", length=32, batch=2, ties="copy mass")
     assert (first, second) == ("retrieval", "copy mass")
-    plan = find(model, full=0.5, length=32, batch=2)
+    assert [name for name, _, _ in score_keys(model, "retrieval", length=32, batch=2)] == ["retrieval"]
+    plan = find(model, full=0.5, length=32, batch=2, ties="copy mass")
     n = int(plan.full.sum())
     a, b = k1.flatten().tolist(), k2.flatten().tolist()
     want = sorted(range(len(a)), key=lambda i: (-a[i], -b[i], i))[:n]  # the first key, then the second, then index
@@ -269,6 +271,11 @@ def test_find_breaks_ties_of_the_retrieval_score_by_copy_mass_not_by_index():
     assert plan.tie_score == "copy mass" and "ties by copy mass" in str(plan)
     verdicts = [v for row in plan.decided() for v in row]
     assert "copy mass" in verdicts and set(verdicts) <= {"retrieval", "copy mass"}
+    default = find(model, full=0.5, length=32, batch=2)  # ties by index: the earlier layers full
+    assert sorted(default.full.flatten().nonzero().flatten().tolist()) == sorted(by_index)
+    assert default.tie_score is None and set(v for row in default.decided() for v in row) <= {"retrieval", "index"}
+    with pytest.raises(ValueError, match="ties must be one of"):
+        find(model, full=0.5, length=32, batch=2, ties="layer")
 
 
 def test_rank_and_decided_follow_the_keys_in_order():

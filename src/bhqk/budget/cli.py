@@ -39,7 +39,8 @@ def cmd_budget(a: argparse.Namespace) -> str:
     t0 = time.perf_counter()
     model, tokenizer = load_model(a.model)
     t1 = time.perf_counter()
-    plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed)
+    plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed,
+                ties=a.ties.replace("-", " "))
     t2 = time.perf_counter()
     held, full = plan.nbytes(a.length, model)
     L, H, Hkv, d, _ = model_sizes(model)
@@ -71,6 +72,8 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
     b.add_argument("--score", choices=SCORES, default="retrieval", help="how heads are ranked (default retrieval)")
+    b.add_argument("--ties", choices=("index", "copy-mass"), default="index",
+                   help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval)")
     b.add_argument("--length", type=int_at_least(1), default=8192, help="tokens at which bytes are counted (default 8192)")
     b.add_argument("--seed", type=int, default=0, help="seed of the probe sequences (default 0)")
     b.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan as JSON")

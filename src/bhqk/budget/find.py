@@ -16,10 +16,14 @@ far):
   window and off key 0: ``1 − local − sink`` (needs a tokenizer).
 
 Ties. ``find`` ranks K/V heads by a list of keys (:func:`score_keys`), first to last, then by index
-(layer · Hkv + head, lower first). ``retrieval`` has a second key from the same forward: ``copy
-mass``, the attention weight on the token being copied, averaged over every step of the repeated
-needle (copied correctly or not): the soft form of the top-1 hit, so it orders the many heads whose
-top-1 key never lands on the needle (on SmolLM2-135M, 83 of its 90 K/V heads) by how close they come.
+(layer · Hkv + head, lower first: earlier layers stay full). ``retrieval`` ties often: its top-1 key
+lands on the needle for few heads (on SmolLM2-135M, 7 of its 90 K/V heads), so the tie order decides
+most of a half plan. ``ties="index"`` (the default) keeps earlier layers full; ``ties="copy mass"``
+adds a second key from the same forward, the attention weight on the token being copied, averaged
+over every step of the repeated needle (copied correctly or not: the soft form of the top-1 hit).
+On SmolLM2-135M's needle grid (1,024 … 8,192 tokens × 5 depths, docs/benchmarks.md) index ties found
+12 of the 20 needles full attention's 13, copy-mass ties 10 (and a perplexity of 11.09 against 10.78
+at 8k): earlier layers matter more to retrieval there than the heads that come close to copying.
 ``induction`` and ``distant`` are continuous masses and have no second key. ``Plan.decided()`` says
 which key placed each head on its side of the cut.
 """
@@ -149,16 +153,20 @@ def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int)
     return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
 
 
-TIES = {"retrieval": "copy mass"}  # a score's second key, from the same forward
+TIES = {"retrieval": "copy mass"}  # a score's optional second key (ties="copy mass"), from the same forward
+TIE_ORDERS = ("index", "copy mass")
 
 
 def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
                texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-               batch: int = 4) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+               batch: int = 4, ties: str = "index") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The keys ``find`` ranks by, first to last: (name, per K/V head [L, Hkv] = max over its query
-    heads, per query head [L, H]) — ``score``, then its second key (:data:`TIES`) if it has one."""
+    heads, per query head [L, H]) — ``score``, then, with ``ties="copy mass"``, its second key
+    (:data:`TIES`) where it has one."""
     if score not in SCORES:
         raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
+    if ties not in TIE_ORDERS:
+        raise ValueError(f"find: ties must be one of {TIE_ORDERS}, got {ties!r}.")
     L, H, Hkv, _, _ = model_sizes(model)
     was = model.training
     model.eval()
@@ -173,7 +181,8 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
     finally:
         model.train(was)
     out = []
-    for name, t in zip([score, TIES.get(score)], per_q):
+    names = [score, TIES.get(score)] if ties == "copy mass" else [score]
+    for name, t in zip(names, per_q):
         assert name is not None
         if tuple(t.shape) != (L, H):
             from ..errors import ShapeError
@@ -203,23 +212,23 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "retrieval", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-         batch: int = 4) -> Plan:
+         batch: int = 4, ties: str = "index") -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of K/V heads
-    by ``score`` (module doc; ties by its second key, then by index) full and streams the rest with
-    ``sink`` + ``window``. ``length``, ``batch``: the probe sequences (defaults per score);
-    ``tokenizer``/``texts``: for ``distant``."""
+    by ``score`` full and streams the rest with ``sink`` + ``window``. ``ties``: ``"index"`` (earlier
+    layers first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``,
+    ``batch``: the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
     L, _, Hkv, _, paths = model_sizes(model)
     keys = score_keys(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
-                      length=length, batch=batch)
+                      length=length, batch=batch, ties=ties)
     n = round(full * L * Hkv)
     order = rank([kv for _, kv, _ in keys])[:n]  # [n] flat indices = layer·Hkv + head
     mask = torch.zeros(L * Hkv, dtype=torch.bool)
     mask[order] = True
     tie = keys[1] if len(keys) > 1 else None
     return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, paths or None,  # [L·Hkv] -> [L, Hkv]
-                {"fraction": full, "seed": seed}, None if tie is None else tie[1], None if tie is None else tie[0])
+                {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1], None if tie is None else tie[0])
 
 
-__all__ = ["find", "score_heads", "score_keys", "rank", "SCORES", "TIES"]
+__all__ = ["find", "score_heads", "score_keys", "rank", "SCORES", "TIES", "TIE_ORDERS"]
