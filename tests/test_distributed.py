@@ -1,6 +1,7 @@
 """Ring attention on real torch.distributed (gloo, 127.0.0.1) against single-process bhqk.attention.
 
-Processes are spawned once per world size (2 and 4), both worlds at once; each worker runs every case
+Processes are started once per world size (2 and 4), both worlds at once, forked from one server that
+imported torch and bhqk once (multiprocessing's forkserver; spawned where there is none); each worker runs every case
 and writes what it measured, and the tests below judge it. The world of 4 then splits into two pairs
 with a 3 s timeout, where a peer stalls (ranks 0, 1) or dies (ranks 2, 3): no world is spawned for
 them alone. The pure parts (sharding, mask views) are tested in-process.
@@ -135,8 +136,13 @@ def _free_port() -> int:
 
 
 def _start(world: int, outdir):
-    """Start ``_worker`` in ``world`` processes (not waiting for them)."""
-    return mp.start_processes(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, start_method="spawn",
+    """Start ``_worker`` in ``world`` processes (not waiting for them). Where the platform has it, they
+    are forked from one server process that has imported this module (torch, bhqk) once, so no worker
+    pays seconds of imports of its own; the server itself has run no torch op (no threads to fork)."""
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload([__name__])
+    return mp.start_processes(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, start_method=method,
                               join=False)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import masking_utils as mu
 import bhqk
 from bhqk import masks
 from bhqk.errors import LoadError, MaskError
+from bhqk.functional import flex
 from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, encode, load_folder, names, register
 from tolerance import assert_close, assert_models_close, assert_paths_close, bound
 
@@ -156,14 +158,26 @@ def test_backend_names_come_from_the_registry(monkeypatch):
             mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(n, None)
 
 
-# every registered name; flex (uncompiled on the CPU, seconds per model) on BERT by default, Llama in the slow run
-PADDING_CASES = [pytest.param(n, k, marks=[pytest.mark.slow] if (n, k) == ("bhqk:flex", "llama") else [])
-                 for n in NAMES for k in ("llama", "bert")]
+# every registered name on both models; flex on its unfused eager path (flex.uncompiled(): the same
+# mask_mod, score_mod and BlockMask, nothing compiled), its compiled kernel in the slow run (seconds of
+# compile per model; tests/test_flex.py compiles one kernel in the default run)
+PADDING_CASES = [(n, k) for n in NAMES for k in ("llama", "bert")]
 
 
 @pytest.mark.parametrize("name, kind", PADDING_CASES)
 def test_padding_is_never_dropped(name, kind):
     """A padded batch gives each sequence the outputs it has alone (independent of eager)."""
+    with flex.uncompiled() if name == "bhqk:flex" else contextlib.nullcontext():
+        _check_padding_is_never_dropped(name, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_padding_is_never_dropped_on_compiled_flex(kind):
+    _check_padding_is_never_dropped("bhqk:flex", kind)
+
+
+def _check_padding_is_never_dropped(name, kind):
     model = _model(_llama if kind == "llama" else _bert)
     ids, am = _batch(left=kind == "llama")
     model.set_attn_implementation(name)
