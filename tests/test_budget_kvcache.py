@@ -14,24 +14,15 @@ from bhqk.errors import ShapeError
 from bhqk.models.gpt2 import GPT2, GPT2Config
 from bhqk.nn import KVCache, MultiHeadAttention
 from bhqk.nn.cache import BudgetLayerCache
+from test_budget import V, _inputs  # ids [B, N] (row 1 left-padded) and their attention mask
 from tolerance import assert_models_close
 
-V = 100
 S, W = 3, 5  # R = S + W + 1 = 9 slots: a 20-token prompt and 10 new tokens wrap the ring
 
 
 def _gpt2(n_head=4):
     torch.manual_seed(0)
     return GPT2(GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=n_head, n_inner=64)).eval()
-
-
-def _inputs(B=2, N=20, pad=4):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, V, (B, N), generator=g)
-    am = torch.ones_like(ids)
-    if B > 1:
-        ids[1, :pad], am[1, :pad] = 0, 0  # left padding
-    return ids, am
 
 
 def _mixed(full_heads=((0, 0), (1, 3)), H=4) -> Plan:
