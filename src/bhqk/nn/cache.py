@@ -273,7 +273,7 @@ class BudgetLayerCache:
             self.v = v.new_empty(B, h, self.slots, v.shape[-1])  # [B, h_stream, R, dv]
         pos = torch.arange(P, P + Q)
         keep = (pos < self.sink) | (pos >= P + Q - (self.window + 1))  # [Q]: the sink and the last window + 1
-        idx = keep.nonzero().flatten()
+        idx = keep.nonzero().flatten()  # [Q] bool -> [kept] positions
         slots = self._slot(pos[idx]).to(k.device)
         idx = idx.to(k.device)
         self.k.index_copy_(2, slots, k.index_select(2, idx))  # [B, h, n, d] into their slots
