@@ -116,7 +116,7 @@ def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.T
         b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)  # [B] -> [B, 1, 1, 1, 1] (axes B, n, H, rows, L)
         h = torch.arange(ext.H, device=dev).view(1, 1, ext.H, 1, 1)  # [H] -> [1, 1, H, 1, 1]
         allowed = mod(b, h, qi.view(1, n, 1, g.rows, 1), ki.view(1, n, 1, 1, g.L))  # [#B, n, #H, rows, L]
-        allowed = torch.as_tensor(allowed, device=dev).expand(-1, n, -1, g.rows, g.L)  # [#B, #n, #H, #rows, #L] -> [#B, n, #H, rows, L]
+        allowed = torch.as_tensor(allowed, device=dev).expand(-1, n, -1, g.rows, g.L)  # -> [#B, n, #H, rows, L]
     add = None
     if p.bias is not None:
         tiles = [_bias_tile(p, p.bias, int(qi[j, 0]), int(ki[j, 0]), g) for j in range(n)]  # [#B, #H, rows, L] each
