@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "bhqk"
@@ -138,3 +140,11 @@ def test_the_checker_sees_a_pair_importing_each_other(tmp_path):
     (tmp_path / "masks" / "b.py").write_text("def f():\n    from . import a\n")  # inside a function counts too
     (tmp_path / "masks" / "c.py").write_text("from bhqk.masks.a import y\n")  # one way only: fine
     assert _mutual_imports(tmp_path) == {("masks/a.py", "masks/b.py")}
+
+
+def test_import_bhqk_does_not_load_torch_dynamo():
+    """``import bhqk`` leaves ``torch._dynamo`` (about 1 s to import) to the first compiled call:
+    every CLI start and every subprocess pays what the import pays."""
+    code = "import sys, bhqk; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

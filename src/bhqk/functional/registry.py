@@ -104,16 +104,26 @@ class Choice:
     def run(self, p: Problem, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out [B, H, Q, dv] and lse [B, H, Q] or None, from the chosen backend with its plan."""
         if not self.backend.traceable and torch.compiler.is_compiling():
-            return _outside_graph(self.backend.run, p, need_lse, self.plan)
+            return _outside_graph()(self.backend.run, p, need_lse, self.plan)
         return self.backend.run(p, need_lse, self.plan)
 
 
-@torch.compiler.disable
-def _outside_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _leave_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Where ``torch.compile``d code leaves its graph (it breaks; ``fullgraph=True`` fails): the tiled
     backend (worker threads, decisions read from the data) and ``auto`` (its choice reads the data
     and the measured costs). ``backend="torch"`` compiles to one graph."""
     return run(p, need_lse, plan)
+
+
+_LEFT: list[Callable[..., Any]] = []  # _leave_graph wrapped by torch.compiler.disable, made at first need
+
+
+def _outside_graph() -> Callable[..., Any]:
+    """``_leave_graph`` under ``torch.compiler.disable``, wrapped the first time a compiled call needs it:
+    ``disable`` imports ``torch._dynamo`` (about 1 s), which ``import bhqk`` should not pay."""
+    if not _LEFT:
+        _LEFT.append(torch.compiler.disable(_leave_graph))
+    return _LEFT[0]
 
 
 def _decided_run(p: Problem, need_lse: bool, plan: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
