@@ -92,12 +92,12 @@ def _k_index(g: Group) -> torch.Tensor:
 
 def _rows(t: torch.Tensor, g: Group) -> torch.Tensor:
     """[B, H, Q, ...] -> the group's rows [B, H, n, rows, ...] (a view)."""
-    return t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))
+    return t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))  # [B, H, n·rows, ·] -> [B, H, n, rows, ·]
 
 
 def _from_batch(t: torch.Tensor, B: int, n: int) -> torch.Tensor:
     """[B·n, H, rows, ...] -> [B, H, n, rows, ...] (a view)."""
-    return t.unflatten(0, (B, n)).transpose(1, 2)
+    return t.unflatten(0, (B, n)).transpose(1, 2)  # [B·n, H, rows, ·] -> [B, n, H, rows, ·] -> [B, H, n, rows, ·]
 
 
 def _mask(p: Problem, g: Group, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -216,7 +216,7 @@ def on_heads(p: Problem, heads: list[int], mask: Mask) -> Problem:
     def take(t: torch.Tensor, idx: list[int]) -> torch.Tensor:  # [B, H, N, x] -> [B, len(idx), N, x]
         if idx == list(range(idx[0], idx[0] + len(idx))):
             return t[:, idx[0]:idx[0] + len(idx)]  # a view
-        return t.index_select(1, torch.tensor(idx, device=t.device))
+        return t.index_select(1, torch.tensor(idx, device=t.device))  # [B, H, N, x] -> [B, len(idx), N, x]
 
     sizes = Sizes(**{**p.sizes.size, "H": len(heads), "Hkv": len(kv_heads)})
     sinks = None if p.sinks is None else p.sinks[heads]  # [h]
