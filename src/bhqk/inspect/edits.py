@@ -148,22 +148,19 @@ def _times(s: float | torch.Tensor) -> Fn:
     return lambda o: o * s.reshape(-1).to(device=o.device)[None, :, None, None]  # [] | [h] -> [1, h|1, 1, 1]
 
 
-def _mask(m, who: str) -> Mask:
-    if not isinstance(m, (Mask, torch.Tensor)):
-        raise ValueError(f"{who}: mask must be a bhqk mask or a bool tensor broadcastable to [B, h, Q, K], got "
-                         f"{type(m).__name__}.")
-    out = as_mask(m)
-    assert out is not None
-    return out
+def _structured(arg: str, kind: type, convert: Callable[[Any], Any], what: str) -> Callable[[Any, str], Any]:
+    """The check of a mask or bias value: a bhqk ``kind`` or a tensor, made one by ``convert``."""
+    def check(x, who: str):
+        if not isinstance(x, (kind, torch.Tensor)):
+            raise ValueError(f"{who}: {arg} must be {what}, got {type(x).__name__}.")
+        out = convert(x)
+        assert out is not None
+        return out
+    return check
 
 
-def _bias(b, who: str) -> Bias:
-    if not isinstance(b, (Bias, torch.Tensor)):
-        raise ValueError(f"{who}: bias must be a bhqk bias or a float tensor broadcastable to [B, h, Q, K], got "
-                         f"{type(b).__name__}.")
-    out = as_bias(b)
-    assert out is not None
-    return out
+_mask = _structured("mask", Mask, as_mask, "a bhqk mask or a bool tensor broadcastable to [B, h, Q, K]")
+_bias = _structured("bias", Bias, as_bias, "a bhqk bias or a float tensor broadcastable to [B, h, Q, K]")
 
 
 def _tensor(arg: str, shape: str) -> Callable[[Any, str], torch.Tensor]:
