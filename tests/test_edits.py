@@ -242,9 +242,41 @@ def test_bad_steps_name_the_argument():
         edits.weights(-torch.rand(7, 7))
     with pytest.raises(ShapeError, match="edits.output: output must be a float tensor"):
         edits.output(torch.ones(7, 8, dtype=torch.long))
-    with pytest.raises(ShapeError, match=r"the function at\('head_outputs', <lambda>\) .* returned \[2, 1, 7, 4\]"), \
+    with pytest.raises(ShapeError, match=r"edit: at\('head_outputs', <lambda>\) returned \[2, 1, 7, 4\]"), \
             torch.no_grad(), bhqk.edit(heads=[1], do=edits.at("head_outputs", lambda o: o[..., :4])):
         mha(x, mask=masks.causal())
     with pytest.raises(ShapeError, match=r"weights has shape \[3, 3\]"), torch.no_grad(), \
             bhqk.edit(heads=[1], do=edits.weights(torch.rand(3, 3))):
         mha(x, mask=masks.causal())
+
+
+def test_a_users_function_gets_a_copy_and_its_result_is_checked():
+    """A function may write in place (the given P stays as given, call after call); a result of another
+    dtype, NaN/+inf scores, negative weights or NaN from finite head outputs is refused, naming the step."""
+    mha, x = _mha()
+    P = torch.full((7, 7), 0.2)
+    with torch.no_grad(), bhqk.edit(heads=[1], do=[edits.weights(P), edits.at("weights", lambda t: t.mul_(2))]):
+        first = mha(x, mask=masks.causal())
+        second = mha(x, mask=masks.causal())
+    assert torch.equal(P, torch.full((7, 7), 0.2)) and torch.equal(first, second)
+    for point, fn, match in (("head_outputs", lambda o: o.double(), "must keep the dtype and the device"),
+                             ("scores", lambda S: S * float("nan"), r"NaN or \+inf scores"),
+                             ("weights", lambda P: P - 1, "not finite and >= 0"),
+                             ("head_outputs", lambda o: o / 0, "NaN/inf head outputs from finite ones")):
+        with pytest.raises(ShapeError, match=match), torch.no_grad(), bhqk.edit(heads=[1], do=edits.at(point, fn)):
+            mha(x, mask=masks.causal())
+
+
+def test_a_dense_edit_is_refused_under_dropout_and_passes_non_finite_values_as_the_formula_does():
+    """An identity at scores equals the unedited call even where v holds inf at keys some rows may not
+    attend (those rows stay finite); with dropout a given or changed P is refused, not silently undropped."""
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    v[0, :, 5] = float("inf")  # the last key: only the last row may attend it under a causal mask
+    plain = bhqk.attention(q, k, v, masks.causal(), backend="reference")
+    with bhqk.edit(heads=[1], do=edits.at("scores", lambda S: S)):
+        got = bhqk.attention(q, k, v, masks.causal(), backend="reference")
+    assert bool(torch.isfinite(got[:, :, :5]).all())
+    assert_close(got[:, :, :5], plain[:, :, :5], n=6)
+    assert torch.equal(torch.isinf(got), torch.isinf(plain)) and torch.equal(torch.isnan(got), torch.isnan(plain))
+    with pytest.raises(ValueError, match="dropout"), bhqk.edit(heads=[0], do=edits.at("weights", lambda P: P)):
+        bhqk.attention(q, k, v, masks.causal(), dropout_p=0.5, backend="reference")

@@ -9,6 +9,8 @@ dropped (it has no value), so P's rows sum to 1 − the sink's share and lse inc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -78,8 +80,16 @@ def run(p: Problem, need_lse: bool = False, plan: None = None,
     P, lse = softmax_rows(S, p.sinks)
     if p.dropout_p > 0:
         P = F.dropout(P, p.dropout_p) if keep is None else P * keep / (1.0 - p.dropout_p)
-    v, flags = finite_part(per_query_head(p.v, p.ext.H).to(S.dtype))  # [B, H, K, dv]: NaN/inf as 0; flags [B, H, K, 3·dv]
-    O = torch.einsum("bhqk,bhkv->bhqv", P, v)  # [B, H, Q, dv]
-    if flags is not None:  # NaN/inf in v reach exactly the rows that may attend their key
-        O = O + poison(torch.einsum("bhqk,bhkc->bhqc", (S > float("-inf")).to(S.dtype), flags))  # [B, H, Q, dv]
+    O = weighted_values(P, per_query_head(p.v, p.ext.H).to(S.dtype), lambda: S > float("-inf"))  # [B, H, Q, dv]
     return O.to(p.q.dtype), lse
+
+
+def weighted_values(P: torch.Tensor, v: torch.Tensor, reach: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """O = P·V [B, h, Q, dv] for P [B, h, Q, K] and v [B, h, K, dv], NaN/inf in v reaching exactly the
+    rows that may attend their key (``reach()``, bool [B, h, Q, K], asked only when v holds any):
+    the one P·V of the formula (``run``, and the edits that give or change P)."""
+    v, flags = finite_part(v)  # [B, h, K, dv]: NaN/inf as 0; flags [B, h, K, 3·dv]
+    O = torch.einsum("bhqk,bhkv->bhqv", P, v)  # [B, h, Q, dv]
+    if flags is not None:  # NaN/inf in v reach exactly the rows that may attend their key
+        O = O + poison(torch.einsum("bhqk,bhkc->bhqc", reach().to(P.dtype), flags))  # [B, h, Q, dv]
+    return O

@@ -66,7 +66,7 @@ from ..functional import reference
 from ..functional.problem import Problem
 from ..functional.registry import resolve
 from ..masks import Mask
-from ..shapes import as_4d, compute_dtype, per_query_head
+from ..shapes import all_finite, as_4d, compute_dtype, per_query_head
 from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
 from .edits import EDITS, Step, as_steps, check_steps, keyword_steps
 from .layers import Selection, heads_rows, sub_call, value_heads
@@ -129,6 +129,10 @@ class Edit:
 
     def _check(self, p: Problem, name: str, n: int) -> None:
         """The edit's values against the call's sizes (n = the heads it names)."""
+        if self.dense and p.dropout_p > 0:
+            raise ValueError(f"edit: {name!r} runs with dropout (dropout_p={p.dropout_p}), but a given or changed P "
+                             f"(weights=, edits.at('scores' | 'weights', fn)) is used as it is, without dropout; "
+                             f"edit in eval mode (model.eval()) or without dropout.")
         s = p.sizes
         sub = masks.Extent(s["B"], n, s["Q"], s["K"])
         for st in self.steps:
@@ -239,6 +243,15 @@ def _cat(ts: list, dim: int = 1) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
 
 
+def _starts(parts: list) -> list[int]:
+    """The first head of each part in their concatenation along the heads (``_cat``)."""
+    out, a = [], 0
+    for g in parts:
+        out.append(a)
+        a += len(g.hs)
+    return out
+
+
 def _fold(values: list, op: Callable):
     return reduce(op, values) if values else None
 
@@ -270,15 +283,33 @@ def _functions(t: torch.Tensor, point: str, named: list[tuple[Edit, list[int], s
         ix = None if whole else torch.tensor(idx, device=t.device)
         sel = t if ix is None else t.index_select(1, ix)  # [B, h, Q, ·] -> the edit's heads
         for s in fns:
-            new = s.fn(sel)  # type: ignore[misc]
+            user = s.kind == "at"  # a user's function: given a copy (it may write in place) and its result checked
+            new = s.fn(sel.clone() if user else sel)  # type: ignore[misc]
             if not isinstance(new, torch.Tensor) or new.shape != sel.shape:
                 got = list(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-                raise ShapeError(f"edit: the function {s!r} at {point!r} returned {got} for {name!r}'s "
-                                 f"{point} {list(sel.shape)} (B, h={len(heads)} heads edited, Q, ·); it must keep "
-                                 f"the shape.")
+                raise ShapeError(f"edit: {s!r} returned {got} for {name!r}'s {point} {list(sel.shape)} (B, "
+                                 f"h={len(heads)} heads edited, Q, ·); it must keep the shape.")
+            if user:
+                _check_result(new, sel, point, f"edit: {s!r} in {name!r}")
             sel = new
         t = sel if ix is None else t.index_copy(1, ix, sel.to(t.dtype))
     return t
+
+
+def _check_result(new: torch.Tensor, old: torch.Tensor, point: str, who: str) -> None:
+    """A user function's result at ``point``: same dtype and device as its input, and values the next
+    step can take (scores: no NaN or +inf, -inf = may not attend; weights: finite and >= 0; head
+    outputs: finite where the input was)."""
+    if new.dtype != old.dtype or new.device != old.device:
+        raise ShapeError(f"{who} returned {new.dtype} on {new.device} for {old.dtype} on {old.device}; it must keep "
+                         f"the dtype and the device.")
+    t = new.detach()
+    if point == "scores" and bool((torch.isnan(t) | (t == float("inf"))).any()):
+        raise ShapeError(f"{who} returned NaN or +inf scores; a score is finite, or -inf where a key may not be attended.")
+    if point == "weights" and (not all_finite(t) or bool((t < 0).any())):
+        raise ShapeError(f"{who} returned weights that are not finite and >= 0 (attention weights P, used as given).")
+    if point == "head_outputs" and not all_finite(t) and all_finite(old):
+        raise ShapeError(f"{who} returned NaN/inf head outputs from finite ones.")
 
 
 def _spans(m: Mask | None) -> list[masks.Span]:
@@ -397,7 +428,12 @@ def _at_weights(p: Problem, parts: list[_Part], named: list[tuple[Edit, list[int
     P = _cat([g.P for g in parts if g.P is not None])  # [B, hp, Q, K]
     P = _functions(P, "weights", named, ph).to(compute_dtype(p.q))
     v = per_query_head(p.v, p.ext.H, ph).to(P.dtype)  # [B, Hkv, K, dv] -> [B, hp, K, dv]: head h reads K/V head h // G
-    o = torch.einsum("bhqk,bhkd->bhqd", P, v)  # [B, hp, Q, dv]
+
+    def reach() -> torch.Tensor:  # [B, hp, Q, K]: the keys each row may attend (S > -inf where S was built, else P > 0)
+        return _cat([g.S > float("-inf") if g.S is not None and not g.pattern else P[:, a:a + len(g.hs)] > 0
+                     for g, a in zip(parts, _starts(parts))])
+
+    o = reference.weighted_values(P, v, reach)  # [B, hp, Q, dv]
     lses: list[torch.Tensor | None] = []
     ones = masks.dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=P.device))
     at = 0
@@ -405,7 +441,7 @@ def _at_weights(p: Problem, parts: list[_Part], named: list[tuple[Edit, list[int
         a, at = at, at + len(g.hs)
         Pg = P[:, a:at]  # [B, h, Q, K]
         if g.output is not None:  # a given O after the pattern
-            o = o.index_copy(1, torch.arange(a, at, device=o.device), g.output.to(o.dtype))
+            o = o.index_copy(1, torch.arange(a, at, device=o.device), g.output.to(o.dtype))  # [B, hp, Q, dv]: heads a:at given
         if g.pattern or g.S is None:  # a given or edited P: observers read S = log P, lse 0
             lses.append(torch.where((Pg.detach() > 0).any(dim=-1), 0.0, float("-inf")))  # [B, h, Q]
             bias_parts.append((g.hs, DenseBias(torch.log(Pg.detach())), True))  # [B, h, Q, K]; -inf where P = 0

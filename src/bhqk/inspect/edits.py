@@ -27,7 +27,8 @@ keyword form ``bhqk.edit(zero=True, scale=, mask=, bias=, weights=, output=)`` i
 point's tensor for the edit's heads in this call. Where it runs and what it costs:
 
 - ``at("head_outputs", fn)``: o [B, h, Q, dv] from the fast path (or from the edit's recomputed
-  heads); costs ``fn`` and one [B, h, Q, dv] copy. Exact: o is what the model merges next.
+  heads); costs ``fn`` and a few [B, h, Q, dv] copies (the heads taken out, given to ``fn``, put
+  back into [B, H, Q, dv]). Exact: o is what the model merges next.
 - ``at("scores", fn)``: S [B, h, Q, K] (−inf where masked), built for the edit's heads only by the
   reference with every mask and bias edit on those heads; then P = softmax(fn(S)) (a row with no
   finite score gives 0; the call's sinks count) and O_h = P·V. The lse the call returns (and capture
@@ -42,7 +43,11 @@ fast path and builds no [Q, K]. How steps combine on one head, in one call: mask
 biases add; a given P (``weights``) or O (``output``) replaces the point's tensor (the innermost
 edit's, when nested edits give one) and makes the points before it moot; then the functions at the
 point run, the outer edit's first, each edit's in the order given. A new kind of edit is one entry
-of :data:`EDITS` (and its test).
+of :data:`EDITS` (and its test) at a (point, how) the engine carries out (:data:`ACTIONS`; a
+``Kind`` elsewhere is refused). A user function receives a copy (it may write in place) and must
+return the same shape, dtype and device, with values the next step takes (scores: no NaN or +inf;
+weights: finite, ≥ 0; head outputs: finite where they were); dense edits (a given or changed P) are
+refused under dropout.
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ POINTS: dict[str, Point] = {
 }
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
+
+# What the engine (``inspect/edit.py``) does at each point: (point, how) of every Step it carries out.
+ACTIONS = frozenset({("mask", "and"), ("scores", "add"), ("scores", "apply"), ("weights", "replace"),
+                     ("weights", "apply"), ("head_outputs", "replace"), ("head_outputs", "apply")})
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +127,11 @@ class Kind:
     check: Callable[[Any, str], Any]
     fn: Callable[[Any], Fn] | None = None
     sizes: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.point, self.how) not in ACTIONS:
+            raise ValueError(f"Kind: an edit may {self.how!r} at {self.point!r} only if the engine does it there; "
+                             f"it does {sorted(ACTIONS)}.")
 
 
 def _zero(value, who: str) -> bool:
@@ -277,4 +291,4 @@ def check_steps(steps: list[Step], who: str = "edit") -> None:
             raise ValueError(f"{who}: {s.kind}= replaces the heads' {s.point}, so {moot} cannot apply with it.")
 
 
-__all__ = ["POINTS", "EDITS", "Point", "Kind", "Step", "zero", "scale", "mask", "bias", "weights", "output", "at"]
+__all__ = ["POINTS", "EDITS", "ACTIONS", "Point", "Kind", "Step", "zero", "scale", "mask", "bias", "weights", "output", "at"]
