@@ -368,6 +368,28 @@ def test_crop_before_eviction_is_exact_and_after_it_says_why():
             cache.crop(-1)  # position 13 − W = 8 was evicted; the query at 13 would need it
 
 
+def test_a_refused_crop_leaves_every_layer_as_it_was():
+    """Layer 0 all full could crop, layer 1's streaming head cannot: crop is every layer or none."""
+    model = _llama()
+    ids, _ = _inputs(B=1, N=14)
+    plan = Plan(torch.tensor([[True, True], [True, False]]), sink=S, window=W)
+    cache = plan.cache(model)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-4)
+    assert [layer.length for layer in cache.budget_layers] == [14, 14] and cache.get_seq_length() == 14
+
+
+def test_find_names_what_it_cannot_do():
+    with pytest.raises(ValueError, match="ties='copy mass' orders the ties of score='retrieval'"):
+        find(_llama(), full=0.5, score="induction", ties="copy mass")
+    from bhqk.models.gpt2 import GPT2, GPT2Config
+
+    with pytest.raises(TypeError, match="scores a Hugging Face causal LM.*GPT2.*Plan\\(full="):
+        find(GPT2(GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, n_inner=32)), full=0.5)
+
+
 def test_crop_after_past_recording_is_exact_and_evicts_afterwards():
     """transformers' assisted decoding: activate_past_recording, a forward over draft tokens, crop the
     rejected ones; the streaming heads then hold sink + window again, and the next forward equals the

@@ -10,7 +10,7 @@ import torch
 
 from bhqk import masks
 from bhqk.budget import Plan
-from bhqk.errors import ShapeError
+from bhqk.errors import MaskError, ShapeError
 from bhqk.models.gpt2 import GPT2, GPT2Config
 from bhqk.nn import KVCache, MultiHeadAttention
 from bhqk.nn.cache import BudgetLayerCache
@@ -113,12 +113,12 @@ def test_the_cache_holds_the_sink_and_a_ring_of_window_plus_one():
     model(seq[:, :written], am2, cache=ref)
     want = ref[0].keys[:, layer.stream]  # [B, 3, written, d]: the keys as written (learned positions: as they are)
     real = am2.bool()[:, held]  # [B, R]: padding keys are never read
-    torch.testing.assert_close(layer.k[real[:, None].expand(-1, 3, -1)],
-                               want[:, :, held][real[:, None].expand(-1, 3, -1)])
+    real3 = real[:, None].expand(-1, 3, -1)  # [B, R] -> [B, 3, R]: the three streaming heads
+    assert torch.equal(layer.k[real3], want[:, :, held][real3])  # copies: bit for bit
     B, d = 2, 8
     per = d * 4 * B  # one position of one head, float32, both rows: keys or values
     assert layer.nbytes() == 2 * per * (1 * 32 + 3 * (S + W + 1))  # full head: its 32-position buffer
-    assert cache.nbytes() == sum(x.nbytes() for x in cache)
+    assert cache.nbytes() == 2 * 2 * per * (1 * 32 + 3 * (S + W + 1))  # both layers: one full head, three streaming
 
 
 @torch.no_grad()
@@ -131,7 +131,7 @@ def test_crop_is_exact_where_the_ring_holds_what_the_next_query_needs():
     a = model(ids[:, 15:16], cache=cache)  # [1, 1, V]: position 15
     cache.crop(15)  # one back: the ring (window + 1 slots) still holds 15 − W … 14, what position 15 sees
     b = model(ids[:, 15:16], cache=cache)
-    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert torch.equal(b, a)  # the same state, the same step
     with pytest.raises(ValueError, match="evicted"):
         cache.crop(10)
     short = plan.kv_cache(model)
@@ -185,3 +185,35 @@ def test_errors_name_what_is_wrong():
         mha(torch.randn(1, 3, 32), bias=torch.zeros(3, 3), cache=one)
     with pytest.raises(TypeError, match="attention"):
         one[0].update(torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
+
+
+@torch.no_grad()
+def test_a_refused_crop_or_call_changes_nothing_and_an_emptied_cache_takes_new_sizes():
+    """crop is all layers or none (layer 0 all full could crop, layer 1's ring cannot); a head-dependent
+    mask is refused before anything is written; after reset() the cache takes another batch size, and
+    a filled cache names a size that does not fit; a cache of the wrong depth is refused by GPT-2."""
+    model = _gpt2()
+    ids, am = _inputs(B=1)
+    plan = Plan(torch.tensor([[True] * 4, [True, False, False, False]]), sink=S, window=W)
+    cache = plan.kv_cache(model)
+    model(ids[:, :20], cache=cache)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.crop(12)
+    assert [layer.length for layer in cache] == [20, 20]  # layer 0 (all full, a plain layer) was not cropped first
+    layer = cache[1]
+    k = torch.randn(1, 4, 1, 8)  # [B, Hkv, Q=1, d]
+    per_head = masks.per_head([masks.causal("bottom_right")] * 2 + [masks.sliding_window(2, align="bottom_right")] * 2)
+    with pytest.raises(MaskError, match="head-dependent"):
+        layer.attention(torch.randn(1, 4, 1, 8), k, k, per_head)
+    assert layer.length == 20 and layer.full_cache.length == 20
+    k2 = torch.randn(2, 4, 1, 8)  # [B=2, Hkv, Q=1, d]: another batch size
+    with pytest.raises(ShapeError, match="holds B=1.*but got B=2"):
+        layer.attention(torch.randn(2, 4, 1, 8), k2, k2)
+    assert layer.length == 20 and layer.full_cache.length == 20
+    cache.reset()
+    ids2, am2 = _inputs(B=2)
+    got = model.generate(ids2, 4, attention_mask=am2, cache=cache)  # the emptied cache, another batch size
+    with plan.emulate(model):
+        assert torch.equal(got, model.generate(ids2, 4, attention_mask=am2))
+    with pytest.raises(ValueError, match="cache= has 1 layers but this GPT-2 has 2"):
+        model(ids[:, :4], cache=KVCache(1, plan=Plan(torch.ones(1, 4, dtype=torch.bool), sink=S, window=W)))

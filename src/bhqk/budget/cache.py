@@ -281,10 +281,8 @@ class BudgetLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._each(lambda t: t[indices, ...])  # [B, h, n, d] -> [b, h, n, d]
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
-        length to keep, as older versions call it), then evict down to sink + window. Exact, or a
-        ValueError when the streaming heads already evicted what the next query would need."""
+    def check_crop(self, tokens_to_remove: int) -> int:
+        """The length ``crop(tokens_to_remove)`` would keep, or the ValueError it would raise (nothing changed)."""
         L, S, W = self.length, self.sink, self.window
         target = L + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         if not 0 <= target <= L:
@@ -298,6 +296,14 @@ class BudgetLayer(CacheLayerMixin):
                     f"window={W}) keep positions {first}…{L - 1} after the sink, and the next query would need {need}…"
                     f"{target - 1}. Call cache.activate_past_recording() before the forward to be rolled back "
                     f"(transformers' assisted decoding does) so that eviction waits for the crop.")
+        return target
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
+        length to keep, as older versions call it), then evict down to sink + window. Exact, or a
+        ValueError when the streaming heads already evicted what the next query would need."""
+        target = self.check_crop(tokens_to_remove)
+        L = self.length
         if target < L:
             self._each_full(lambda t: t[..., :target, :])  # [B, h_full, L, d] -> [B, h_full, target, d]
             if self.sk is not None and self.sv is not None:
@@ -336,6 +342,14 @@ class BudgetCache(Cache):
             raise ShapeError(f"budget cache: the model wrote layer {layer_idx} but the plan has layers="
                              f"{len(self.layers)} (× Hkv={self.plan.num_kv_heads} K/V heads).")
         return self.budget_layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def crop(self, max_length: int) -> None:
+        """Every layer cropped, or none: each layer's crop is checked first (a refused one raises
+        before any layer changed)."""
+        for layer in self.budget_layers:
+            layer.check_crop(max_length)
+        for layer in self.budget_layers:
+            layer.crop(max_length)
 
     def nbytes(self) -> int:
         """Bytes of keys and values held now, over every layer."""

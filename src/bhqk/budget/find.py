@@ -47,6 +47,10 @@ SCORES = ("induction", "retrieval", "distant")
 @contextlib.contextmanager
 def _on_bhqk(model: Any) -> Iterator[None]:
     """The model runs bhqk's attention inside the block (statistics are captured from it)."""
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
+                        f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
+                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
     impl = getattr(model.config, "_attn_implementation", None)
     if isinstance(impl, str) and impl.startswith("bhqk"):
         yield
@@ -167,6 +171,9 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
         raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
     if ties not in TIE_ORDERS:
         raise ValueError(f"find: ties must be one of {TIE_ORDERS}, got {ties!r}.")
+    if ties == "copy mass" and score not in TIES:
+        raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={score!r} has no "
+                         f"second key (use ties='index').")
     L, H, Hkv, _, _ = model_sizes(model)
     was = model.training
     model.eval()

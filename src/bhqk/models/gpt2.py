@@ -138,6 +138,9 @@ class GPT2(nn.Module):
         B, N = input_ids.shape
         if N == 0:
             raise sizes.fail("input_ids has N=0 tokens; give at least one token per row.")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache= has {len(cache)} layers but this GPT-2 has {len(self.blocks)}; "
+                             f"make it with model.new_cache() (or plan.kv_cache(model)).")
         past = 0 if cache is None else cache.length
         K = past + N
         mask: Mask | None = None if N == 1 else causal("bottom_right")  # one new query sees every key

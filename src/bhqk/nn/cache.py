@@ -279,6 +279,22 @@ class BudgetLayerCache:
         self.k.index_copy_(2, slots, k.index_select(2, idx))  # [B, h, n, d] into their slots
         self.v.index_copy_(2, slots, v.index_select(2, idx))  # [B, h, n, dv] into their slots
 
+    def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The ring's buffers against this call's keys and values [B, Hkv, Q, ·]: an empty cache (``end``
+        0, after ``reset``) takes new sizes; a filled one refuses other sizes, naming them."""
+        if self.k is None or self.v is None:
+            return
+        want = (k.shape[0], len(self.stream), k.shape[3], v.shape[3], k.dtype, k.device)
+        held = (self.k.shape[0], self.k.shape[1], self.k.shape[3], self.v.shape[3], self.k.dtype, self.k.device)
+        if want == held:
+            return
+        if self.end == 0:
+            self.k = self.v = None
+            return
+        raise ShapeError(f"budget layer {self.index}: holds B={held[0]}, d={held[2]}, dv={held[3]}, {held[4]} on "
+                         f"{held[5]} for {self.end} positions but got B={want[0]}, d={want[2]}, dv={want[3]}, "
+                         f"{want[4]} on {want[5]}; reset() the cache first.")
+
     def _given_mask(self, mask, B: int, Q: int, K: int, cols: torch.Tensor, device) -> torch.Tensor | None:
         """The given mask ([Q, K] over every position) at the columns ``cols``: bool [#B, 1, Q, len(cols)]."""
         m = masks.as_mask(mask)
@@ -351,6 +367,11 @@ class BudgetLayerCache:
         B, H, Q, _ = q.shape
         G = H // Hkv
         P, K = self.end, self.end + k.shape[2]
+        m = masks.as_mask(mask)
+        if m is not None and m.head_dependent:  # checked before anything is written
+            raise MaskError(f"budget layer {self.index}: mask= is head-dependent ({m!r}); the streaming heads' "
+                            f"held positions take one mask for every head.")
+        self._fit(k, v)
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
         if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
             kf, vf = self.full_cache.update(take_heads(k, 1, self.full), take_heads(v, 1, self.full))  # [B, h_full, K, d]
@@ -378,6 +399,13 @@ class BudgetLayerCache:
         """Forget every position from ``length`` on — exact while the streaming heads still hold what
         the next query needs (nothing evicted yet, or ``length`` ≥ the current length − 1: the ring's
         spare slot); else a ValueError saying why."""
+        self.check_crop(length)
+        if self.full_cache is not None:
+            self.full_cache.crop(length)
+        self.end = length
+
+    def check_crop(self, length: int) -> None:
+        """The ValueError ``crop(length)`` would raise, raised with nothing changed."""
         if not 0 <= length <= self.end:
             raise ValueError(f"KVCache layer {self.index}: cannot crop to {length}; it holds positions 0…{self.end - 1}.")
         if self.end > self.slots and length < self.end - 1:
@@ -386,9 +414,6 @@ class BudgetLayerCache:
                 f"KVCache layer {self.index}: cannot crop to {length}; its streaming heads (sink={self.sink}, "
                 f"window={self.window}) keep positions from {lowest} on, and the next query (at {length}) would "
                 f"need positions {max(self.sink, length - self.window)}…{length - 1}, evicted.")
-        if self.full_cache is not None:
-            self.full_cache.crop(length)
-        self.end = length
 
     def reset(self) -> None:
         if self.full_cache is not None:
@@ -486,7 +511,13 @@ class KVCache:
         return self.layers[0].update(k, v)
 
     def crop(self, length: int) -> None:
-        """Roll every layer back to ``length`` positions."""
+        """Roll every layer back to ``length`` positions (every layer or none: a budget layer that
+        cannot is found before any layer changes)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"KVCache: cannot crop to {length}; it holds positions 0…{self.length - 1}.")
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayerCache):
+                layer.check_crop(length)
         for layer in self.layers:
             layer.crop(length)
 
