@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import masks
+from .. import masks, observe
 from ..errors import BackendError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias
 from ..integrations.hf_mask import AllKeys
@@ -98,6 +98,11 @@ class GroupedKV(torch.Tensor):
         for k in ("position_bias", "indices"):
             if kw.get(k) is not None:
                 raise TypeError(f"bhqk budget cache: {k!r} is not supported with a head-wise budget cache.")
+        if len(self.groups) > 1 and (observe.active() or observe.editors()):
+            raise ValueError("bhqk budget cache layer: capture and edit name heads by their index in the call, but a "
+                             "layer with full and streaming heads runs one call per group, so those indices would be "
+                             "the group's, not the model's; capture or edit the model without the budget cache: "
+                             "with plan.emulate(model): ...")
         B, H, Q, _ = query.shape
         Hkv, K = self.shape[1], self.shape[2]
         G = H // Hkv  # query heads per K/V head

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import masks
+from .. import masks, observe
 from ..errors import MaskError, ShapeError
 from ..functional import attention, attention_weights
 
@@ -371,6 +371,11 @@ class BudgetLayerCache:
         if m is not None and m.head_dependent:  # checked before anything is written
             raise MaskError(f"budget layer {self.index}: mask= is head-dependent ({m!r}); the streaming heads' "
                             f"held positions take one mask for every head.")
+        if self.full and self.stream and (observe.active() or observe.editors()):
+            raise ValueError(f"budget layer {self.index}: capture and edit name heads by their index in the call, but "
+                             f"a layer with full and streaming heads runs one call per group, so those indices would "
+                             f"be the group's, not the model's; capture or edit the model without the budget cache: "
+                             f"with plan.emulate(model): ...")
         self._fit(k, v)
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
         if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
