@@ -281,7 +281,7 @@ class Plan:
         return {"format": FORMAT, "sink": self.sink, "window": self.window, "score": self.score,
                 "full": self.full.int().tolist(), "layers": self.layers,
                 "scores": None if self.scores is None else
-                [[None if math.isnan(x) else round(x, 6) for x in row] for row in self.scores.tolist()],
+                [[None if math.isnan(x) else float(x) for x in row] for row in self.scores.tolist()],  # exact: ties survive
                 "tie_score": self.tie_score,
                 "tie_scores": None if self.tie_scores is None else
                 [[None if math.isnan(x) else float(x) for x in row] for row in self.tie_scores.tolist()],
