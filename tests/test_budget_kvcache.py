@@ -92,7 +92,7 @@ def test_any_chunking_equals_one_edited_forward(chunks):
             s += c
         with plan.emulate(model):
             ref = model(ids, am)  # [B, N, V]
-    assert_models_close(torch.cat(outs, 1), ref, width=64, layers=2, msg=f"chunks {chunks}")
+    assert_models_close(torch.cat(outs, 1), ref, width=64, layers=2, msg=f"chunks {chunks}")  # chunks [B, n_i, V] -> [B, N, V]
 
 
 @torch.no_grad()

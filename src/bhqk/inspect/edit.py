@@ -292,7 +292,7 @@ def _functions(t: torch.Tensor, point: str, named: list[tuple[Edit, list[int], s
             if user:
                 _check_result(new, sel, point, f"edit: {s!r} in {name!r}")
             sel = new
-        t = sel if ix is None else t.index_copy(1, ix, sel.to(t.dtype))
+        t = sel if ix is None else t.index_copy(1, ix, sel.to(t.dtype))  # [B, h_t, Q, ·]: the edit's heads put back
     return t
 
 
@@ -410,13 +410,13 @@ def _at_scores(parts: list[_Part], named: list[tuple[Edit, list[int], str]]) -> 
         return
     S = _functions(_cat([g.S for g in parts]), "scores", named, [h for g in parts for h in g.hs])  # [B, hs, Q, K]
     sinks = [g.sinks for g in parts if g.sinks is not None]
-    P, lse = reference.softmax_rows(S, _cat(sinks, 0) if sinks else None)  # [B, hs, Q, K], [B, hs, Q]
+    P, lse = reference.softmax_rows(S, _cat(sinks, 0) if sinks else None)  # sinks [h] per part -> [hs]; [B, hs, Q, K], [B, hs, Q]
     at = 0
     for g in parts:
         a, at = at, at + len(g.hs)
         g.S = S[:, a:at]  # [B, h, Q, K]
         if g.P is None:  # not given: softmax(S)
-            g.P, g.lse = P[:, a:at], lse[:, a:at]
+            g.P, g.lse = P[:, a:at], lse[:, a:at]  # [B, h, Q, K], [B, h, Q]
 
 
 def _at_weights(p: Problem, parts: list[_Part], named: list[tuple[Edit, list[int], str]], mask_parts: list[Part],

@@ -305,7 +305,7 @@ class BudgetLayerCache:
                             f"positions of the streaming heads; give a mask that is the same for every head.")
         blk = m.block(masks.Extent(B, 1, Q, K), 0, Q, 0, K, device)  # [.., Q, K]
         while blk.dim() < 4:
-            blk = blk[None]
+            blk = blk[None]  # [.., Q, K] -> [1, .., Q, K] up to 4 axes
         return blk.index_select(3, cols.to(device))  # [#B, #H, Q, K']
 
     def _stream_call(self, k: torch.Tensor, v: torch.Tensor, mask, P: int):
@@ -381,7 +381,8 @@ class BudgetLayerCache:
         if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
             kf, vf = self.full_cache.update(take_heads(k, 1, self.full), take_heads(v, 1, self.full))  # [B, h_full, K, d]
             parts.append((self.full, kf, vf, mask, torch.arange(K)))
-        parts.append((self.stream, *self._stream_call(take_heads(k, 1, self.stream), take_heads(v, 1, self.stream), mask, P)))
+        ks, vs = take_heads(k, 1, self.stream), take_heads(v, 1, self.stream)  # [B, Hkv, Q, ·] -> [B, h_stream, Q, ·]
+        parts.append((self.stream, *self._stream_call(ks, vs, mask, P)))
         self.end = K
         o = q.new_empty(B, H, Q, v.shape[-1])  # [B, H, Q, dv]: each group writes its heads
         w_all = q.new_zeros(B, H, Q, K) if return_weights else None  # [B, H, Q, K]: zeros at evicted keys
