@@ -245,8 +245,10 @@ class BudgetLayer(CacheLayerMixin):
         self.sv = torch.cat([self.sv[..., :S, :], self.sv[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, dv]
         self.tail = self.length - W
 
-    def activate_past_recording(self) -> None:
-        """Keep every new position of the streaming heads until the next :meth:`crop` (which evicts)."""
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep every new position of the streaming heads until the next :meth:`crop` (which evicts).
+        ``kwargs``: what transformers passes to every layer (5.25: ``recurrent_states_to_keep``, for
+        linear-attention layers; a layer of keys and values has no recurrent state to keep)."""
         self.record_past = True
 
     def positions(self, kv: int) -> torch.Tensor:
