@@ -428,3 +428,23 @@ def test_assisted_decoding_with_the_budget_cache_is_greedy_decoding_with_it():
     assisted = model.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
                               assistant_model=_llama(layers=1), cache=plan.cache(model))
     assert torch.equal(assisted, seq)
+
+
+def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
+    """A streaming head that has seen fewer positions than ``sink`` (a 13-token prompt and 4 new tokens
+    with sink=64): it holds them all, and a crop (assisted decoding of a short prompt) is exact."""
+    model = _llama()
+    ids, am = _inputs(B=1, N=13)
+    plan = Plan(_mixed(model).full, sink=64, window=W)
+    seq, _ = _generate(model, ids, am, n=4, cache=(cache := plan.cache(model)))
+    assert cache.positions(0, 1).tolist() == list(range(16))
+    cache.crop(-3)
+    assert cache.get_seq_length() == 13 and cache.positions(0, 1).tolist() == list(range(13))
+    with torch.no_grad():
+        out = model(input_ids=seq[:, 13:], cache=cache).logits  # [1, 4, V]
+        with plan.emulate(model):
+            ref = model(input_ids=seq).logits[:, 13:]
+    assert_models_close(out, ref, width=96, layers=2)
+    assisted = model.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                              assistant_model=_llama(layers=1), cache=plan.cache(model))
+    assert torch.equal(assisted, seq)

@@ -234,3 +234,20 @@ def test_capture_or_edit_over_a_mixed_budget_layer_is_refused_not_misnumbered():
     with bhqk.capture(model=model) as cap:
         model.generate(ids, 2, cache=everyone.kv_cache(model))
     assert len(cap.records) > 0
+
+
+@torch.no_grad()
+def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
+    """sink=64 and 13 + 4 positions: the ring never wraps, every position is held, any crop is exact."""
+    model = _gpt2()
+    ids, am = _inputs(B=1, N=13)
+    plan = Plan(_mixed().full, sink=64, window=W)
+    cache = plan.kv_cache(model)
+    seq = model.generate(ids, 4, attention_mask=am, cache=cache)  # [1, 17]
+    assert cache.length == 16 and cache[0].positions(1).tolist() == list(range(16))
+    cache.crop(13)
+    assert cache[0].positions(1).tolist() == list(range(13))
+    out = model(seq[:, 13:], cache=cache)  # [1, 4, V]
+    with plan.emulate(model):
+        ref = model(seq)[:, 13:]
+    assert_models_close(out, ref, width=64, layers=2)

@@ -257,8 +257,8 @@ class BudgetLayer(CacheLayerMixin):
             return torch.arange(self.length)
         if kv not in self.stream:
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
-        S = self.sink
-        return torch.cat([torch.arange(min(S, self.length)), torch.arange(max(S, self.tail), self.length)])
+        S, L = self.sink, self.length
+        return torch.cat([torch.arange(min(S, L)), torch.arange(min(max(S, self.tail), L), L)])  # a stream < S: 0 … L−1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.fk, self.fv, self.sk, self.sv) if t is not None)
