@@ -180,7 +180,7 @@ def test_grouped_keys_refuse_any_other_attention_implementation():
 
 def test_plan_errors_name_layers_and_kv_heads():
     model = _llama()
-    with pytest.raises(ShapeError, match=r"layers=3, Hkv=2.*layers=2, Hkv=2"):
+    with pytest.raises(ShapeError, match=r"layers=3, Hkv=2\].*\[layers=2, H=8, Hkv=2, d=8"):
         Plan(torch.ones(3, 2, dtype=torch.bool)).check(model)
     with pytest.raises(ShapeError, match="Hkv=4"):
         Plan(torch.ones(2, 4, dtype=torch.bool)).cache(model)
@@ -325,7 +325,7 @@ def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "2 of 4 K/V heads full" in out and "| 1     | model.layers.1.self_attn |" in out
     # 2 full heads × 1024 + 2 streaming × 12 positions, of 4 × 1024; d = 8, fp32, key + value
-    assert f"plan {(2 * 1024 + 2 * 12) * 64 / 2**20:,.1f} MiB" in out and "full cache 0.2 MiB" in out
+    assert f"plan {(2 * 1024 + 2 * 12) * 64 / 2**20:,.1f} MiB" in out and "the model's own cache 0.2 MiB" in out
     assert Plan.load(tmp_path / "plan.json").full.sum() == 2
     assert main(["budget", "--model", str(tmp_path / "nothing")]) == 2
     assert "not a model name, a .gguf file or a local Hugging Face folder" in capsys.readouterr().err
@@ -448,3 +448,90 @@ def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
     assisted = model.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0,
                               assistant_model=_llama(layers=1), cache=plan.cache(model))
     assert torch.equal(assisted, seq)
+
+
+# ---- what a plan was made for ---------------------------------------------------------------------------
+
+
+def test_a_plan_records_what_it_was_made_for_and_its_file_keeps_it(tmp_path):
+    from bhqk.budget.plan import ModelShape, model_shape
+
+    model = _llama()
+    plan = find(model, full=0.5, sink=S, window=W, length=16, batch=1)
+    shape = model_shape(model)
+    assert plan.model == shape == ModelShape(2, 8, 2, 8, ("full_attention",) * 2, (None, None), None, "llama")
+    back = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert back.model == shape and "made for [layers=2, H=8, Hkv=2, d=8; 2 full_attention] (llama)" in str(back)
+    old = plan.to_dict()
+    del old["model"]  # a file written before plans recorded it
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    older = Plan.load(tmp_path / "old.json")
+    assert older.model is None and torch.equal(older.full, plan.full)
+    assert older.check(model) == shape  # layers and K/V heads are all it can check
+    with pytest.raises(ShapeError, match=r"Hkv=2\] but the plan says it was made for \[layers=2, H=8, Hkv=3"):
+        Plan(plan.full, model=ModelShape(2, 8, 3, 8, ("full_attention",) * 2, (None, None)))
+
+
+def test_every_entry_point_refuses_a_plan_for_another_model_before_any_forward():
+    """Same layers and K/V heads, another head size (d=8 against d=16): refused with both shapes named
+    by check, cache(model), nbytes, emulate and needle.grid before a forward; a cache made without the
+    model refuses the first keys written, before storing them."""
+    from bhqk.inspect import needle
+
+    model, other = _llama(), _llama(H=4, Hkv=2)  # d = 64 / 8 = 8 and 64 / 4 = 16
+    plan = find(model, full=0.5, sink=S, window=W, length=16, batch=1)
+    both = r"the plan is \[layers=2, Hkv=2\] made for \[layers=2, H=8, Hkv=2, d=8.*is \[layers=2, H=4, Hkv=2, d=16"
+    forwards = []
+    other.register_forward_pre_hook(lambda *a: forwards.append(1))
+    for call in (lambda: plan.check(other), lambda: plan.cache(other), lambda: plan.nbytes(8, other),
+                 lambda: plan.emulate(other).__enter__(), lambda: needle.grid(other, None, [64], [0.5], plan=plan)):
+        with pytest.raises(ShapeError, match=both):
+            call()
+    assert not forwards
+    ids, am = _inputs()
+    cache = plan.cache()
+    with pytest.raises(ShapeError, match=r"layer 0: the plan has Hkv=2 K/V heads, d=8 but the model wrote keys of "
+                                         r"shape \[2, 2, 20, 16\]"):
+        _generate(other, ids, am, n=2, cache=cache)
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0  # nothing was written
+
+
+def test_a_cache_made_without_the_model_refuses_a_plan_of_more_layers_at_the_next_forward():
+    """Made without the model, the cache cannot know the model's depth before it runs: a plan of more
+    layers is refused when the next forward starts (the last one left layers unwritten), so
+    ``generate`` stops at its second step instead of returning tokens."""
+    model = _llama()
+    ids, am = _inputs()
+    deeper = Plan(torch.zeros(3, 2, dtype=torch.bool), sink=S, window=W)
+    with pytest.raises(ShapeError, match=r"wrote layers 0…1 but not 2…2; the plan is \[layers=3, Hkv=2\]"):
+        _generate(model, ids, am, n=3, cache=deeper.cache())
+    with pytest.raises(ShapeError, match=r"\[layers=3, Hkv=2\] but LlamaForCausalLM is \[layers=2"):
+        deeper.cache(model)
+
+
+def test_negative_lengths_are_refused_naming_the_argument():
+    model = _llama()
+    plan = _mixed(model)
+    with pytest.raises(ValueError, match="Plan.nbytes: length must be an int >= 0, got -5"):
+        plan.nbytes(-5, model)
+    with pytest.raises(ValueError, match="Plan.held: length must be an int >= 0, got -1"):
+        plan.held(-1)
+    with pytest.raises(ValueError, match="Plan.nbytes: batch must be an int >= 1, got 0"):
+        plan.nbytes(5, model, batch=0)
+    assert plan.nbytes(0, model) == (0, 0)
+
+
+def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path, monkeypatch, capsys):
+    """``bhqk needle --plan`` with a plan of 32 layers on a 2-layer model: an error naming both shapes
+    (it printed "found 0 of 1"), and no generation ran."""
+    from bhqk.cli import main
+    from bhqk.models import real
+
+    model = _llama()
+    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": (model, None))
+    Plan(torch.zeros(32, 2, dtype=torch.bool)).save(tmp_path / "plan32.json")
+    model.generate = lambda *a, **k: pytest.fail("generated with a plan for another model")
+    code = main(["needle", "--model", "smollm2-135m", "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path),
+                 "--plan", str(tmp_path / "plan32.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "the plan is [layers=32, Hkv=2] but LlamaForCausalLM is [layers=2, H=8, Hkv=2" in err, err

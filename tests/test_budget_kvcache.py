@@ -163,7 +163,7 @@ def test_weights_come_back_in_head_order_with_evicted_keys_zero():
 
 def test_errors_name_what_is_wrong():
     model = _gpt2()
-    with pytest.raises(ShapeError, match=r"layers=3, Hkv=4.*layers=2, Hkv=4"):
+    with pytest.raises(ShapeError, match=r"layers=3, Hkv=4\].*GPT2 is \[layers=2, H=4, Hkv=4, d=8"):
         Plan(torch.ones(3, 4, dtype=torch.bool)).kv_cache(model)
     with pytest.raises(ShapeError, match="num_layers=2"):
         KVCache(2, plan=Plan(torch.zeros(3, 4, dtype=torch.bool)))

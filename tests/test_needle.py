@@ -160,9 +160,9 @@ def test_cli_needle_plan_generates_with_the_plans_cache(cli_model, smollm2, tmp_
     made = []
     init = BudgetCache.__init__
 
-    def spy(self, p):
+    def spy(self, p, *shape):
         made.append(p)
-        init(self, p)
+        init(self, p, *shape)
 
     monkeypatch.setattr(BudgetCache, "__init__", spy)
     answers = {}

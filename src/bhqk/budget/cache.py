@@ -1,29 +1,33 @@
 """A transformers ``Cache`` that holds only what a :class:`~bhqk.budget.Plan` keeps.
 
-Per layer, the full K/V heads store every key and value; the streaming K/V heads store their first
-``sink`` keys and the most recent ``window`` (positions as written: rotary embeddings stay as they
-were applied). ``update()`` cannot return one [B, Hkv, K, d] tensor (the groups hold different
-lengths), so it returns :class:`GroupedKV`: a storage-less tensor of the shape a plain cache would
-return, holding each group. bhqk's Hugging Face attention function (``attn_implementation="bhqk"``)
-recognises it (``bhqk_attend``) and runs one attention call per group — full heads with the model's
-mask, streaming heads with the model's mask gathered at the positions they hold, ANDed with the
-streaming mask — and puts the query heads back in the model's order. Any other attention
-implementation gets a ``BackendError`` on its first use of the keys, never a wrong answer.
+Each layer follows the model's own attention (the plan's :class:`~bhqk.budget.plan.ModelShape`):
+a full-attention layer's queries may see every earlier key, a sliding-window layer's the ``window − 1``
+before them (a chunked layer's at most ``chunk − 1``; the cache keeps as many, as transformers' own
+``DynamicSlidingWindowLayer`` does, so it needs no left padding to know where a chunk starts). Per
+layer, the full K/V heads keep what the model's own cache keeps; the streaming K/V heads keep, of
+those positions, the first ``sink`` and the last ``window`` (positions as written: rotary embeddings
+stay as they were applied) — what a later query may still see under the model's mask AND the
+streaming mask. A layer whose heads are all full is the model's own layer, tensor for tensor
+(``DynamicLayer`` / ``DynamicSlidingWindowLayer``).
 
-Layout of a streaming group (n stored positions, Q new keys, P positions written before):
-
-- P ≤ sink + window (nothing evicted yet): positions 0 … P+Q−1, so the model's mask applies as it is
-  and the streaming mask is ``~key_span(0, S) | sliding_window(W, align="bottom_right")``;
-- P > sink + window: positions 0 … S−1, then P−W … P+Q−1 (contiguous): the same streaming mask on
-  these K' = S+W+Q columns is exactly what each query may see, and the model's mask is taken at
-  those columns (a [B, 1, Q, K'] gather).
+``get_mask_sizes`` reports what the model's own layer reports — every position of a full-attention
+layer, the window ``o … P+Q−1`` of a sliding one (kv_offset ``o`` = max(0, P − window + 1)) — so the
+model's mask builder makes one mask per layer type, in the coordinates of that frame. ``update()``
+cannot return one [B, Hkv, K, d] tensor for a layer with streaming heads (the groups hold different
+positions), so it returns :class:`GroupedKV`: a storage-less tensor of the frame's shape holding each
+group. bhqk's Hugging Face attention function (``attn_implementation="bhqk"``) recognises it
+(``bhqk_attend``) and runs one attention call per group — full heads over the frame with the model's
+mask as it came, streaming heads over the positions they hold with the model's mask taken at those
+positions, ANDed with the streaming mask — and puts the query heads back in the model's order. Any
+other attention implementation gets a ``BackendError`` on its first use of the keys, never a wrong
+answer. While a streaming group holds the whole frame (nothing dropped yet), its mask stays
+structured: the model's & ``~key_span(0, sink − o) | sliding_window(window, align="bottom_right")``.
 
 Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
-then the streaming heads keep every new position (the tail after the sink stays contiguous, so the
-same masks apply) until the next ``crop``, which removes the rejected positions and only then evicts
-down to sink + window — exact. Without past recording a ``crop`` that removes positions is exact
-while the streaming heads still hold what the next query needs (nothing evicted yet), and is
-otherwise refused with a ``ValueError`` saying so.
+then every group keeps every new position until the next ``crop``, which removes the rejected
+positions and only then drops what no later query may see — exact. Without past recording a ``crop``
+is exact while the layer still holds what the next query needs, and is otherwise refused with a
+``ValueError`` saying so.
 """
 
 from __future__ import annotations
@@ -46,9 +50,8 @@ from .mask import streaming_mask
 @dataclass
 class Group:
     """K/V heads of one layer that share a layout: ``kv`` their indices in the model's order, ``keys``
-    [B, h, K_g, d] and ``values`` [B, h, K_g, dv]; ``columns`` None (positions 0 … K−1 of the call)
-    or int64 [K_g] (the positions held, for an evicted streaming group); ``streaming``: whether the
-    streaming mask applies."""
+    [B, h, K_g, d] and ``values`` [B, h, K_g, dv]; ``columns`` None (the whole frame of the call) or
+    int64 [K_g] (the frame's columns held, ascending); ``streaming``: whether the streaming mask applies."""
 
     kv: list[int]
     keys: torch.Tensor
@@ -59,19 +62,22 @@ class Group:
 
 class GroupedKV(torch.Tensor):
     """The keys (or values) ``update()`` returns for a layer with streaming heads: to shape queries it
-    is [B, Hkv, K, d] (K = every position written), but it holds no data of its own; ``groups`` does.
-    Only bhqk's attention function reads it (``bhqk_attend``); any torch operation raises."""
+    is [B, Hkv, K, d] (K = the frame: positions ``first`` … ``first`` + K − 1, what the model's own
+    cache would return), but it holds no data of its own; ``groups`` does. Only bhqk's attention
+    function reads it (``bhqk_attend``); any torch operation raises."""
 
     _is_param = False
     groups: list[Group]
     sink: int
     window: int
+    first: int
     role: str
 
     @staticmethod
-    def __new__(cls, groups: list[Group], shape: tuple[int, ...], like: torch.Tensor, sink: int, window: int, role: str):
+    def __new__(cls, groups: list[Group], shape: tuple[int, ...], like: torch.Tensor, sink: int, window: int,
+                first: int, role: str):
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device, requires_grad=False)
-        self.groups, self.sink, self.window, self.role = groups, sink, window, role
+        self.groups, self.sink, self.window, self.first, self.role = groups, sink, window, first, role
         return self
 
     @classmethod
@@ -87,7 +93,7 @@ class GroupedKV(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # noqa: ARG002
         parts = ", ".join(f"{'streaming' if g.streaming else 'full'} kv {g.kv}: {g.keys.shape[-2]} keys" for g in self.groups)
-        return f"GroupedKV({self.role} {list(self.shape)}; {parts})"
+        return f"GroupedKV({self.role} {list(self.shape)} from position {self.first}; {parts})"
 
     def bhqk_attend(self, attend: Callable, module, query: torch.Tensor, value: torch.Tensor, attention_mask,
                     **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,7 +129,7 @@ class GroupedKV(torch.Tensor):
             out.index_copy_(2, qi.to(o.device), o)  # [B, Q, h, dv] into the model's head order
             if want_w:
                 assert w is not None
-                if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the positions held
+                if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the columns held
                     w = w.new_zeros(B, len(qh), Q, K).index_copy(3, g.columns.to(w.device), w)
                 if wt is None:
                     wt = w.new_empty(B, H, Q, K)
@@ -132,25 +138,27 @@ class GroupedKV(torch.Tensor):
         return out, wt
 
     def _mask(self, attention_mask, module, B: int, Q: int, K: int, g: Group):
-        """The streaming group's mask: the model's mask (at the held positions) & the streaming mask."""
+        """The streaming group's mask: the model's mask (at the columns held) & the streaming mask."""
         m, bias, _ = _mask_and_bias(attention_mask, module, None, Q)
-        stream = streaming_mask(self.sink, self.window)
-        if g.columns is None and bias is None:  # positions 0 … K−1: structured, as the model's mask
+        sink = max(0, self.sink - self.first)  # the sink positions still in the frame are its first columns
+        if g.columns is None and bias is None:  # the whole frame: structured, as the model's mask
+            stream = streaming_mask(sink, self.window)
             return stream if m is None else m & stream
-        K2 = g.keys.shape[-2]
-        cols = torch.arange(K) if g.columns is None else g.columns
         dev = g.keys.device
-        allowed = stream.materialize(1, 1, Q, K2, dev)  # [1, 1, Q, K']
+        cols = (torch.arange(K) if g.columns is None else g.columns).to(dev)  # [K']
+        row = torch.arange(K - Q, K, device=dev)[:, None]  # [Q, 1] each query's own column
+        allowed = (cols <= row) & ((cols < sink) | (cols >= row - self.window))  # [Q, K']
+        allowed = allowed[None, None]  # [1, 1, Q, K']
         if m is not None:
             blk = m.block(masks.Extent(B, 1, Q, K), 0, Q, 0, K, dev)  # [.., Q, K]
             while blk.dim() < 4:
                 blk = blk[None]
-            allowed = allowed & blk.index_select(3, cols.to(dev))  # [#B, #H, Q, K']
-        if bias is not None:  # an additive mask: its values at the held positions, forbidden entries lowest
+            allowed = allowed & blk.index_select(3, cols)  # [#B, #H, Q, K']
+        if bias is not None:  # an additive mask: its values at the columns held, forbidden entries lowest
             b = bias.index_select(-1, cols.to(bias.device))  # [.., Q, K']
             return torch.where(allowed.to(b.device), b, torch.finfo(b.dtype).min)
         if bool(allowed.all()):
-            return AllKeys(K2)
+            return AllKeys(len(cols))
         return masks.dense(allowed)
 
 
@@ -175,78 +183,128 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 class BudgetLayer(CacheLayerMixin):
-    """One layer of a :class:`BudgetCache`: full K/V heads ``full`` keep every position, streaming
-    heads ``stream`` the first ``sink`` and the last ``window`` (see the module doc for the layout)."""
+    """One layer of a :class:`BudgetCache`: full K/V heads ``full`` keep what the model's own layer
+    keeps (every position, or the ``span − 1`` last of a sliding or chunked layer whose queries see
+    ``span`` keys at most), streaming heads ``stream`` of those the first ``sink`` and the last
+    ``window`` (module doc); ``expect``: (Hkv, d or None) the keys written must have."""
 
-    is_sliding = False
     is_croppable = True  # exactly, with activate_past_recording() (module doc)
 
-    def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int) -> None:
+    def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int,
+                 span: int | None = None, expect: tuple[int, int | None] | None = None) -> None:
         super().__init__()
         self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
+        self.span = span
+        self.is_sliding = span is not None  # transformers sizes the sliding and chunked masks by the first such layer
+        self.expect = expect
         self.length = 0  # positions written
-        self.tail = 0  # streaming heads hold positions 0 … S−1 and max(S, tail) … length−1
         self.record_past = False  # keep every new position until the next crop (assisted decoding)
-        self.fk: torch.Tensor | None = None  # [B, h_full, length, d]
+        self.fk: torch.Tensor | None = None  # [B, h_full, n_full, d]: positions length − n_full … length − 1
         self.fv: torch.Tensor | None = None
-        self.sk: torch.Tensor | None = None  # [B, h_stream, min(length, S + W), d]
+        self.sk: torch.Tensor | None = None  # [B, h_stream, len(held), d]: positions held
         self.sv: torch.Tensor | None = None
+        self.held = torch.zeros(0, dtype=torch.long)  # int64, ascending: the positions the streaming heads hold
 
     def __repr__(self) -> str:
-        return f"BudgetLayer({self.index}: full kv {self.full}, streaming kv {self.stream}, {self.length} written)"
+        kind = "full attention" if self.span is None else f"window {self.span}"
+        return f"BudgetLayer({self.index}, {kind}: full kv {self.full}, streaming kv {self.stream}, {self.length} written)"
+
+    def first(self, length: int) -> int:
+        """The first position a query at ``length`` (or later) may see under the model's mask: the
+        model's own layer's kv_offset."""
+        return 0 if self.span is None else max(0, length - self.span + 1)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
+    def check_keys(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A ``ShapeError`` naming both shapes unless the keys [B, Hkv, Q, d] fit the plan."""
+        Hkv = len(self.full) + len(self.stream)
+        want_d = None if self.expect is None else self.expect[1]
+        if (key_states.dim() != 4 or key_states.shape[1] != Hkv or value_states.shape[1] != Hkv
+                or (want_d is not None and key_states.shape[-1] != want_d)):
+            d = "" if want_d is None else f", d={want_d}"
+            raise ShapeError(f"budget cache layer {self.index}: the plan has Hkv={Hkv} K/V heads{d} but the model "
+                             f"wrote keys of shape {list(key_states.shape)} ([B, Hkv, Q, d]).")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write Q new positions (key_states [B, Hkv, Q, d], value_states [B, Hkv, Q, dv]); return what
         this call's queries may read: plain tensors if every head is full, else :class:`GroupedKV`."""
-        Hkv = len(self.full) + len(self.stream)
-        if key_states.dim() != 4 or key_states.shape[1] != Hkv or value_states.shape[1] != Hkv:
-            raise ShapeError(f"budget cache layer {self.index}: the plan has Hkv={Hkv} K/V heads but the model "
-                             f"wrote keys of shape {list(key_states.shape)} ([B, Hkv, Q, d]).")
+        self.check_keys(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         P, Q = self.length, key_states.shape[-2]
+        o = self.first(P)  # the frame of this call: positions o … P + Q − 1
         self.length = P + Q
-        if not self.stream:  # every head full: a plain growing cache
-            self.fk, self.fv = _cat(self.fk, key_states), _cat(self.fv, value_states)
-            return self.fk, self.fv
+        if not self.stream:
+            return self._own_layer(key_states, value_states)
         groups = []
-        if self.full:  # a copy of their own (a view would keep every head's keys alive)
-            self.fk = own(_cat(self.fk, take_heads(key_states, 1, self.full)))  # [B, h_full, P + Q, d]
-            self.fv = own(_cat(self.fv, take_heads(value_states, 1, self.full)))  # [B, h_full, P + Q, dv]
-            groups.append(Group(self.full, self.fk, self.fv, None, False))
-        n = 0 if self.sk is None else self.sk.shape[-2]
-        kk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
-        vv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
-        S, W = self.sink, self.window
-        cols = None
-        if n < P:  # evicted before: positions 0 … S−1, then tail … P + Q − 1 (tail = P − W unless recording)
-            cols = torch.cat([torch.arange(S), torch.arange(self.tail, P + Q)]).to(key_states.device)  # [n + Q]
-        groups.append(Group(self.stream, kk, vv, cols, True))
-        self.sk, self.sv = kk, vv
+        if self.full:
+            fk = _cat(self.fk, take_heads(key_states, 1, self.full))  # [B, h_full, n + Q, d] (n ≥ P − o held)
+            fv = _cat(self.fv, take_heads(value_states, 1, self.full))  # [B, h_full, n + Q, dv]
+            K = P + Q - o
+            groups.append(Group(self.full, fk[..., fk.shape[-2] - K:, :], fv[..., fv.shape[-2] - K:, :], None, False))
+            self.fk, self.fv = fk, fv  # [B, h_full, n + Q, ·]: narrowed (and owned) below
+        pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
+        sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
+        sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
+        old = int((pos < o).sum())  # held from before the frame (past recording): not this call's
+        cols = pos[old:] - o  # [K'] the frame's columns held
+        whole = len(cols) == P + Q - o  # every column of the frame (cols ascending, distinct)
+        groups.append(Group(self.stream, sk[..., old:, :], sv[..., old:, :], None if whole else cols.to(key_states.device),
+                            True))
+        self.sk, self.sv, self.held = sk, sv, pos
         if not self.record_past:
             self._evict()
-        self.sk, self.sv = own(self.sk), own(self.sv)  # the prefill's view of every head: copied unless evicted
-        shape_k = (key_states.shape[0], Hkv, P + Q, key_states.shape[-1])
-        shape_v = (value_states.shape[0], Hkv, P + Q, value_states.shape[-1])
-        return (GroupedKV(groups, shape_k, key_states, S, W, "keys"),
-                GroupedKV(groups, shape_v, value_states, S, W, "values"))
+        self._own()
+        shape_k = (key_states.shape[0], len(self.full) + len(self.stream), P + Q - o, key_states.shape[-1])
+        shape_v = (*shape_k[:3], value_states.shape[-1])
+        return (GroupedKV(groups, shape_k, key_states, self.sink, self.window, o, "keys"),
+                GroupedKV(groups, shape_v, value_states, self.sink, self.window, o, "values"))
+
+    def _own_layer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head full: the model's own layer, tensor for tensor (transformers' ``DynamicLayer``, or
+        ``DynamicSlidingWindowLayer`` keeping the ``span − 1`` last positions as views of the call's keys)."""
+        keys = torch.cat([key_states[..., :0, :] if self.fk is None else self.fk, key_states], dim=-2)  # [B, Hkv, n + Q, d]
+        values = torch.cat([value_states[..., :0, :] if self.fv is None else self.fv, value_states], dim=-2)  # as theirs: a copy
+        self.fk, self.fv = keys, values
+        if self.span is None:
+            return keys, values
+        if not self.record_past:
+            self.fk, self.fv = keys[:, :, -self.span + 1:, :], values[:, :, -self.span + 1:, :]  # [B, Hkv, span − 1, ·]
+            return keys, values
+        seen = self.span - 1 + key_states.shape[-2]  # what get_mask_sizes announced
+        return keys[:, :, -seen:, :], values[:, :, -seen:, :]  # [B, Hkv, span − 1 + Q, ·]
 
     def _evict(self) -> None:
-        """Keep the streaming heads' first S and last W positions."""
-        S, W = self.sink, self.window
-        if self.sk is None or self.sv is None or self.sk.shape[-2] <= S + W:
+        """Drop what no later query may see: full heads before ``first(length)``, streaming heads also
+        the positions between the sink and the last ``window``."""
+        L = self.length
+        f = self.first(L)
+        n = 0 if self.fk is None else self.fk.shape[-2]
+        if self.fk is not None and self.fv is not None and n > L - f:
+            self.fk, self.fv = self.fk[..., n - (L - f):, :], self.fv[..., n - (L - f):, :]  # [B, h_full, L − f, ·]
+        if self.sk is None or self.sv is None:
             return
-        end = self.sk.shape[-2]
-        self.sk = torch.cat([self.sk[..., :S, :], self.sk[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, d]
-        self.sv = torch.cat([self.sv[..., :S, :], self.sv[..., end - W:, :]], dim=-2)  # [B, h_stream, S + W, dv]
-        self.tail = self.length - W
+        p = self.held
+        keep = (p >= f) & ((p < self.sink) | (p >= L - self.window))  # [n]
+        if not bool(keep.all()):
+            idx = keep.nonzero().flatten()  # [n'] the sink part and the recent part
+            if len(idx) and int(idx[-1] - idx[0]) + 1 == len(idx):  # one run: a view
+                self.sk, self.sv = self.sk[..., int(idx[0]):int(idx[-1]) + 1, :], self.sv[..., int(idx[0]):int(idx[-1]) + 1, :]
+            else:
+                i = idx.to(self.sk.device)
+                self.sk, self.sv = self.sk.index_select(-2, i), self.sv.index_select(-2, i)  # [B, h_stream, n', ·]
+            self.held = p[keep]
+
+    def _own(self) -> None:
+        """What a layer with streaming heads stores owns its storage (a view of the call's [B, Hkv, N, d]
+        would keep every head's keys alive, and ``nbytes`` would not be what is held)."""
+        self.fk, self.fv, self.sk, self.sv = (None if t is None else own(t) for t in (self.fk, self.fv, self.sk, self.sv))
 
     def activate_past_recording(self, **kwargs: Any) -> None:
-        """Keep every new position of the streaming heads until the next :meth:`crop` (which evicts).
+        """Keep every new position until the next :meth:`crop` (which drops what no later query may see).
         ``kwargs``: what transformers passes to every layer (5.25: ``recurrent_states_to_keep``, for
         linear-attention layers; a layer of keys and values has no recurrent state to keep)."""
         self.record_past = True
@@ -254,74 +312,88 @@ class BudgetLayer(CacheLayerMixin):
     def positions(self, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` holds now (int64, ascending)."""
         if kv in self.full:
-            return torch.arange(self.length)
+            n = 0 if self.fk is None else self.fk.shape[-2]
+            return torch.arange(self.length - n, self.length)
         if kv not in self.stream:
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
-        S, L = self.sink, self.length
-        return torch.cat([torch.arange(min(S, L)), torch.arange(min(max(S, self.tail), L), L)])  # a stream < S: 0 … L−1
+        return self.held.clone()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.fk, self.fv, self.sk, self.sv) if t is not None)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0  # the model's mask spans every position; streaming heads gather theirs
+    def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """(kv_length, kv_offset) as the model's own layer reports them: the frame o … length + Q − 1."""
+        o = self.first(self.length)
+        return self.length + query_length - o, o
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
         return self.length
 
-    def get_max_length(self) -> int:
-        return -1
+    def get_max_length(self, *args: Any, **kwargs: Any) -> int:
+        return -1 if self.span is None else self.span
 
-    def reset(self) -> None:
-        self.length, self.tail, self.fk, self.fv, self.sk, self.sv = 0, 0, None, None, None, None
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        self.length, self.fk, self.fv, self.sk, self.sv = 0, None, None, None, None
+        self.held = torch.zeros(0, dtype=torch.long)
         self.is_initialized = False
 
     def _each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.fk, self.fv, self.sk, self.sv = (None if t is None else fn(t) for t in (self.fk, self.fv, self.sk, self.sv))
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor, *args: Any, **kwargs: Any) -> None:
         self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))  # [B, h, n, d] rows reordered
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
+    def batch_repeat_interleave(self, repeats: int, *args: Any, **kwargs: Any) -> None:
         self._each(lambda t: t.repeat_interleave(repeats, dim=0))  # [B, h, n, d] -> [B·r, h, n, d]
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self._each(lambda t: t[indices, ...])  # [B, h, n, d] -> [b, h, n, d]
 
     def check_crop(self, tokens_to_remove: int) -> int:
         """The length ``crop(tokens_to_remove)`` would keep, or the ValueError it would raise (nothing changed)."""
-        L, S, W = self.length, self.sink, self.window
+        L = self.length
         target = L + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         if not 0 <= target <= L:
             raise ValueError(f"budget cache layer {self.index}: cannot crop to {target} positions; it holds {L}.")
-        if target < L and self.stream:
-            first = max(S, self.tail)  # the first tail position held
-            need = max(S, target - W)  # the first tail position the query at `target` sees
-            if target > S and need < first:
-                raise ValueError(
-                    f"budget cache layer {self.index}: cannot crop to {target} positions: its streaming heads (sink={S}, "
-                    f"window={W}) keep positions {first}…{L - 1} after the sink, and the next query would need {need}…"
-                    f"{target - 1}. Call cache.activate_past_recording() before the forward to be rolled back "
-                    f"(transformers' assisted decoding does) so that eviction waits for the crop.")
+        if target == L:
+            return target
+        p = torch.arange(self.first(target), target)  # what the query at `target` may see under the model's mask
+        lacking = []
+        if self.full and len(p) and int(p[0]) < L - (0 if self.fk is None else self.fk.shape[-2]):
+            lacking.append(("full", p))
+        if self.stream:
+            need = p[(p < self.sink) | (p >= target - self.window)]
+            if not bool(torch.isin(need, self.held).all()):
+                lacking.append(("streaming", need))
+        if lacking:
+            kind, need = lacking[0]
+            held = self.positions((self.full if kind == "full" else self.stream)[0]).tolist()
+            raise ValueError(
+                f"budget cache layer {self.index}: cannot crop to {target} positions: its {kind} heads (sink={self.sink}, "
+                f"window={self.window}{'' if self.span is None else f', the layer window {self.span}'}) hold "
+                f"{_ranges(held)}, and the next query would need {_ranges(need.tolist())}. Call "
+                f"cache.activate_past_recording() before the forward to be rolled back (transformers' assisted "
+                f"decoding does) so that dropping waits for the crop.")
         return target
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
-        length to keep, as older versions call it), then evict down to sink + window. Exact, or a
-        ValueError when the streaming heads already evicted what the next query would need."""
+        length to keep, as older versions call it), then drop what no later query may see. Exact, or a
+        ValueError when the layer already dropped what the next query would need."""
         target = self.check_crop(tokens_to_remove)
         L = self.length
         if target < L:
-            self._each_full(lambda t: t[..., :target, :])  # [B, h_full, L, d] -> [B, h_full, target, d]
+            gone = L - target
+            if self.fk is not None and self.fv is not None:
+                keep = max(0, self.fk.shape[-2] - gone)
+                self.fk, self.fv = self.fk[..., :keep, :], self.fv[..., :keep, :]  # [B, h_full, keep, ·]
             if self.sk is not None and self.sv is not None:
-                keep = int((self.positions(self.stream[0]) < target).sum())  # the held positions are ascending
-                self.sk, self.sv = self.sk[..., :keep, :], self.sv[..., :keep, :]  # [B, h_stream, keep, d]
+                keep = int((self.held < target).sum())  # the held positions are ascending
+                self.sk, self.sv, self.held = self.sk[..., :keep, :], self.sv[..., :keep, :], self.held[:keep]
             self.length = target
-            self.tail = min(self.tail, target)
         self._evict()
-
-    def _each_full(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fk, self.fv = (None if t is None else fn(t) for t in (self.fk, self.fv))
+        if self.stream:
+            self._own()
 
     def offload(self):
         raise NotImplementedError("a budget cache is not offloaded.")
@@ -330,25 +402,48 @@ class BudgetLayer(CacheLayerMixin):
         pass
 
 
-class BudgetCache(Cache):
-    """A transformers ``Cache`` for ``model.generate(..., cache=plan.cache())`` (``past_key_values=``
-    before transformers 5.24): per layer, the plan's full K/V heads keep every key and value, streaming
-    heads their sink and window. The model must run bhqk's attention (``attn_implementation="bhqk"``)."""
+def _ranges(ps: list[int]) -> str:
+    """``0…2, 11…15`` (ascending positions as runs)."""
+    if not ps:
+        return "nothing"
+    runs, start = [], ps[0]
+    for a, b in zip(ps, ps[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}…{a}")
+            start = b
+    return ", ".join(runs)
 
-    def __init__(self, plan: Any) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
+
+class BudgetCache(Cache):
+    """A transformers ``Cache`` for ``model.generate(..., cache=plan.cache(model))`` (``past_key_values=``
+    before transformers 5.24): per layer, the plan's full K/V heads keep what the model's own cache
+    keeps, the streaming heads their sink and window of it. The model must run bhqk's attention
+    (``attn_implementation="bhqk"``). ``shape``: the model's :class:`~bhqk.budget.plan.ModelShape`
+    (default: what the plan records; without either, every layer full attention)."""
+
+    def __init__(self, plan: Any, shape: Any = None) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
+        shape = shape if shape is not None else plan.model
         layers = []
         for li in range(plan.num_layers):
             full = [g for g in range(plan.num_kv_heads) if bool(plan.full[li, g])]
             stream = [g for g in range(plan.num_kv_heads) if not bool(plan.full[li, g])]
-            layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li))
+            span = None if shape is None else shape.windows[li]
+            expect = (plan.num_kv_heads, None if shape is None else shape.head_dim)
+            layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li, span, expect))
         super().__init__(layers=layers)  # type: ignore[arg-type]
-        self.plan, self.budget_layers = plan, layers
+        self.plan, self.shape, self.budget_layers = plan, shape, layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
-            raise ShapeError(f"budget cache: the model wrote layer {layer_idx} but the plan has layers="
-                             f"{len(self.layers)} (× Hkv={self.plan.num_kv_heads} K/V heads).")
-        return self.budget_layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+            raise ShapeError(f"budget cache: the model wrote layer {layer_idx} but the plan is {self.plan.describe()}.")
+        layers = self.budget_layers
+        if layer_idx == 0 and layers[0].length:  # a new forward: the last one wrote every layer of the plan?
+            behind = [i for i, layer in enumerate(layers) if layer.length != layers[0].length]
+            if behind:
+                raise ShapeError(f"budget cache: the model's last forward wrote layers 0…{behind[0] - 1} but not "
+                                 f"{behind[0]}…{len(layers) - 1}; the plan is {self.plan.describe()}: it fits a model "
+                                 f"of {len(layers)} layers (plan.cache(model) checks it before any forward).")
+        return layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def crop(self, max_length: int) -> None:
         """Every layer cropped, or none: each layer's crop is checked first (a refused one raises

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import LoadError
 from .find import SCORES, find
-from .plan import model_sizes
+from .plan import model_shape
 
 
 def load_model(source: str):
@@ -42,12 +42,11 @@ def cmd_budget(a: argparse.Namespace) -> str:
     plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed,
                 ties=a.ties.replace("-", " "))
     t2 = time.perf_counter()
-    held, full = plan.nbytes(a.length, model)
-    L, H, Hkv, d, _ = model_sizes(model)
+    held, own = plan.nbytes(a.length, model)
     lines = [str(plan), "",
-             f"model: {L} layers, H={H}, Hkv={Hkv}, d={d}; loaded in {t1 - t0:.1f} s, scored in {t2 - t1:.1f} s",
+             f"model: {model_shape(model).describe()}; loaded in {t1 - t0:.1f} s, scored in {t2 - t1:.1f} s",
              f"keys and values at {a.length:,} tokens (batch 1, {next(model.parameters()).dtype}): plan {_mib(held)}, "
-             f"full cache {_mib(full)} ({held / full:.3f}×; saves {_mib(full - held)})"]
+             f"the model's own cache {_mib(own)} ({held / own:.3f}×; saves {_mib(own - held)})"]
     if a.save:
         lines.append(f"saved {plan.save(a.save)}")
     return "\n".join(lines)

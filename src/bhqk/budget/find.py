@@ -39,7 +39,7 @@ from torch import nn
 
 from ..inspect.capture import capture
 from ..inspect.heads import head_table
-from .plan import Plan, model_sizes
+from .plan import Plan, attention_modules, model_shape
 
 SCORES = ("induction", "retrieval", "distant")
 
@@ -174,7 +174,8 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
     if ties == "copy mass" and score not in TIES:
         raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={score!r} has no "
                          f"second key (use ties='index').")
-    L, H, Hkv, _, _ = model_sizes(model)
+    shape = model_shape(model)
+    L, H, Hkv = shape.layers, shape.heads, shape.kv_heads
     was = model.training
     model.eval()
     try:
@@ -220,22 +221,29 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
 def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "retrieval", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
          batch: int = 4, ties: str = "index") -> Plan:
-    """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of K/V heads
-    by ``score`` full and streams the rest with ``sink`` + ``window``. ``ties``: ``"index"`` (earlier
-    layers first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``,
-    ``batch``: the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
+    """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of the K/V
+    heads whose choice matters by ``score`` full and streams the rest with ``sink`` + ``window``.
+    The choice matters for a head whose layer lets a query see more than ``window`` + 1 keys (every
+    head of a full-attention layer; a sliding or chunked layer's heads when its window is wider): a
+    head whose layer's own window fits the streaming window keeps and sees the same keys either way,
+    so it is kept full outside the fraction (``Plan.free``). ``ties``: ``"index"`` (earlier layers
+    first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``, ``batch``:
+    the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
-    L, _, Hkv, _, paths = model_sizes(model)
+    shape = model_shape(model)
+    L, Hkv = shape.layers, shape.kv_heads
+    free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
     keys = score_keys(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
                       length=length, batch=batch, ties=ties)
-    n = round(full * L * Hkv)
-    order = rank([kv for _, kv, _ in keys])[:n]  # [n] flat indices = layer·Hkv + head
-    mask = torch.zeros(L * Hkv, dtype=torch.bool)
-    mask[order] = True
+    n = round(full * int((~free).sum()))
+    order = rank([kv for _, kv, _ in keys])  # [L·Hkv] flat indices = layer·Hkv + head, best first
+    mask = free.clone()  # [L·Hkv]
+    mask[order[~free[order]][:n]] = True  # the best n of the heads whose choice matters
     tie = keys[1] if len(keys) > 1 else None
-    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, paths or None,  # [L·Hkv] -> [L, Hkv]
-                {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1], None if tie is None else tie[0])
+    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, attention_modules(model) or None,  # [L·Hkv] -> [L, Hkv]
+                {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1],
+                None if tie is None else tie[0], shape)
 
 
 __all__ = ["find", "score_heads", "score_keys", "rank", "SCORES", "TIES", "TIE_ORDERS"]

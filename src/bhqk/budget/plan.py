@@ -29,37 +29,118 @@ from .mask import streaming_mask
 FORMAT = "bhqk.budget.Plan/1"
 
 
-def model_sizes(model: nn.Module) -> tuple[int, int, int, int, list[str]]:
-    """(layers, query heads H, K/V heads Hkv, head dim d, attention module paths) of a Hugging Face
-    decoder (its config), or of a bhqk model (its ``MultiHeadAttention`` modules, in order) — the
-    sizes a plan must fit."""
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a plan is made for: ``layers``, query heads ``heads`` (H), K/V heads ``kv_heads`` (Hkv),
+    ``head_dim`` (d), each layer's attention as the model masks it (``layer_types``: transformers'
+    ``full_attention``, ``sliding_attention`` or ``chunked_attention``; ``windows``: the keys a query
+    of the layer sees at most, itself included — the sliding window or the chunk size — or None for
+    every key) and the model's ``name`` and ``model_type`` where known."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    windows: tuple[int | None, ...]
+    name: str | None = None
+    model_type: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.layers or len(self.windows) != self.layers:
+            raise ShapeError(f"ModelShape: {len(self.layer_types)} layer types and {len(self.windows)} windows for "
+                             f"layers={self.layers}.")
+        for li, (t, w) in enumerate(zip(self.layer_types, self.windows)):
+            if t not in LAYER_TYPES:
+                raise ShapeError(f"ModelShape: layer {li} is {t!r}; a budget plan covers layers of keys and values "
+                                 f"({', '.join(LAYER_TYPES)}).")
+            if (t == "full_attention") != (w is None) or (w is not None and w < 1):
+                raise ShapeError(f"ModelShape: layer {li} is {t!r} with window {w!r} (a full-attention layer has none, "
+                                 f"a sliding or chunked one a window >= 1).")
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.layers, self.heads, self.kv_heads, self.head_dim
+
+    def describe(self) -> str:
+        """``[layers=18, H=4, Hkv=1, d=256; 15 sliding_attention (window 512) + 3 full_attention] (gemma3)``."""
+        kinds: dict[tuple[str, int | None], int] = {}
+        for t, w in zip(self.layer_types, self.windows):
+            kinds[(t, w)] = kinds.get((t, w), 0) + 1
+        types = " + ".join(f"{n} {t}" + ("" if w is None else f" (window {w})") for (t, w), n in kinds.items())
+        who = " / ".join(x for x in (self.name, self.model_type) if x)
+        return (f"[layers={self.layers}, H={self.heads}, Hkv={self.kv_heads}, d={self.head_dim}; {types}]"
+                + (f" ({who})" if who else ""))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "model_type": self.model_type, "layers": self.layers, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layer_types": list(self.layer_types),
+                "windows": list(self.windows)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelShape:
+        return cls(int(d["layers"]), int(d["heads"]), int(d["kv_heads"]), int(d["head_dim"]), tuple(d["layer_types"]),
+                   tuple(None if w is None else int(w) for w in d["windows"]), d.get("name"), d.get("model_type"))
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """The :class:`ModelShape` of a Hugging Face decoder (its config; each layer's type and window as
+    transformers' ``DynamicCache(config=...)`` reads them) or of a bhqk model (its ``MultiHeadAttention``
+    modules, in order; every layer full attention)."""
     from ..nn import MultiHeadAttention
 
-    own = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    own = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     if own:
-        sizes = {(m.num_heads, m.num_kv_heads, m.head_dim) for _, m in own}
+        sizes = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in own}
         if len(sizes) != 1:
             raise ShapeError(f"{type(model).__name__}: its attention modules differ in (H, Hkv, d): {sorted(sizes)}; "
                              f"a budget plan needs one K/V head count per layer.")
         (H, Hkv, d), = sizes
-        return len(own), H, Hkv, d, [n for n, _ in own]
+        L = len(own)
+        return ModelShape(L, H, Hkv, d, ("full_attention",) * L, (None,) * L, None, type(model).__name__)
     config = getattr(model, "config", None)
     if config is None:
         raise ShapeError(f"{type(model).__name__} has no .config; a budget plan needs a Hugging Face model "
                          f"(layers, attention heads and K/V heads come from its config).")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     L = int(text.num_hidden_layers)
     H = int(text.num_attention_heads)
     Hkv = int(getattr(text, "num_key_value_heads", None) or H)
     d = int(getattr(text, "head_dim", None) or text.hidden_size // H)
-    return L, H, Hkv, d, attention_modules(model)
+    types, kwargs = get_layer_types_and_kwargs(text)  # what the model's own DynamicCache(config=) is made of
+    windows = tuple(None if t == "full_attention" else kw.get("sliding_window") for t, kw in zip(types, kwargs))
+    name = getattr(config, "name_or_path", None) or None
+    return ModelShape(L, H, Hkv, d, tuple(types), windows, name, getattr(config, "model_type", None) or None)
 
 
 def attention_modules(model: nn.Module) -> list[str]:
-    """The module paths of the model's attention layers, by their ``layer_idx`` (Hugging Face)."""
+    """The module paths of the model's attention layers: its ``MultiHeadAttention`` modules in order
+    (bhqk), else the modules with a ``layer_idx``, by it (Hugging Face)."""
+    from ..nn import MultiHeadAttention
+
+    own = [n for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if own:
+        return own
     found = [(m.layer_idx, n) for n, m in model.named_modules()
              if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
     return [n for _, n in sorted(found)]
+
+
+def kept_full(length: int, window: int | None) -> int:
+    """Positions a K/V head of a layer keeps after ``length`` tokens, as the model's own cache does: every
+    one, or the ``window − 1`` before the next query (transformers' sliding-window layers)."""
+    return length if window is None else min(length, window - 1)
+
+
+def kept_streaming(length: int, window: int | None, sink: int, recent: int) -> int:
+    """Positions a streaming K/V head keeps after ``length`` tokens: of those a later query may still
+    see under its layer's ``window`` (None: every position), the first ``sink`` and the last ``recent``."""
+    first = 0 if window is None else max(0, length - window + 1)  # the first position the next query may see
+    return (length - first) - max(0, length - recent - max(first, sink))  # minus the gap between sink and window
 
 
 @dataclass
@@ -67,7 +148,8 @@ class Plan:
     """Which K/V heads keep every key. ``full``: bool [layers, Hkv] (True = full, False = streaming:
     ``sink`` first keys + ``window`` recent keys). ``scores`` (float [layers, Hkv], optional) and
     ``score`` (its name) say how it was chosen, ``tie_scores`` and ``tie_score`` the second key that
-    broke its ties (``find``; then the lower index); ``layers`` names the layers (module paths)."""
+    broke its ties (``find``; then the lower index); ``layers`` names the layers (module paths);
+    ``model`` (a :class:`ModelShape`, optional) what the plan was made for: every use checks it first."""
 
     full: torch.Tensor
     sink: int = 64
@@ -78,6 +160,7 @@ class Plan:
     notes: dict[str, Any] = field(default_factory=dict)
     tie_scores: torch.Tensor | None = None
     tie_score: str | None = None
+    model: ModelShape | None = None
 
     def __post_init__(self) -> None:
         full = self.full
@@ -103,6 +186,9 @@ class Plan:
             raise ValueError("Plan: tie_scores break ties of scores; pass scores too.")
         if self.layers is not None and len(self.layers) != self.full.shape[0]:
             raise ShapeError(f"Plan: {len(self.layers)} layer names for {self.full.shape[0]} layers.")
+        if self.model is not None and (self.model.layers, self.model.kv_heads) != tuple(self.full.shape):
+            raise ShapeError(f"Plan: full is [layers={self.full.shape[0]}, Hkv={self.full.shape[1]}] but the plan says "
+                             f"it was made for {self.model.describe()}.")
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -122,42 +208,80 @@ class Plan:
         """The mask a streaming head adds to the model's (see :func:`streaming_mask`)."""
         return streaming_mask(self.sink, self.window)
 
-    def check(self, model: nn.Module) -> None:
-        """A ``ShapeError`` naming layers and K/V heads unless the plan fits ``model``."""
-        L, H, Hkv, _, _ = model_sizes(model)
-        if (L, Hkv) != (self.num_layers, self.num_kv_heads):
-            raise ShapeError(f"Plan is [layers={self.num_layers}, Hkv={self.num_kv_heads}] but the model "
-                             f"({type(model).__name__}) has layers={L}, Hkv={Hkv} K/V heads (H={H} query heads).")
+    def describe(self) -> str:
+        """The plan's shape, and what it was made for where it says: ``[layers=30, Hkv=3] made for …``."""
+        return f"[layers={self.num_layers}, Hkv={self.num_kv_heads}]" + (
+            "" if self.model is None else f" made for {self.model.describe()}")
 
-    def held(self, length: int) -> int:
-        """K/V positions held over all layers and K/V heads after ``length`` tokens (per sequence)."""
-        stream = min(length, self.sink + self.window)
-        n_full = int(self.full.sum())
-        return n_full * length + (self.full.numel() - n_full) * stream
+    def check(self, model: nn.Module) -> ModelShape:
+        """The model's :class:`ModelShape`, or a ``ShapeError`` naming both shapes unless the plan fits
+        ``model`` (layers and K/V heads; and where the plan records what it was made for, query heads,
+        head size and each layer's attention type and window too)."""
+        return self.fits(model_shape(model), type(model).__name__)
+
+    def fits(self, got: ModelShape, what: str = "the model") -> ModelShape:
+        """``got``, or a ``ShapeError`` naming both shapes unless the plan fits it (:meth:`check`)."""
+        mine = self.model
+        same = ((got.layers, got.kv_heads) == (self.num_layers, self.num_kv_heads) if mine is None else
+                (mine.sizes(), mine.layer_types, mine.windows) == (got.sizes(), got.layer_types, got.windows))
+        if not same:
+            raise ShapeError(f"the plan is {self.describe()} but {what} is {got.describe()}; make a plan for this "
+                             f"model (bhqk.budget.find(model), or Plan(full=bool [layers, Hkv])).")
+        return got
+
+    def free(self, shape: ModelShape | None = None) -> torch.Tensor:
+        """bool [layers, Hkv]: the K/V heads whose layer's own window fits the streaming window (a sliding
+        or chunked layer whose queries see at most ``window`` + 1 keys): full or streaming, they keep and
+        see the same keys (``shape``: the model's, default what the plan was made for; None: none)."""
+        shape = shape or self.model
+        out = torch.zeros_like(self.full)
+        if shape is not None:
+            for li, w in enumerate(shape.windows):
+                out[li] = w is not None and w <= self.window + 1
+        return out
+
+    def held(self, length: int, shape: ModelShape | None = None) -> int:
+        """K/V positions held over all layers and K/V heads after ``length`` tokens (per sequence), each
+        layer as the model masks it (``shape``: the model's, default what the plan was made for; without
+        either, every layer full attention)."""
+        _count("Plan.held", "length", length)
+        shape = shape or self.model
+        total = 0
+        for li in range(self.num_layers):
+            w = None if shape is None else shape.windows[li]
+            n_full = int(self.full[li].sum())
+            total += (n_full * kept_full(length, w)
+                      + (self.num_kv_heads - n_full) * kept_streaming(length, w, self.sink, self.window))
+        return total
 
     def nbytes(self, length: int, model: nn.Module, batch: int = 1, dtype: torch.dtype | None = None) -> tuple[int, int]:
-        """(bytes of keys and values this plan's cache holds, bytes a full cache holds) after
-        ``length`` tokens of ``batch`` sequences (``dtype``: the model's by default)."""
-        self.check(model)
-        L, _, Hkv, d, _ = model_sizes(model)
+        """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
+        transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
+        layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
+        sequences (``dtype``: the model's by default)."""
+        _count("Plan.nbytes", "length", length)
+        _count("Plan.nbytes", "batch", batch, 1)
+        shape = self.check(model)
         dt = dtype or next(model.parameters()).dtype
-        per = 2 * d * torch.empty((), dtype=dt).element_size() * batch  # key + value of one position
-        return self.held(length) * per, L * Hkv * length * per
+        per = 2 * shape.head_dim * torch.empty((), dtype=dt).element_size() * batch  # key + value of one position
+        own = sum(shape.kv_heads * kept_full(length, w) for w in shape.windows)
+        return self.held(length, shape) * per, own * per
 
     # ---- use ------------------------------------------------------------------------------------
     def cache(self, model: nn.Module | None = None):
-        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`);
-        ``model``: checked against the plan first."""
+        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`),
+        each layer as the model masks it. ``model``: checked against the plan first; without it, the
+        cache checks the first keys the model writes (K/V heads, and the head size where the plan
+        records it) before storing them, and a plan of more layers than the model at its next forward."""
         from .cache import BudgetCache
 
-        if model is not None:
-            self.check(model)
-        return BudgetCache(self)
+        return BudgetCache(self, None if model is None else self.check(model))
 
     def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
         """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
         per layer the full K/V heads keep every position, the streaming heads ``sink`` + a ring of
-        ``window`` + 1; ``model``: checked against the plan first; ``capacity``: the full heads' buffers."""
+        ``window`` + 1; ``model``: checked against the plan first (without it, the first keys written
+        are); ``capacity``: the full heads' buffers."""
         from ..nn import KVCache
 
         if model is not None:
@@ -167,22 +291,27 @@ class Plan:
     @contextlib.contextmanager
     def emulate(self, model: nn.Module) -> Iterator[None]:
         """Inside the block, the model's streaming heads see only what the plan keeps, by
-        ``bhqk.edit(mask=...)`` on their query heads with an ordinary cache (nothing is saved: the
-        reference the budget cache must equal). The mask counts keys by their index in the cache, so
-        give ``generate`` a cache that keeps every position (``transformers.DynamicCache()``): the
-        default cache of a model with sliding-window layers drops old keys and re-indexes the rest."""
+        ``bhqk.edit(mask=...)`` on their query heads (nothing is saved: the reference the budget
+        cache must equal). The streaming mask counts keys by their position, so the model's cache
+        must keep every position: give ``generate`` ``cache=transformers.DynamicCache()`` on a model
+        with sliding or chunked layers (its default cache drops their old keys and counts the rest
+        from the first it keeps; the model's own mask stays right, the streaming mask would not): a
+        call over such a cache is refused with a ``ValueError``."""
         from ..inspect import edit
 
-        self.check(model)
-        L, H, Hkv, _, paths = model_sizes(model)
-        if len(paths) != L:
-            raise ShapeError(f"Plan.emulate: found {len(paths)} attention modules with a layer_idx in "
-                             f"{type(model).__name__} but its config has {L} layers.")
-        G = H // Hkv
+        shape = self.check(model)
+        paths = attention_modules(model)
+        if len(paths) != shape.layers:
+            raise ShapeError(f"Plan.emulate: found {len(paths)} attention modules in {type(model).__name__} but it "
+                             f"has {shape.layers} layers.")
+        G = shape.heads // shape.kv_heads
         with contextlib.ExitStack() as stack:
             for li, path in enumerate(paths):
-                heads = [g * G + j for g in range(Hkv) if not bool(self.full[li, g]) for j in range(G)]
+                heads = [g * G + j for g in range(shape.kv_heads) if not bool(self.full[li, g]) for j in range(G)]
                 if heads:
+                    module = model.get_submodule(path)
+                    hook = module.register_forward_pre_hook(_every_position(li), with_kwargs=True)
+                    stack.callback(hook.remove)
                     stack.enter_context(edit(path, heads, model=model, mask=self.mask()))
             yield
 
@@ -192,10 +321,16 @@ class Plan:
         ``score`` when its score alone separates it from every head on the other side, else
         ``tie_score`` when that separates it from the other side's heads of equal score, else
         ``"index"`` when the lower index does (the last tie-break of ``find``); ``"hand"`` where the
-        plan contradicts its keys (built by hand), ``"-"`` without scores or without a cut."""
+        plan contradicts its keys (built by hand), ``"-"`` without scores or without a cut;
+        ``"model window"`` for a head whose layer's own window fits the streaming window
+        (:meth:`free`: outside the cut, ``find`` keeps it full)."""
         L, Hkv = self.num_layers, self.num_kv_heads
         out = [["-"] * Hkv for _ in range(L)]
-        if self.scores is None or bool(self.full.all()) or not bool(self.full.any()):
+        free = self.free()  # [L, Hkv]
+        for li, g in free.nonzero().tolist():
+            out[li][g] = "model window"
+        cut = self.full[~free]  # the heads the cut is among
+        if self.scores is None or bool(cut.all()) or not bool(cut.any()):
             return out
         flat = self.full.flatten()  # [L·Hkv]
         keys = [(self.score or "score", self.scores.flatten())]  # [L·Hkv] each
@@ -203,7 +338,7 @@ class Plan:
             keys.append((self.tie_score or "tie score", self.tie_scores.flatten()))
         index = torch.arange(flat.numel(), dtype=torch.float64)
         keys.append(("index", -index))  # a lower index ranks higher
-        known = ~torch.stack([k.isnan() for _, k in keys]).any(0)  # [L·Hkv] heads with every key
+        known = ~torch.stack([k.isnan() for _, k in keys]).any(0) & ~free.flatten()  # [L·Hkv] heads in the cut with every key
         for i in range(flat.numel()):
             if not bool(known[i]):
                 continue
@@ -239,8 +374,11 @@ class Plan:
         by = f", chosen by {self.score}" if self.score else ""
         if self.score and self.tie_score:
             by += f" (ties by {self.tie_score}, then index)"
-        return (f"Plan: {n} of {total} K/V heads full ({self.num_layers} layers × "
-                f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}")
+        free = int(self.free().sum())
+        fits = f", {free} of them within their layer's own window" if free else ""
+        made = "" if self.model is None else f"; made for {self.model.describe()}"
+        return (f"Plan: {n} of {total} K/V heads full{fits} ({self.num_layers} layers × "
+                f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}{made}")
 
     def __str__(self) -> str:
         head = ["layer", "name", "kv head", self.score or "score"]
@@ -285,7 +423,7 @@ class Plan:
                 "tie_score": self.tie_score,
                 "tie_scores": None if self.tie_scores is None else
                 [[None if math.isnan(x) else float(x) for x in row] for row in self.tie_scores.tolist()],
-                "notes": self.notes}
+                "notes": self.notes, "model": None if self.model is None else self.model.to_dict()}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -301,9 +439,10 @@ class Plan:
             sc, tie = (None if d.get(k) is None else  # [[x or None]] -> [layers, Hkv], None -> nan
                        torch.tensor([[math.nan if x is None else x for x in r] for r in d[k]], dtype=torch.float64)
                        for k in ("scores", "tie_scores"))
+            made_for = None if d.get("model") is None else ModelShape.from_dict(d["model"])  # absent in older files
             return cls(full, int(d["sink"]), int(d["window"]), sc, d.get("score"), d.get("layers"), d.get("notes") or {},
-                       tie, d.get("tie_score"))
-        except (KeyError, TypeError, ValueError) as e:
+                       tie, d.get("tie_score"), made_for)
+        except (KeyError, TypeError, ValueError) as e:  # ShapeError is a ValueError
             raise LoadError(f"{source}: a malformed plan ({type(e).__name__}: {e}).") from None
 
     @classmethod
@@ -316,8 +455,32 @@ class Plan:
         return cls.from_dict(d, str(path))
 
 
+def _count(who: str, name: str, v: Any, minimum: int = 0) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {v!r}.")
+
+
+def _every_position(layer: int):
+    """A forward pre-hook for :meth:`Plan.emulate`: refuses a call whose cache (transformers') counts
+    keys from a later position than 0 (a sliding or chunked layer's own cache, once it dropped keys)."""
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if cache is None or not hasattr(cache, "get_mask_sizes") or hidden is None:
+            return None
+        first = cache.get_mask_sizes(hidden.shape[1], getattr(module, "layer_idx", layer))[1]  # kv_offset
+        if first:
+            raise ValueError(f"Plan.emulate: layer {layer}'s cache holds keys from position {first} on "
+                             f"({type(cache).__name__} with {type(cache.layers[layer]).__name__}); the streaming mask "
+                             f"counts keys from position 0, so the reference would be wrong. Give generate a cache "
+                             f"that keeps every position: cache=transformers.DynamicCache().")
+        return None
+
+    return hook
+
+
 def _num(t: torch.Tensor | None, li: int, g: int, digits: int = 3) -> str:
     return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}f}"
 
 
-__all__ = ["Plan", "streaming_mask", "model_sizes", "attention_modules"]
+__all__ = ["Plan", "ModelShape", "streaming_mask", "model_shape", "attention_modules", "kept_full", "kept_streaming"]

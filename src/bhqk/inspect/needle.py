@@ -282,13 +282,19 @@ def grid(model, tok, lengths: Iterable[int], depths: Iterable[float], trials: in
          max_new_tokens: int = 16, progress: bool = True) -> NeedleResult:
     """The needle grid (module doc): every length × depth × trial, a tqdm bar over them when
     ``progress``. ``plan``: an object whose ``.cache()`` makes each generation's cache (the same as
-    ``past_key_values=plan.cache``)."""
+    ``past_key_values=plan.cache``); a KV budget plan (``.check(model)``) is checked against the model
+    before any forward, and makes its caches with ``plan.cache(model)``."""
+    import functools
+
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     if plan is not None:
         if past_key_values is not None:
             raise ValueError("needle: give plan= or past_key_values=, not both.")
         past_key_values = plan.cache
+        if hasattr(plan, "check"):  # a plan made for another model fails here, not as "found 0 of N"
+            plan.check(model)
+            past_key_values = functools.partial(plan.cache, model)
     lengths, depths = list(lengths), list(depths)
     if trials < 1 or not lengths or not depths:
         raise ValueError(f"needle: the grid is empty (lengths={lengths}, depths={depths}, trials={trials}).")

@@ -39,10 +39,12 @@ from ..functional import attention, attention_weights
 
 class LayerCache:
     """One layer's keys and values. Absolute positions ``start … end-1`` are stored at buffer
-    indices ``0 … end-start-1``; ``end`` is how many positions this layer has seen."""
+    indices ``0 … end-start-1``; ``end`` is how many positions this layer has seen. ``expect``:
+    (Hkv, d or None) the keys written must have (a budget plan's, checked before they are stored)."""
 
-    def __init__(self, capacity: int | None = None, window: int | None = None, index: int = 0) -> None:
-        self.capacity, self.window, self.index = capacity, window, index
+    def __init__(self, capacity: int | None = None, window: int | None = None, index: int = 0,
+                 expect: tuple[int, int | None] | None = None) -> None:
+        self.capacity, self.window, self.index, self.expect = capacity, window, index, expect
         self.k: torch.Tensor | None = None  # [B, Hkv, capacity, d]
         self.v: torch.Tensor | None = None  # [B, Hkv, capacity, dv]
         self.start = 0
@@ -140,6 +142,7 @@ class LayerCache:
                 f"KVCache layer {self.index}: k must be [B, Hkv, Q, d] and v [B, Hkv, Q, dv] with the same B, Hkv, Q; "
                 f"got k {list(k.shape)}, v {list(v.shape)}."
             )
+        _expected(self.expect, k, self.index)
         if self.k is None or self.v is None:  # (set and cleared together)
             return
         if self.kept == 0 and (k.shape[:2] + k.shape[3:] != self.k.shape[:2] + self.k.shape[3:]
@@ -207,6 +210,16 @@ class LayerCache:
         return f"LayerCache(layer {self.index}, {_describe(self.state())})"
 
 
+def _expected(expect: tuple[int, int | None] | None, k: torch.Tensor, index: int) -> None:
+    """A ``ShapeError`` naming both shapes unless the keys k [B, Hkv, Q, d] have the plan's (Hkv, d)."""
+    if expect is None:
+        return
+    Hkv, d = expect
+    if k.shape[1] != Hkv or (d is not None and k.shape[3] != d):
+        raise ShapeError(f"KVCache layer {index}: the plan has Hkv={Hkv} K/V heads" + ("" if d is None else f", d={d}")
+                         + f" but the model wrote keys of shape {list(k.shape)} ([B, Hkv, Q, d]).")
+
+
 def take_heads(x: torch.Tensor, dim: int, heads: list[int]) -> torch.Tensor:
     """``x.index_select(dim, heads)`` — a view (``narrow``) where ``heads`` is an ascending run
     (no copy: a group of heads next to each other, e.g. a layer's streaming K/V heads)."""
@@ -229,8 +242,9 @@ class BudgetLayerCache:
     is given, which covers every position as for a plain cache ([Q, length + Q])."""
 
     def __init__(self, full: list[int], stream: list[int], sink: int, window: int,
-                 capacity: int | None = None, index: int = 0) -> None:
+                 capacity: int | None = None, index: int = 0, head_dim: int | None = None) -> None:
         self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
+        self.head_dim = head_dim  # the plan's, where it records it (checked before anything is stored)
         self.full_cache = LayerCache(capacity, None, index) if full else None
         self.slots = sink + window + 1  # R
         self.k: torch.Tensor | None = None  # [B, h_stream, R, d]
@@ -355,8 +369,10 @@ class BudgetLayerCache:
         each group of heads holds (``mask`` [Q, length + Q] as for a plain cache) → (o [B, H, Q, dv]
         in the model's head order, weights [B, H, Q, length + Q] with zeros at evicted keys, or None)."""
         Hkv = len(self.full) + len(self.stream)
-        if k.dim() != 4 or v.dim() != 4 or k.shape[1] != Hkv or v.shape[1] != Hkv or k.shape[:3] != v.shape[:3]:
-            raise ShapeError(f"budget layer {self.index}: the plan has Hkv={Hkv} K/V heads but got keys "
+        if (k.dim() != 4 or v.dim() != 4 or k.shape[1] != Hkv or v.shape[1] != Hkv or k.shape[:3] != v.shape[:3]
+                or (self.head_dim is not None and k.shape[3] != self.head_dim)):
+            d = "" if self.head_dim is None else f", d={self.head_dim}"
+            raise ShapeError(f"budget layer {self.index}: the plan has Hkv={Hkv} K/V heads{d} but got keys "
                              f"{list(k.shape)} and values {list(v.shape)} ([B, Hkv, Q, d]).")
         if bias is not None:
             raise ValueError(f"budget layer {self.index}: bias= is not supported with a head-wise budget cache "
@@ -481,11 +497,13 @@ class KVCache:
             if full.dim() != 2 or full.shape[0] != num_layers:
                 raise ShapeError(f"KVCache: the plan is [layers={full.shape[0]}, Hkv={full.shape[-1]}] but the cache "
                                  f"has num_layers={num_layers}.")
+            made_for = getattr(plan, "model", None)
+            d = None if made_for is None else made_for.head_dim
             for i in range(num_layers):
                 keep = [g for g in range(full.shape[1]) if bool(full[i, g])]
                 stream = [g for g in range(full.shape[1]) if not bool(full[i, g])]
-                if stream:
-                    self.layers[i] = BudgetLayerCache(keep, stream, plan.sink, plan.window, capacity, i)
+                self.layers[i] = (BudgetLayerCache(keep, stream, plan.sink, plan.window, capacity, i, d) if stream else
+                                  LayerCache(capacity, None, i, (full.shape[1], d)))
 
     def __getitem__(self, i: int) -> LayerCache | BudgetLayerCache:
         return self.layers[i]

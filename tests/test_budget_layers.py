@@ -1,0 +1,212 @@
+"""Head-wise KV budgets on every layer type transformers has (tiny random models, fp32, no network):
+full attention, sliding windows (Mistral: every layer; Qwen2: some; Gemma 2 and 3: alternating;
+GPT-OSS: alternating, with attention sinks) and chunked attention (Llama 4). Per layer the budget
+cache keeps what the model's own cache keeps (``DynamicCache(config=model.config)``), its streaming
+heads the sink and window of that; its bytes are what ``plan.nbytes`` says and never above the
+model's own; generation with it equals the plan emulated by edits; an all-full plan is the model's
+own cache, tensor for tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from bhqk.budget import Plan, find
+from bhqk.budget.plan import kept_streaming, model_shape
+from bhqk.errors import ShapeError
+from bhqk.integrations.transformers import register
+from tolerance import assert_models_close
+
+register()
+V = 100
+S, W = 3, 5  # the streaming window (W + 1 = 6 keys) is narrower than every model window below (7, 8)
+WIN, CHUNK = 7, 8
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, attn_implementation="bhqk")
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    t = transformers
+    if name == "mistral":  # every layer a sliding window
+        m = t.MistralForCausalLM(t.MistralConfig(num_hidden_layers=2, sliding_window=WIN, **COMMON))
+    elif name == "qwen2":  # max_window_layers=1: layer 0 full, layer 1 sliding
+        m = t.Qwen2ForCausalLM(t.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=WIN,
+                                             max_window_layers=1, **COMMON))
+    elif name == "gemma2":  # sliding, full (and soft-capped logits)
+        m = t.Gemma2ForCausalLM(t.Gemma2Config(num_hidden_layers=2, sliding_window=WIN, head_dim=16, **COMMON))
+    elif name == "gemma3":  # as Gemma 3: sliding layers, then a global one
+        m = t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+            num_hidden_layers=3, sliding_window=WIN, head_dim=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"], **COMMON))
+    elif name == "gpt_oss":  # sliding, full; a learned sink logit per head (s_aux)
+        m = t.GptOssForCausalLM(t.GptOssConfig(num_hidden_layers=2, sliding_window=WIN, head_dim=16,
+                                               num_local_experts=2, num_experts_per_tok=1, **COMMON))
+    elif name == "llama4":  # chunked attention in three layers of four, the fourth full (no rotary)
+        m = t.Llama4ForCausalLM(t.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=CHUNK, head_dim=16,
+                                                   num_local_experts=1, intermediate_size_mlp=96, **COMMON))
+    else:
+        raise ValueError(name)
+    return m.eval()
+
+
+KINDS = {"mistral": ["sliding_attention"] * 2, "qwen2": ["full_attention", "sliding_attention"],
+         "gemma2": ["sliding_attention", "full_attention"],
+         "gemma3": ["sliding_attention", "sliding_attention", "full_attention"],
+         "gpt_oss": ["sliding_attention", "full_attention"], "llama4": ["chunked_attention"] * 3 + ["full_attention"]}
+NAMES = list(KINDS)
+
+
+def _mixed(model) -> Plan:
+    """Layer 0's K/V head 0 and the last layer's last head full, every other head streaming."""
+    shape = model_shape(model)
+    full = torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool)
+    full[0, 0] = full[-1, -1] = True
+    return Plan(full, sink=S, window=W)
+
+
+def _inputs(B=2, N=20, pad=4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (B, N), generator=g)
+    am = torch.ones_like(ids)
+    if B > 1:
+        ids[1, :pad], am[1, :pad] = 0, 0  # left padding
+    return ids, am
+
+
+def _generate(model, ids, am, n=10, **kw):
+    out = model.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences, torch.stack(out.logits)  # [B, N + n], [n, B, V]
+
+
+def _bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_model_shape_is_what_the_models_own_cache_is_made_of(name):
+    model = _model(name)
+    shape = model_shape(model)
+    assert list(shape.layer_types) == KINDS[name]
+    own = transformers.DynamicCache(config=model.config)
+    for layer, t, w in zip(own.layers, shape.layer_types, shape.windows):
+        assert w == (None if t == "full_attention" else getattr(layer, "sliding_window", None))
+        assert w in (None, WIN, CHUNK)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@torch.no_grad()
+def test_bytes_are_the_models_own_cache_and_the_plan_holds_what_it_says(name):
+    """After a forward of n tokens (and each decode step after it) the model's own cache holds
+    ``nbytes(n)[1]`` in its tensors, the budget cache ``nbytes(n)[0]`` — each streaming head exactly the
+    positions a later query may see under its layer's window and the streaming mask — never more."""
+    model = _model(name)
+    shape = model_shape(model)
+    ids, am = _inputs(B=2, N=22)
+    plan, every = _mixed(model), Plan(torch.ones(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W)
+    own, cache, all_full = transformers.DynamicCache(config=model.config), plan.cache(model), every.cache(model)
+    N = 12
+    for c in (own, cache, all_full):
+        model(input_ids=ids[:, :N], attention_mask=am[:, :N], cache=c)
+    for n in range(N, ids.shape[1] + 1):
+        if n > N:
+            for c in (own, cache, all_full):
+                model(input_ids=ids[:, n - 1:n], attention_mask=am[:, :n], cache=c)
+        held, theirs = plan.nbytes(n, model, batch=2)
+        assert theirs == _bytes(own), (name, n)
+        assert held == cache.nbytes() and every.nbytes(n, model, batch=2) == (theirs, theirs) == (all_full.nbytes(), theirs)
+        assert held < theirs or n <= S + W
+        for li, w in enumerate(shape.windows):
+            first = 0 if w is None else max(0, n - w + 1)
+            own_kept = own.layers[li].keys.shape[-2]
+            for g in range(shape.kv_heads):
+                got = cache.positions(li, g).tolist()
+                if bool(plan.full[li, g]):
+                    want = list(range(n - own_kept, n))  # the model's own cache's positions
+                else:
+                    want = [p for p in range(first, n) if p < S or p >= n - W]
+                    assert len(want) == kept_streaming(n, w, S, W)
+                assert got == want, (name, n, li, g)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generation_with_the_budget_cache_equals_the_emulated_plan(name):
+    model = _model(name)
+    ids, am = _inputs()
+    plan = _mixed(model)
+    seq, logits = _generate(model, ids, am, cache=plan.cache(model))
+    with plan.emulate(model):  # a cache that keeps every position (the streaming mask counts from position 0)
+        ref_seq, ref = _generate(model, ids, am, cache=transformers.DynamicCache())
+    assert_models_close(logits, ref, width=96, layers=model.config.num_hidden_layers, msg=f"{name}: budget vs emulated")
+    assert torch.equal(seq, ref_seq)
+    _, plain = _generate(model, ids, am)
+    assert (plain - ref).abs().max() > 1e-3, "the streaming mask must change something (else the test proves nothing)"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_all_full_plan_is_the_models_own_cache_tensor_for_tensor(name):
+    model = _model(name)
+    ids, am = _inputs()
+    shape = model_shape(model)
+    plan = Plan(torch.ones(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W)
+    cache, own = plan.cache(model), transformers.DynamicCache(config=model.config)
+    seq, logits = _generate(model, ids, am, cache=cache)
+    ref_seq, ref = _generate(model, ids, am, cache=own)
+    assert torch.equal(logits, ref) and torch.equal(seq, ref_seq)
+    assert cache.is_sliding == own.is_sliding
+    for mine, theirs in zip(cache.budget_layers, own.layers):
+        assert torch.equal(mine.fk, theirs.keys) and torch.equal(mine.fv, theirs.values)
+        assert mine.get_mask_sizes(1) == theirs.get_mask_sizes(1)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama4"])
+def test_assisted_decoding_with_the_budget_cache_is_greedy_decoding_with_it(name):
+    """A draft model of other weights: drafts are rejected and the cache cropped, past the model's window."""
+    model = _model(name)
+    ids, am = _inputs(B=1)
+    plan = _mixed(model)
+    seq, _ = _generate(model, ids, am, n=12, cache=plan.cache(model))
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1, **COMMON)).eval()
+    assisted = model.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              assistant_model=draft, cache=plan.cache(model))
+    assert torch.equal(assisted, seq)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama4"])
+def test_emulate_refuses_a_cache_that_dropped_keys(name):
+    """The model's default cache drops a sliding (chunked) layer's old keys and counts the rest from the
+    first it keeps: the streaming mask would mark other keys, so the emulation says so."""
+    model = _model(name)
+    ids, am = _inputs()
+    with pytest.raises(ValueError, match=r"transformers.DynamicCache\(\)"), _mixed(model).emulate(model):
+        _generate(model, ids, am)
+
+
+def test_find_chooses_among_the_heads_whose_window_reaches_beyond_the_streaming_window():
+    """Qwen2 with layer 0 full attention and layer 1 a window of 7 keys: with window=6 a streaming head
+    of layer 1 sees what a full one sees, so layer 1 is kept full outside the fraction and half of
+    layer 0 is chosen; with window=5 every head counts."""
+    model = _model("qwen2")
+    plan = find(model, full=0.5, sink=S, window=WIN - 1, length=32, batch=2)
+    assert plan.full[1].all() and int(plan.full[0].sum()) == 1
+    assert plan.free().tolist() == [[False, False], [True, True]]
+    assert plan.decided()[1] == ["model window", "model window"] and "index" in plan.decided()[0] + ["retrieval"]
+    assert "2 of them within their layer's own window" in plan.summary()
+    assert plan.model == model_shape(model) and plan.nbytes(64, model)[0] < plan.nbytes(64, model)[1]
+    wide = find(model, full=0.5, sink=S, window=WIN - 2, length=32, batch=2)
+    assert int(wide.full.sum()) == 2 and not wide.free().any()
+    every = find(model, full=1.0, sink=S, window=WIN - 1, length=32, batch=2)
+    assert every.full.all() and every.nbytes(64, model)[0] == every.nbytes(64, model)[1]
+
+
+def test_a_plan_for_other_layer_types_is_refused_naming_both():
+    gemma, mistral = _model("gemma2"), _model("mistral")  # both 2 layers of Hkv=2 K/V heads, other layer types
+    plan = find(gemma, full=0.5, sink=S, window=W, length=32, batch=2)
+    with pytest.raises(ShapeError, match=r"sliding_attention \(window 7\) \+ 1 full_attention\].*"
+                                         r"is \[layers=2, H=4, Hkv=2, d=16; 2 sliding_attention"):
+        plan.cache(mistral)
+    with pytest.raises(ShapeError, match="made for"):
+        plan.nbytes(10, mistral)
