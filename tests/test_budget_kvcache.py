@@ -251,3 +251,25 @@ def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
     with plan.emulate(model):
         ref = model(seq)[:, 13:]
     assert_models_close(out, ref, width=64, layers=2)
+
+
+@torch.no_grad()
+def test_a_plan_for_another_model_is_refused_before_anything_is_stored():
+    """A plan records the model it was made for (GPT-2 here: d = 8): ``kv_cache(other)`` names both shapes;
+    a cache made without the model refuses the first keys of another head size in every layer, a layer
+    whose heads are all full (a plain LayerCache) too, before storing them."""
+    from bhqk.budget.plan import model_shape
+
+    model = _gpt2()
+    other = GPT2(GPT2Config(vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=64)).eval()  # d = 16
+    shape = model_shape(model)
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.model_type) == (2, 4, 4, 8, "GPT2")
+    ids, _ = _inputs(B=1)
+    for full in (_mixed().full, torch.ones(2, 4, dtype=torch.bool)):
+        plan = Plan(full, sink=S, window=W, model=shape)
+        with pytest.raises(ShapeError, match=r"made for \[layers=2, H=4, Hkv=4, d=8.*GPT2 is \[layers=2, H=4, Hkv=4, d=16"):
+            plan.kv_cache(other)
+        cache = plan.kv_cache()
+        with pytest.raises(ShapeError, match=r"layer 0: the plan has Hkv=4 K/V heads, d=8 but .* \[1, 4, 20, 16\]"):
+            other(ids, cache=cache)
+        assert cache.length == 0 and cache.nbytes() == 0

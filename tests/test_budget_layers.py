@@ -16,10 +16,10 @@ from bhqk.budget import Plan, find
 from bhqk.budget.plan import kept_streaming, model_shape
 from bhqk.errors import ShapeError
 from bhqk.integrations.transformers import register
+from test_budget import V, _generate, _inputs  # ids [B, N] (row 1 left-padded), their mask; greedy (sequences, logits)
 from tolerance import assert_models_close
 
 register()
-V = 100
 S, W = 3, 5  # the streaming window (W + 1 = 6 keys) is narrower than every model window below (7, 8)
 WIN, CHUNK = 7, 8
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -64,21 +64,6 @@ def _mixed(model) -> Plan:
     full = torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool)
     full[0, 0] = full[-1, -1] = True
     return Plan(full, sink=S, window=W)
-
-
-def _inputs(B=2, N=20, pad=4):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, V, (B, N), generator=g)
-    am = torch.ones_like(ids)
-    if B > 1:
-        ids[1, :pad], am[1, :pad] = 0, 0  # left padding
-    return ids, am
-
-
-def _generate(model, ids, am, n=10, **kw):
-    out = model.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True, output_logits=True, **kw)
-    return out.sequences, torch.stack(out.logits)  # [B, N + n], [n, B, V]
 
 
 def _bytes(cache) -> int:
@@ -210,3 +195,42 @@ def test_a_plan_for_other_layer_types_is_refused_naming_both():
         plan.cache(mistral)
     with pytest.raises(ShapeError, match="made for"):
         plan.nbytes(10, mistral)
+
+
+def test_the_models_own_layout_written_as_a_plan_is_the_models_own_cache():
+    """Global layers full, sliding layers streaming with sink=0 and window = the model's window − 1: the
+    sliding heads see what the model lets them see, so the plan is the model's own cache, logits and
+    tensors exactly (the streaming heads within their layer's window run as full heads)."""
+    model = _model("gemma3")
+    shape = model_shape(model)
+    full = torch.tensor([[t == "full_attention"] * shape.kv_heads for t in shape.layer_types])  # [L, Hkv]
+    plan = Plan(full, sink=0, window=WIN - 1)
+    assert plan.free(shape)[:2].all() and not plan.full[:2].any()
+    ids, am = _inputs()
+    cache, own = plan.cache(model), transformers.DynamicCache(config=model.config)
+    seq, logits = _generate(model, ids, am, cache=cache)
+    ref_seq, ref = _generate(model, ids, am, cache=own)
+    assert torch.equal(logits, ref) and torch.equal(seq, ref_seq)
+    for mine, theirs in zip(cache.budget_layers, own.layers):
+        assert torch.equal(mine.fk, theirs.keys) and torch.equal(mine.fv, theirs.values)
+    n = seq.shape[1] - 1
+    assert plan.nbytes(n, model, batch=2) == (cache.nbytes(), _bytes(own))
+    with plan.emulate(model):  # nothing to edit (so even the model's own cache may be given): the model itself
+        assert torch.equal(_generate(model, ids, am, cache=transformers.DynamicCache(config=model.config))[1], logits)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "llama4"])
+@torch.no_grad()
+def test_any_chunking_past_the_window_equals_one_emulated_forward(name):
+    """Prefill in chunks (Q > 1 after the layers dropped keys: a frame that starts past position 0) and
+    single steps read what each layer holds."""
+    model = _model(name)
+    ids, am = _inputs(N=24)
+    plan = _mixed(model)
+    cache, outs, s = plan.cache(model), [], 0
+    for c in (9, 1, 6, 1, 7):
+        outs.append(model(input_ids=ids[:, s:s + c], attention_mask=am[:, :s + c], cache=cache).logits)  # [B, c, V]
+        s += c
+    with plan.emulate(model):
+        ref = model(input_ids=ids, attention_mask=am).logits  # [B, N, V]
+    assert_models_close(torch.cat(outs, 1), ref, width=96, layers=model.config.num_hidden_layers, msg=name)

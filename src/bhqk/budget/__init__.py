@@ -10,7 +10,7 @@ from typing import Any
 
 from .find import SCORES, find, score_heads
 from .mask import streaming_mask
-from .plan import Plan
+from .plan import ModelShape, Plan, model_shape
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +21,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'bhqk.budget' has no attribute {name!r}")
 
 
-__all__ = ["Plan", "find", "score_heads", "SCORES", "streaming_mask"]  # BudgetCache, GroupedKV: bhqk.budget.cache
+# BudgetCache, GroupedKV: bhqk.budget.cache
+__all__ = ["Plan", "ModelShape", "model_shape", "find", "score_heads", "SCORES", "streaming_mask"]

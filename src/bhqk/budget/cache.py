@@ -214,7 +214,7 @@ class BudgetLayer(CacheLayerMixin):
         model's own layer's kv_offset."""
         return 0 if self.span is None else max(0, length - self.span + 1)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -376,7 +376,7 @@ class BudgetLayer(CacheLayerMixin):
                 f"decoding does) so that dropping waits for the crop.")
         return target
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int, *args: Any, **kwargs: Any) -> None:
         """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
         length to keep, as older versions call it), then drop what no later query may see. Exact, or a
         ValueError when the layer already dropped what the next query would need."""
@@ -395,10 +395,10 @@ class BudgetLayer(CacheLayerMixin):
         if self.stream:
             self._own()
 
-    def offload(self):
+    def offload(self, *args: Any, **kwargs: Any):
         raise NotImplementedError("a budget cache is not offloaded.")
 
-    def prefetch(self):
+    def prefetch(self, *args: Any, **kwargs: Any):
         pass
 
 
@@ -407,10 +407,10 @@ def _ranges(ps: list[int]) -> str:
     if not ps:
         return "nothing"
     runs, start = [], ps[0]
-    for a, b in zip(ps, ps[1:] + [None]):
-        if b != a + 1:
+    for i, a in enumerate(ps):
+        if i + 1 == len(ps) or ps[i + 1] != a + 1:
             runs.append(f"{start}" if start == a else f"{start}…{a}")
-            start = b
+            start = ps[i + 1] if i + 1 < len(ps) else a
     return ", ".join(runs)
 
 
@@ -423,10 +423,11 @@ class BudgetCache(Cache):
 
     def __init__(self, plan: Any, shape: Any = None) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
         shape = shape if shape is not None else plan.model
+        keeps = plan.full | plan.free(shape)  # [L, Hkv] a head within its layer's own window keeps what a full one does
         layers = []
         for li in range(plan.num_layers):
-            full = [g for g in range(plan.num_kv_heads) if bool(plan.full[li, g])]
-            stream = [g for g in range(plan.num_kv_heads) if not bool(plan.full[li, g])]
+            full = [g for g in range(plan.num_kv_heads) if bool(keeps[li, g])]
+            stream = [g for g in range(plan.num_kv_heads) if not bool(keeps[li, g])]
             span = None if shape is None else shape.windows[li]
             expect = (plan.num_kv_heads, None if shape is None else shape.head_dim)
             layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li, span, expect))

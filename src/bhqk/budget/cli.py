@@ -67,7 +67,9 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("budget", help="choose which K/V heads keep every key (the rest keep a sink and a window)",
                        description=__doc__)
     b.add_argument("--model", required=True, help="a model name (smollm2-135m), a .gguf file or a local Hugging Face folder")
-    b.add_argument("--full", type=fraction, default=0.5, help="fraction of K/V heads that keep every key (default 0.5)")
+    b.add_argument("--full", type=fraction, default=0.5,
+                   help="fraction of K/V heads that keep what the model keeps, among those whose layer sees "
+                        "further back than the streaming window (default 0.5)")
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
     b.add_argument("--score", choices=SCORES, default="retrieval", help="how heads are ranked (default retrieval)")

@@ -232,7 +232,8 @@ class Plan:
     def free(self, shape: ModelShape | None = None) -> torch.Tensor:
         """bool [layers, Hkv]: the K/V heads whose layer's own window fits the streaming window (a sliding
         or chunked layer whose queries see at most ``window`` + 1 keys): full or streaming, they keep and
-        see the same keys (``shape``: the model's, default what the plan was made for; None: none)."""
+        see the same keys, so the cache and :meth:`emulate` run them as full heads (``shape``: the
+        model's, default what the plan was made for; None: none)."""
         shape = shape or self.model
         out = torch.zeros_like(self.full)
         if shape is not None:
@@ -305,9 +306,10 @@ class Plan:
             raise ShapeError(f"Plan.emulate: found {len(paths)} attention modules in {type(model).__name__} but it "
                              f"has {shape.layers} layers.")
         G = shape.heads // shape.kv_heads
+        keeps = self.full | self.free(shape)  # [L, Hkv] a head within its layer's own window sees what a full one does
         with contextlib.ExitStack() as stack:
             for li, path in enumerate(paths):
-                heads = [g * G + j for g in range(shape.kv_heads) if not bool(self.full[li, g]) for j in range(G)]
+                heads = [g * G + j for g in range(shape.kv_heads) if not bool(keeps[li, g]) for j in range(G)]
                 if heads:
                     module = model.get_submodule(path)
                     hook = module.register_forward_pre_hook(_every_position(li), with_kwargs=True)
