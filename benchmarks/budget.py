@@ -83,9 +83,10 @@ def merge(tag: str, part: str, data: dict) -> Path:
 def make_plan(model, tok, name: str, full: float, sink: int, window: int):
     """The plan of configuration ``name`` (``full`` and ``streaming`` are all-True / all-False)."""
     from bhqk.budget import Plan, find
-    from bhqk.budget.plan import model_sizes
+    from bhqk.budget.plan import model_shape
 
-    L, _, Hkv, _, _ = model_sizes(model)
+    shape = model_shape(model)
+    L, Hkv = shape.layers, shape.kv_heads
     if name == "full":
         return Plan(torch.ones(L, Hkv, dtype=torch.bool), sink, window)
     if name == "streaming":

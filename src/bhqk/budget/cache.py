@@ -188,6 +188,7 @@ class BudgetLayer(CacheLayerMixin):
     ``span`` keys at most), streaming heads ``stream`` of those the first ``sink`` and the last
     ``window`` (module doc); ``expect``: (Hkv, d or None) the keys written must have."""
 
+    is_sliding = False  # per instance: True for a sliding or chunked layer (its span)
     is_croppable = True  # exactly, with activate_past_recording() (module doc)
 
     def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int,
