@@ -169,3 +169,18 @@ def test_the_mark_check_sees_each_kind_of_use(tmp_path):
     bad = _unmarked(tests, src)
     assert [b.split()[0] for b in bad] == ["test_attr.py", "test_direct.py", "test_fixture.py", "test_name.py"], bad
     assert "imports gguf" in bad[1] and "names bhqk.models.pretrained" in bad[3] and "fixture model" in bad[2]
+
+
+def test_the_readme_quotes_the_lock_the_ranges_and_the_lowest_pins():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Both install the exact versions listed in `constraints.txt`")
+    para = text[start:text.index("```", start)]
+    locked = dict(re.findall(r"([a-z][\w-]*) (\d+\.\d+\.\d+)", para.split("pyproject.toml keeps")[0]))
+    ranges = dict(re.findall(r"([a-z][\w-]*) ≥ (\d+(?:\.\d+)*)", para))
+    lowest_line = next(x for x in text[start:].splitlines() if x.startswith("make test-lowest"))
+    quoted_lowest = dict(re.findall(r"([a-z][\w-]*) (\d+\.\d+\.\d+)", lowest_line))
+    pins, lowest = _lock(), dict(p.split("==") for p in _make_variable("LOWEST_PINS"))
+    assert len(locked) >= 5 and all(pins[canonicalize_name(n)] == Version(v) for n, v in locked.items()), locked
+    assert quoted_lowest == lowest, (quoted_lowest, lowest)
+    bounds = {canonicalize_name(r.name): s.version for r in _requirements() for s in r.specifier if s.operator == ">="}
+    assert ranges and all(Version(bounds[canonicalize_name(n)]) == Version(v) for n, v in ranges.items()), ranges
