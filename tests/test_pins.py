@@ -14,7 +14,6 @@ import ast
 import re
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -27,6 +26,8 @@ LIBS = {"transformers", "tokenizers", "safetensors", "gguf", "accelerate", "hugg
 
 def _requirements() -> list[Requirement]:
     """Every requirement pyproject.toml names: the library's and every extra's."""
+    import tomllib  # Python 3.11 (as tests/test_cli.py)
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = list(project["dependencies"])
     for extra in project["optional-dependencies"].values():
