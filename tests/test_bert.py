@@ -13,6 +13,8 @@ from bhqk.models.bert import BertEncoder, SentenceEncoder, bundled_model_dir, co
 from bhqk.models.cli import add_embed_parser
 from tolerance import assert_close, assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 FF = 1536  # MiniLM's widest sum (its feed-forward width)
 
 SENTENCES = [

@@ -18,6 +18,8 @@ from bhqk.errors import BackendError, LoadError, ShapeError
 from bhqk.integrations.transformers import register
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V = 100
 S, W = 3, 5  # small sink and window: a 20-token prompt and 10 new tokens go well past them

@@ -23,6 +23,8 @@ from bhqk.inspect.capture import recompute
 from conftest import concrete_backends, mask_kinds, qkv
 from tolerance import assert_close, assert_models_close, assert_paths_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 capmod = importlib.import_module("bhqk.inspect.capture")  # the module (bhqk.inspect.capture is the function)
 
 

@@ -18,6 +18,8 @@ import torch
 from bhqk import cli, masks
 from bhqk.models import cli as mcli
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 def run(argv: list[str], stdin: str | None = None) -> tuple[int, str, str]:
     """``bhqk ARGV`` in this process: (exit status, stdout, stderr)."""

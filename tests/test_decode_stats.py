@@ -19,6 +19,8 @@ from bhqk import masks, shortcuts
 from bhqk.integrations.transformers import register
 from tolerance import assert_paths_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V = 100
 OFFSETS = (0, 1, 3)

@@ -21,6 +21,8 @@ from bhqk.models.bert import BertConfig, BertEncoder
 from bhqk.models.gpt2 import GPT2, GPT2Config
 from tolerance import assert_close, assert_models_close, bound, magnitude_of
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V, N = 50, 9
 

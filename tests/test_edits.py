@@ -17,6 +17,8 @@ from bhqk.integrations.transformers import register
 from bhqk.models.gpt2 import GPT2, GPT2Config
 from tolerance import assert_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V, N = 50, 9
 LAYER = "model.layers.1.self_attn"

@@ -29,6 +29,8 @@ from bhqk.inspect.heads import ROLE_THRESHOLDS, HeadTable, head_table
 from bhqk.integrations.transformers import register
 from tolerance import assert_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V = 100
 ROOT = Path(__file__).resolve().parents[1]

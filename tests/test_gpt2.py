@@ -12,6 +12,8 @@ from bhqk.models.cli import add_generate_parser
 from bhqk.models.gpt2 import GPT2, sample
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 WIDTH, LAYERS = 4 * 64, 3  # the test model's widest sum (its MLP, 4·n_embd) and depth
 
 VOCAB = 300  # 256 byte tokens + merges of the test tokenizer

@@ -18,6 +18,8 @@ from bhqk.functional import flex
 from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, encode, load_folder, names, register
 from tolerance import assert_close, assert_models_close, assert_paths_close, bound
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 NAMES = register()
 # max abs logit difference over real tokens between two fp32 paths through these tiny models: two
 # layers whose widest sum is 96 terms, logits of order 1 (tolerance.assert_models_close's bound)

@@ -16,6 +16,8 @@ from bhqk.models import GPT2, BertEncoder, remap_bert, remap_gpt2
 from bhqk.models.loading import BERT_TABLE, checkpoint_key
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):

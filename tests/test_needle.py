@@ -12,6 +12,8 @@ from bhqk.inspect import needle
 from bhqk.models import real
 from test_cli import run
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 @pytest.fixture(scope="module")
 def small_grid(smollm2):

@@ -15,6 +15,8 @@ from bhqk.models.real import NAMES, Wheel, cache_folder, cache_root, is_pretrain
 from conftest import attn_implementation
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 def prose_ids(tok, n: int) -> torch.Tensor:
     """The first ``n`` tokens of Python's own documentation (pydoc_data.topics): [1, n]."""

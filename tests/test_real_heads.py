@@ -16,6 +16,8 @@ from torch import nn
 import bhqk
 from bhqk.inspect import detect, retrieval, toy
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 # ---------------------------------------------------------------------------------------------
 # A pointer model: head h of the one attention call puts (almost) all its weight on key target_h(i)
 

@@ -18,6 +18,8 @@ from bhqk.functional.merge import merge, with_sinks
 from conftest import mask_kinds, qkv
 from tolerance import assert_close, assert_paths_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 def formula(q, k, v, allowed, sinks, scale):
     """out [B, H, Q, dv] and lse [B, H, Q] in fp64, written from the definition:

@@ -13,6 +13,8 @@ from bhqk.cli import main
 from bhqk.inspect.heads import HeadTable
 from tolerance import assert_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):

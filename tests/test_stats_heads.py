@@ -5,9 +5,12 @@ shape it finds none, and without repetition (the control) no head scores."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bhqk.inspect import detect, toy
+
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
 
 
 def test_detector_finds_the_induction_head_of_the_shipped_model():

@@ -13,6 +13,8 @@ from bhqk.integrations.transformers import register
 from test_stats import from_weights
 from tolerance import assert_paths_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 V = 100
 WHAT = ("entropy", "distance", "sink", "received")
