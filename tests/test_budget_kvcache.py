@@ -17,6 +17,8 @@ from bhqk.nn.cache import BudgetLayerCache
 from test_budget import V, _inputs  # ids [B, N] (row 1 left-padded) and their attention mask
 from tolerance import assert_close, assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 S, W = 3, 5  # R = S + W + 1 = 9 slots: a 20-token prompt and 10 new tokens wrap the ring
 
 

@@ -19,6 +19,8 @@ from bhqk.integrations.transformers import register
 from test_budget import V, _generate, _inputs  # ids [B, N] (row 1 left-padded), their mask; greedy (sequences, logits)
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
+
 register()
 S, W = 3, 5  # the streaming window (W + 1 = 6 keys) is narrower than every model window below (7, 8)
 WIN, CHUNK = 7, 8
