@@ -359,7 +359,9 @@ def test_crop_before_eviction_is_exact_and_after_it_says_why():
     cache = plan.cache(model)
     with torch.no_grad():
         model(input_ids=ids[:, :6], cache=cache)  # 6 < S + W = 8: nothing evicted
-        cache.crop(-2)
+        with pytest.raises(ValueError, match="minus the number of positions"):
+            cache.crop(4)  # a length to keep (transformers < 5.24): refused, as transformers' own layers do
+        cache.crop(tokens_to_remove=-2)  # Cache.crop's own parameter name
         assert cache.get_seq_length() == 4 and cache.positions(0, 1).tolist() == [0, 1, 2, 3]
         out = model(input_ids=ids[:, 4:14], cache=cache).logits  # [1, 10, V]
         with plan.emulate(model):

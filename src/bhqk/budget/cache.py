@@ -353,7 +353,10 @@ class BudgetLayer(CacheLayerMixin):
     def check_crop(self, tokens_to_remove: int) -> int:
         """The length ``crop(tokens_to_remove)`` would keep, or the ValueError it would raise (nothing changed)."""
         L = self.length
-        target = L + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        if tokens_to_remove > 0:  # transformers < 5.24 passed the length to keep; its layers now refuse it too
+            raise ValueError(f"budget cache layer {self.index}: crop takes minus the number of positions to remove "
+                             f"(transformers' convention), got {tokens_to_remove}.")
+        target = L + tokens_to_remove
         if not 0 <= target <= L:
             raise ValueError(f"budget cache layer {self.index}: cannot crop to {target} positions; it holds {L}.")
         if target == L:
@@ -378,9 +381,9 @@ class BudgetLayer(CacheLayerMixin):
         return target
 
     def crop(self, tokens_to_remove: int, *args: Any, **kwargs: Any) -> None:
-        """Remove the last ``-tokens_to_remove`` positions (transformers ≥ 5.24; a positive value is the
-        length to keep, as older versions call it), then drop what no later query may see. Exact, or a
-        ValueError when the layer already dropped what the next query would need."""
+        """Remove the last ``-tokens_to_remove`` positions (≤ 0, as transformers calls it), then drop what
+        no later query may see. Exact, or a ValueError when the layer already dropped what the next query
+        would need."""
         target = self.check_crop(tokens_to_remove)
         L = self.length
         if target < L:
@@ -447,13 +450,13 @@ class BudgetCache(Cache):
                                  f"of {len(layers)} layers (plan.cache(model) checks it before any forward).")
         return layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
         """Every layer cropped, or none: each layer's crop is checked first (a refused one raises
         before any layer changed)."""
         for layer in self.budget_layers:
-            layer.check_crop(max_length)
+            layer.check_crop(tokens_to_remove)
         for layer in self.budget_layers:
-            layer.crop(max_length)
+            layer.crop(tokens_to_remove)
 
     def nbytes(self) -> int:
         """Bytes of keys and values held now, over every layer."""
