@@ -99,14 +99,14 @@ def _(mp, tmp):
     return Scenario(inp, _attend("reference", masks.causal("bottom_right")), masks.causal("bottom_right"))
 
 
-@case("claims", "decode step")
+@case("decisions", "decode step")
 def _(mp, tmp):
     inp = _qkv(Q=1, K=23)
     m = masks.causal("bottom_right")
     return Scenario(inp, _attend("auto", m), m)
 
 
-@case("claims", "causal")
+@case("decisions", "causal")
 def _(mp, tmp):
     inp = _qkv(B=1, Q=64, K=64)
     m = masks.causal()

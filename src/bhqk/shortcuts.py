@@ -49,14 +49,23 @@ class Cache(Shortcut, Generic[T]):
         self._store: dict[Hashable, T] = {}
 
     def lookup(self, key: Hashable) -> T | None:
-        """The value kept for ``key`` (None: none, or turned off)."""
-        hit = self._store.get(key) if self.on else None
+        """The value kept for ``key`` (None: none, or turned off; an unhashable key keeps nothing)."""
+        if _OFF[None] or _OFF.get(self.name):  # turned off (``on``, spelled out: a decode step's every call looks up)
+            return None
+        try:
+            hit = self._store.get(key)
+        except TypeError:  # a part of the key that is no value (an option holding a list)
+            return None
         if hit is not None:
             self.hits += 1
         return hit
 
     def put(self, key: Hashable, value: T) -> None:
         if not self.on:
+            return
+        try:
+            hash(key)
+        except TypeError:  # never kept
             return
         if len(self._store) >= self.size:
             for old in list(self._store)[: max(1, self.size // 2)]:

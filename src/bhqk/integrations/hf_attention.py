@@ -157,7 +157,8 @@ def attention_forward(
     already projected, any argument set to None) are ignored; any other raises a ``TypeError`` naming
     it. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names it by the
     module's path."""
-    attend = getattr(key, "bhqk_attend", None)  # keys a head-wise budget cache holds per group of heads (bhqk.budget)
+    # keys a head-wise budget cache holds per group of heads (bhqk.budget: a tensor subclass)
+    attend = None if type(key) is torch.Tensor else getattr(key, "bhqk_attend", None)
     if attend is not None:
         return attend(attention_forward, module, query, value, attention_mask, dropout=dropout, scaling=scaling,
                       is_causal=is_causal, softcap=softcap, position_bias=position_bias, s_aux=s_aux, sinks=sinks,
@@ -181,7 +182,7 @@ def attention_forward(
     bias = position_bias
     if extra is not None:
         bias = extra if bias is None else bias + extra
-    sink = _sinks(s_aux, sinks, H)
+    sink = None if s_aux is None and sinks is None else _sinks(s_aux, sinks, H)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     if observe.quiet():  # nobody to name the module to (the scope would do nothing): no context manager per call
         out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink,
