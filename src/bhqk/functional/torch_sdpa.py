@@ -10,6 +10,7 @@ answer as every other backend."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,10 +156,11 @@ def call(p: Problem) -> Call:
     return Call(attn_mask, is_causal, p.scale, p.dropout_p, False)
 
 
-def fast(p: Problem) -> Call | None:
-    """The :class:`Call` of ``p``'s whole family (``Backend.fast``), where it holds no tensor (no
-    dense mask or bias: :func:`structure_free`), else None."""
-    return call(p) if structure_free(p) else None
+def fast(p: Problem) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+    """``Backend.fast``: the :class:`Call` of ``p``'s whole family on finite inputs
+    (:meth:`Call.on_finite`), where it holds no tensor (no dense mask or bias: :func:`structure_free`),
+    else None."""
+    return call(p).on_finite if structure_free(p) else None
 
 
 def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
