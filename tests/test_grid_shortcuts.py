@@ -513,29 +513,29 @@ VARIANTS: dict[str, Callable[[list], list]] = {
     "bnhd layout": lambda c: [*(t.transpose(1, 2) for t in c[:3]), c[3], {**c[4], "layout": "bnhd"}],
     "after top-left causal at K = 1, K = 30": lambda c: _step(mask=_TOP_LEFT),  # the same mask object at other sizes
     "after Q = 3 bottom-right, Q = 3 top-left": lambda c: [c[0], c[1], c[2], masks.causal("top_left"), c[4]],
-    "after a mask seeing every key at K = 30, the same object at K = 31": lambda c: _step(31, mask=_UP_TO_30),
+    "after a mask seeing every key at K = 30, the same object at K = 20": lambda c: _step(20, mask=_FROM_30),
 }
 _TOP_LEFT = masks.causal("top_left")
 
 
-class _UpTo30(masks.Mask):
-    """key ≤ query + c with c = K − 1 for K ≤ 30 (the one query sees every key) and 0 above (key 0 only):
+class _From30(masks.Mask):
+    """key ≤ query + c with c = K − 1 for K ≥ 30 (the one query sees every key) and 0 below (key 0 only):
     a causal diagonal that depends on the sizes, for the last-mask read (registry._LAST_MASK)."""
 
     head_dependent = False
 
     def causal_diagonal(self, ext):
-        return ext.K - 1 if ext.K <= 30 else 0
+        return ext.K - 1 if ext.K >= 30 else 0
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         qi, ki = torch.arange(q0, q1, device=device)[:, None], torch.arange(k0, k1, device=device)[None, :]
         return ki <= qi + self.causal_diagonal(ext)  # [q, k]
 
 
-_UP_TO_30 = _UpTo30()
+_FROM_30 = _From30()
 BASES = {"after top-left causal at K = 1, K = 30": lambda: _step(1, mask=_TOP_LEFT),  # else a bottom-right decode step
          "after Q = 3 bottom-right, Q = 3 top-left": lambda: [torch.randn(2, 6, 3, 16), *_step()[1:]],
-         "after a mask seeing every key at K = 30, the same object at K = 31": lambda: _step(mask=_UP_TO_30)}
+         "after a mask seeing every key at K = 30, the same object at K = 20": lambda: _step(mask=_FROM_30)}
 
 
 def _out(call) -> torch.Tensor:
