@@ -172,7 +172,11 @@ def attention_forward(
                         f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
                         f"position_ids, cu_seq_lens_q/k, output_attentions.")
     B, H, Q, K = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
+    if type(attention_mask) is HFMask and attention_mask._tensor is None:  # the builder's mask, untouched (a decode step)
+        structure = attention_mask.structure
+        mask, extra, built = (None if isinstance(structure, AllKeys) else structure), None, True
+    else:
+        mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
     if not built:
         causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
         mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
