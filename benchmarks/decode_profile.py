@@ -33,6 +33,7 @@ import argparse
 import copy
 import cProfile
 import json
+import math
 import os
 import pstats
 import statistics
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bhqk  # noqa: E402
 import machine  # noqa: E402  # benchmarks/machine.py: CPU model and flags for every JSON
+import overhead  # noqa: E402  # benchmarks/overhead.py: the interleaved timing of per-call figures
 from bhqk import masks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -82,25 +84,11 @@ def call_functions(K: int = 512) -> dict:
 
 def time_call(fns: dict, threads: int, rounds: int, calls: int) -> dict:
     torch.set_num_threads(threads)
-    tick = clock(threads)
-    per: dict[str, list[float]] = {n: [] for n in fns}
-    with torch.no_grad():
-        for f in fns.values():
-            for _ in range(50):
-                f()
-        for r in range(rounds):
-            for n in (fns if r % 2 else list(fns)[::-1]):
-                f = fns[n]
-                t = tick()
-                for _ in range(calls):
-                    f()
-                per[n].append(1e6 * (tick() - t) / calls)
-    row: dict = {"threads": threads, "clock": "thread CPU" if threads == 1 else "wall", "us": {}, "over_sdpa": {},
-                 "over_sdpa_packed": {}, "samples_us": per}
-    for n in fns:
-        row["us"][n] = statistics.median(per[n])
-        row["over_sdpa"][n] = spread([a / b for a, b in zip(per[n], per["sdpa"])])
-        row["over_sdpa_packed"][n] = spread([a / b for a, b in zip(per[n], per["sdpa packed"])])
+    row = overhead.interleaved(f"decode step, {threads} thread(s)", fns, rounds, calls, clock(threads))
+    per = row["rounds_us"]
+    row.update(threads=threads, clock="thread CPU" if threads == 1 else "wall",
+               over_sdpa={n: spread([a / b for a, b in zip(per[n], per["sdpa"])]) for n in fns},
+               over_sdpa_packed={n: spread([a / b for a, b in zip(per[n], per["sdpa packed"])]) for n in fns})
     return row
 
 
@@ -137,11 +125,10 @@ def part_call(a) -> dict:
     for threads in a.threads:
         row = time_call(fns, threads, a.rounds, a.calls)
         out["rows"].append(row)
-        print(f"\ncall, {threads} thread(s), {row['clock']} time, µs (median of {a.rounds} rounds of {a.calls} calls):")
+        print(f"  ({row['clock']} time, median of {a.rounds} rounds of {a.calls} calls; ratios to sdpa packed:)")
         for n in fns:
-            o, p = row["over_sdpa"][n], row["over_sdpa_packed"][n]
-            print(f"  {n:12s} {row['us'][n]:7.1f}  / sdpa {o['median']:.2f} ({o['min']:.2f}–{o['max']:.2f})"
-                  f"  / sdpa packed {p['median']:.2f} ({p['min']:.2f}–{p['max']:.2f})")
+            p = row["over_sdpa_packed"][n]
+            print(f"  {n:12s} {row['us'][n]:7.1f} µs  / sdpa packed {p['median']:.2f} ({p['min']:.2f}–{p['max']:.2f})")
     torch.set_num_threads(a.threads[0])
     out["frames_auto"] = frames(fns["auto"], 2000)
     print("\nPython frames of one auto call (cProfile; calls per call, share of the profiled time):")
@@ -163,8 +150,6 @@ def floors() -> list[str]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from bhqk.shapes import finite
-
     def packed(module, query, key, value, attention_mask, scaling=None, **kw):
         B, H, _, d = query.shape
         Hkv = key.shape[1]
@@ -172,7 +157,7 @@ def floors() -> list[str]:
         return out.reshape(B, H, 1, d).transpose(1, 2).contiguous(), None  # [B, Hkv, G, d] -> [B, 1, H, d]
 
     def checked(module, query, *args, **kw):
-        finite(query)
+        math.isfinite(float(query.sum()))  # bhqk's one data check of a decode step (shapes.finite)
         return packed(module, query, *args, **kw)
 
     for name, fn in (("packed", packed), ("packed+check", checked)):
@@ -190,8 +175,9 @@ def step_fn(model, cache, nxt: torch.Tensor):
 
 
 def part_model(a) -> dict:
-    import real_heads  # benchmarks/real_heads.py: the model and the pydoc text
     from transformers import DynamicCache
+
+    import real_heads  # benchmarks/real_heads.py: the model and the pydoc text
 
     torch.set_num_threads(a.model_threads)
     model, tok = real_heads.load_model()
