@@ -1,6 +1,6 @@
 """The semantics grid's shortcut axis (issue 25 item 3, issue 28): every path that answers from
 something cheaper than the reference — each shortcut declared in :mod:`bhqk.shortcuts` (kept plans
-and call masks, kept claims, checked sizes, the cost memo, extents, a dense mask's grids,
+and call masks, kept decisions (claims and checks per call family), checked sizes, the cost memo, extents, a dense mask's grids,
 FlexAttention's kernels and block masks, decode-step GQA packing) — is run, in one
 test, as a first call, a repeated call (which the shortcut answers: its ``hits`` grow) and a repeated
 call after the input changed (new values, new strides, an in-place write into q, k, v, a dense mask,
