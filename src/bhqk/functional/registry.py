@@ -186,9 +186,9 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
     SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never.
     A claim is kept for the call's family (:data:`DECISIONS`, :func:`family`)."""
-    found = None if p.bias is not None or p.sinks is not None or torch.compiler.is_compiling() else \
+    fam = None if p.bias is not None or p.sinks is not None or torch.compiler.is_compiling() else \
         family(p.q, p.k, p.v, p.mask, p.scale, p.softcap, p.dropout_p, "bhnd", p.options, need_lse)
-    key = None if found is None else found[0]
+    key = None if fam is None else fam[0]
     hit = None if key is None else DECISIONS.lookup(key)
     if hit is not None:
         return _handed_off(hit.choice, p)
@@ -292,6 +292,9 @@ def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softc
         return None
     if type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
         return None
+    qs: tuple[int, ...]
+    ks: tuple[int, ...]
+    vs: tuple[int, ...]
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return None
@@ -346,10 +349,10 @@ def prepared(backend: str, need_lse: bool, q: torch.Tensor, k: torch.Tensor, v: 
     family whose claim is kept (:data:`DECISIONS`) skips both: its checks passed for the family, and
     only its data is looked at (the NaN/inf hand-off)."""
     if backend == "auto" and bias is None and sinks is None and DECISIONS.on and not torch.compiler.is_compiling():
-        found = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, need_lse)
-        hit = None if found is None else DECISIONS.lookup(found[0])
-        if hit is not None:
-            p = hit.problem(q, k, v, mask, layout, extent_of(*found[1]), found[2])
+        fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, need_lse)
+        hit = None if fam is None else DECISIONS.lookup(fam[0])
+        if fam is not None and hit is not None:
+            p = hit.problem(q, k, v, mask, layout, extent_of(*fam[1]), fam[2])
             return p, _handed_off(hit.choice, p)
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
     return p, resolve(backend, p, need_lse)
@@ -361,8 +364,8 @@ def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap
     decision kept for its family (``Backend.fast``): no ``Problem`` is built, nothing is checked but
     the data its hand-off reads. None: no such decision, or that check failed (the full path runs,
     and hands the call off). Callers check that nobody observes or edits (``observe.quiet``)."""
-    found = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, False)
-    hit = None if found is None else DECISIONS.lookup(found[0])
+    fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, False)
+    hit = None if fam is None else DECISIONS.lookup(fam[0])
     if hit is None or hit.fast is None:
         return None
     if layout == "bnhd":  # [B, N, H, x] -> [B, H, N, x] and the output back (views)
