@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -202,10 +203,10 @@ def attention_forward(
 
 
 def _attention_for(backend: str) -> Callable:
-    def bhqk_attention(module, query, key, value, attention_mask, **kwargs):
-        return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
-
-    bhqk_attention.__name__ = f"bhqk_attention_{backend}"
+    """:func:`attention_forward` on ``backend`` (a ``functools.partial``: a model's every layer calls
+    it, and a Python function around it would be one more frame per call)."""
+    bhqk_attention = functools.partial(attention_forward, backend=backend)
+    bhqk_attention.__name__ = f"bhqk_attention_{backend}"  # type: ignore[attr-defined]
     bhqk_attention.__doc__ = f"{attention_forward.__doc__}\n\n    Backend: {backend!r}."
     return bhqk_attention
 
