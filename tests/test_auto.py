@@ -349,3 +349,24 @@ def test_a_kept_claim_handed_out_again_cannot_be_changed_by_its_reader():
     with pytest.raises(TypeError):
         again.estimates["fake"] = 1.0  # type: ignore[index]
     assert bhqk.choose_backend(q, k, k, masks.causal("bottom_right")).estimates == {}
+
+
+def test_a_statistics_capture_gets_the_calls_lse_from_auto_on_the_cpu(monkeypatch):
+    """Statistics start from each row's lse: with a capture of statistics active, auto on the CPU runs a
+    call that returns it (the span path, from the same kernel call) instead of running the fused
+    kernel a second time for it; the output and the statistics are those of the plain call."""
+    from bhqk.functional import spans_kernels
+
+    again = []
+    fused_lse = spans_kernels.fused_lse
+    monkeypatch.setattr(spans_kernels, "fused_lse", lambda *a, **kw: again.append(1) or fused_lse(*a, **kw))
+    q, k, v = qkv(1, 4, 2, 64, 64, d=16, dtype=torch.float32)
+    plain = bhqk.attention(q, k, v, masks.causal())
+    with bhqk.capture(what=("entropy",)) as cap:
+        captured = bhqk.attention(q, k, v, masks.causal())
+    assert torch.equal(plain, captured)
+    assert cap[0].backend == "spans" and again == []
+    with bhqk.capture(what=("entropy",)) as named:
+        bhqk.attention(q, k, v, masks.causal(), backend="torch")  # a named backend is not changed: the lse is recomputed
+    assert named[0].backend == "torch" and again == [1]
+    assert_close(cap[0].entropy, named[0].entropy, dtype=torch.float32, n=64)

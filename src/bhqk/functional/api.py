@@ -54,14 +54,17 @@ def attention(
         out = fast(q, k, v, mask, scale, softcap, dropout_p, layout, options)
         if out is not None:
             return out
-    p, choice = prepared(backend, return_lse, q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks)
+    # statistics being captured start from each row's lse: on the CPU auto runs a call that returns it
+    need_lse = return_lse or (backend == "auto" and not observe.quiet() and isinstance(q, torch.Tensor)
+                              and q.device.type == "cpu" and observe.wants_lse())
+    p, choice = prepared(backend, need_lse, q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks)
     try:
-        out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
+        out, lse = choice.run(p, need_lse)  # out [B, H, Q, dv]
     except BackendError:  # FlexAttention failed to compile a kernel (it refuses it from now on): auto chooses again
-        if not choice.by_auto or (retry := resolve(backend, p, return_lse)).backend is choice.backend:
+        if not choice.by_auto or (retry := resolve(backend, p, need_lse)).backend is choice.backend:
             raise
         choice = retry
-        out, lse = choice.run(p, return_lse)
+        out, lse = choice.run(p, need_lse)
     if not observe.quiet():
         if observe.editors():  # bhqk.edit: the heads it names are recomputed and stitched in (out-of-place)
             p, out, lse = observe.edit(p, out, lse, backend)
