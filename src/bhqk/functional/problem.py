@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -45,16 +44,21 @@ class Problem:
         p.q, p.k, p.v, p.sizes, p.mask, p.bias, p.scale = q, k, v, sizes, mask, None, scale
         p.softcap, p.dropout_p, p.options, p.sinks, p.ext = softcap, dropout_p, options, None, ext
         if every_key:
-            vars(p)["every_key"] = True  # what the cached property would compute (the family says so)
+            p._every_key = True  # what every_key would compute (the family says so)
         return p
 
-    @cached_property
+    @property
     def every_key(self) -> bool:
         """Every query may attend every key: no mask, or one query whose causal diagonal
         (``Mask.causal_diagonal``) reaches the last key (a decode step: bottom-right causal, its
-        query at the last key position)."""
-        m, e = self.mask, self.ext
-        return m is None or (e.Q == 1 and (c := m.causal_diagonal(e)) is not None and c >= e.K - 1)
+        query at the last key position). Computed once per problem (a plain attribute, not
+        ``functools.cached_property``, whose lock ``torch.compile`` cannot trace)."""
+        known = getattr(self, "_every_key", None)
+        if known is None:
+            m, e = self.mask, self.ext
+            known = m is None or (e.Q == 1 and (c := m.causal_diagonal(e)) is not None and c >= e.K - 1)
+            self._every_key = known
+        return known
 
     @property
     def needs_grad(self) -> bool:
