@@ -26,6 +26,7 @@ skipped where its [B, H, N, N] tensors would exceed ``--mem-limit-gib``; the tab
     python benchmarks/hf.py --out results/x.json
     python benchmarks/hf.py --parts layer   # the Mistral-shaped layer: bhqk:spans vs sdpa vs free attention
     python benchmarks/hf.py --parts generate --repeat 5   # generate(): bhqk vs sdpa vs eager (~3 min)
+    python benchmarks/hf.py --parts generate --repeat 5 --threads 1   # the same, times in the thread's CPU time
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import machine  # benchmarks/machine.py: CPU model and flags for every JSON
 import peak_memory  # benchmarks/peak_memory.py: resident-set peaks, measured in a fresh process
 
 HERE = Path(__file__).resolve().parent
+CLOCK = [time.perf_counter]  # the clock of every time here: wall, or with --threads 1 the calling thread's CPU time
 IMPLS = ("bhqk", "sdpa", "eager", "bhqk_spans", "free", "free_q")  # bhqk_spans: "bhqk:spans"; free(_q): see register_free
 LAYER = {"layers": 1, "intermediate": 1024}  # the layer part's model: one Mistral-shaped layer, MLP 1024
 
@@ -172,14 +174,14 @@ def timing(runs: dict[str, tuple], repeat: int) -> dict[str, dict]:
     log(f"timing {list(runs)} ({repeat} repeats)")
     res: dict[str, dict] = {}
     for name, (model, ids, mode) in runs.items():
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         step(model, ids, mode)
-        res[name] = {"warmup_s": time.perf_counter() - t0, "times_s": []}
+        res[name] = {"warmup_s": CLOCK[0]() - t0, "times_s": []}
     for _ in range(repeat):
         for name, (model, ids, mode) in runs.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK[0]()
             step(model, ids, mode)
-            res[name]["times_s"].append(time.perf_counter() - t0)
+            res[name]["times_s"].append(CLOCK[0]() - t0)
     for r in res.values():
         r["median_s"] = statistics.median(r["times_s"])
     return res
@@ -284,9 +286,9 @@ def decode_steps(models: dict, ids: torch.Tensor, g: dict) -> dict[str, list[flo
             for _ in range(g["new_tokens"]):
                 seen = torch.cat([seen, seen[:, :1]], dim=1)  # [1, K + 1]
                 for impl, m in models.items():
-                    t0 = time.perf_counter()
+                    t0 = CLOCK[0]()
                     logits = m(nxt[impl], attention_mask=seen, cache=caches[impl], use_cache=True).logits
-                    out[impl].append(time.perf_counter() - t0)
+                    out[impl].append(CLOCK[0]() - t0)
                     nxt[impl] = logits[:, -1:].argmax(-1)  # [1, 1]
     return out
 
@@ -300,11 +302,11 @@ def bench_generate(g: dict, impls: list[str]) -> list[dict]:
     res = {impl: {"generate_s": [], "prefill_s": []} for impl in impls}
     for _ in range(g["repeat"]):
         for impl, m in models.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK[0]()
             prefill_once(m, ids)
-            t1 = time.perf_counter()
+            t1 = CLOCK[0]()
             tokens[impl] = generate_once(m, ids, g["new_tokens"])
-            t2 = time.perf_counter()
+            t2 = CLOCK[0]()
             res[impl]["prefill_s"].append(t1 - t0)
             res[impl]["generate_s"].append(t2 - t1)
     step_s = decode_steps(models, ids, g)
@@ -393,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip eager above this estimated peak")
     ap.add_argument("--memory", choices=["on", "off"], help="fresh-process memory runs (default: on; off with --quick)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per memory run")
+    ap.add_argument("--threads", type=int, help="torch threads (1: times are the calling thread's CPU time; default: torch's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -403,10 +406,14 @@ def main(argv: list[str] | None = None) -> None:
                      ("repeat", a.repeat)):
         if val is not None:
             c[key] = val
-    torch.set_num_threads(torch.get_num_threads())
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if torch.get_num_threads() == 1:  # what other jobs on a shared machine take is wall time, not this thread's CPU time
+        CLOCK[0] = time.thread_time
     meta = {"command": " ".join(["python", "benchmarks/hf.py", *(sys.argv[1:] if argv is None else argv)]),
             **machine.describe(), "transformers": __import__("transformers").__version__,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "config": c, "dtype": "float32", "B": 1}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "config": c, "dtype": "float32", "B": 1,
+            "clock": "thread CPU" if CLOCK[0] is time.thread_time else "wall"}
     rows: list[dict] = []
     mem = (a.memory or ("off" if a.quick else "on")) == "on"
     out = a.out or HERE / "results" / ("hf-quick.json" if a.quick else "hf.json")
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         gen_rows = bench_generate(g, [i for i in (a.impls or ["sdpa", "bhqk", "eager"]) if i in ("sdpa", "bhqk", "eager")])
     meta["loadavg_end"] = os.getloadavg()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads, "
+    print(f"# {meta['command']}\n\nCPU: {machine.one_line(meta)}, {meta['threads']} threads ({meta['clock']} time), "
           f"transformers {meta['transformers']}, load {meta['loadavg_start'][0]:.1f} → "
           f"{meta['loadavg_end'][0]:.1f}. Widths: D={c['hidden']}, H={c['heads']}, Hkv={c['kv_heads']}, "
           f"d={c['head_dim']}, MLP {c['intermediate']}, {c['layers']} layers (capture: {c['capture_layers']}; "

@@ -11,6 +11,7 @@ peak_memory.py). Each N runs in a fresh process.
 
     flock /tmp/bhqk-cpu.lock python benchmarks/stats.py --N 4096 8192 --out benchmarks/results/stats.json
     python benchmarks/stats.py --quick       # small widths, N = 512 and 1024: a smoke run
+    python benchmarks/stats.py --N 8192 --repeat 3 --threads 1   # times: the thread's CPU time (a shared machine)
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ def build(c: dict, N: int):
     return hf.build("dense", "bhqk", {**c, "N": N, "capture_N": 0}).eval()
 
 
-def timed(fn, repeat: int) -> tuple[float, int]:
-    """(best seconds, peak bytes above the start of the first run)."""
+def timed(fn, repeat: int, clock=time.perf_counter) -> tuple[float, int]:
+    """(best seconds on ``clock``, peak bytes above the start of the first run)."""
     best, peak = float("inf"), 0
     for i in range(repeat):
         with peak_memory.Peak("cpu") as p:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
         best = min(best, dt)
         if i == 0:
             peak = p.bytes
@@ -58,6 +59,9 @@ def child(spec: dict) -> dict:
 
     peak_memory.exact_cpu_peaks()
     torch.set_grad_enabled(False)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter  # 1 thread: its CPU time
     c, N, repeat = spec["shape"], spec["N"], spec["repeat"]
     model = build(c, N)
     ids = torch.randint(0, c["vocab"], (1, N), generator=torch.Generator().manual_seed(0))
@@ -72,14 +76,15 @@ def child(spec: dict) -> dict:
         stats_box["backends"] = sorted({r.backend for r in cap.records})
         stats_box["records"] = len(cap.records)
 
-    out["forward_s"], out["forward_peak"] = timed(lambda: model(ids), repeat)
-    out["stats_s"], out["stats_peak"] = timed(with_stats, repeat)
+    out["forward_s"], out["forward_peak"] = timed(lambda: model(ids), repeat, clock)
+    out["stats_s"], out["stats_peak"] = timed(with_stats, repeat, clock)
+    out["clock"] = "thread CPU" if clock is time.thread_time else "wall"
     out["backends"], out["records"] = stats_box["backends"], stats_box["records"]
     t = stats_box["table"]
     out["mean_entropy"] = float(t["entropy"].nanmean())
     if N <= spec["sdpa_max"]:
         model.set_attn_implementation("sdpa")
-        out["sdpa_s"], out["sdpa_peak"] = timed(lambda: model(ids), repeat)
+        out["sdpa_s"], out["sdpa_peak"] = timed(lambda: model(ids), repeat, clock)
     if N <= spec["eager_max"]:
         model.set_attn_implementation("eager")
         out["eager_s"], out["eager_peak"] = timed(lambda: model(ids, output_attentions=True), 1)
@@ -94,6 +99,7 @@ def main() -> None:
     ap.add_argument("--sdpa-max", type=int, default=8192)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1: times are the thread's CPU time)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -104,7 +110,7 @@ def main() -> None:
     rows = []
     for N in Ns:
         spec = {"shape": shape, "N": N, "repeat": 1 if N > 8192 else a.repeat, "eager_max": a.eager_max,
-                "sdpa_max": a.sdpa_max}
+                "sdpa_max": a.sdpa_max, "threads": a.threads}
         r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
         if r.returncode != 0:
             rows.append({"N": N, "error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]})

@@ -278,7 +278,7 @@ def test_models_use_auto_directly():
     assert not hasattr(common, "backend_for")
 
 
-def test_claims_are_kept_per_structure_and_the_data_is_checked_on_every_call(reference_costs, no_span_path):
+def test_decisions_are_kept_per_family_and_the_data_is_checked_on_every_call(reference_costs, no_span_path):
     q, k, v = qkv(1, 2, None, 1, 40, d=8, dtype=torch.float32)  # a decode step
     step = masks.causal("bottom_right")
     assert bhqk.choose_backend(q, k, v, step).name == "torch"
@@ -320,16 +320,17 @@ def test_a_gqa_decode_step_runs_the_query_heads_of_a_kv_head_as_one_call_and_equ
         assert seen == [((B, Hkv, H // Hkv, 8), False)]  # [B, Hkv, G, d]: each K/V head read once
 
 
-def test_claims_keep_being_kept_past_their_bound(reference_costs, no_span_path, monkeypatch):
-    registry.CLAIMS.clear()
-    monkeypatch.setattr(registry.CLAIMS, "size", 3)
-    step = masks.causal("bottom_right")
-    for K in range(1, 8):  # a generation: a new K, so a new structure, per decode step
+def test_decisions_keep_being_kept_past_their_bound(reference_costs, no_span_path, monkeypatch):
+    registry.DECISIONS.clear()
+    monkeypatch.setattr(registry.DECISIONS, "size", 3)
+    step = masks.causal("top_left")  # K is in the key: a new family per step
+    for K in range(1, 8):
         q, k, v = qkv(1, 2, None, 1, K, d=8, dtype=torch.float32)
         assert bhqk.choose_backend(q, k, v, step).name == "torch"
-        assert len(registry.CLAIMS) <= 3
+        assert len(registry.DECISIONS) <= 3
         p = prepare(q, k, v, step)
-        assert registry.CLAIMS.lookup(registry._structure(p, False)) is not None  # this step's claim is kept
+        key = registry.family(p.q, p.k, p.v, p.mask, p.scale, p.softcap, p.dropout_p, "bhnd", p.options, False)[0]
+        assert registry.DECISIONS.lookup(key) is not None  # this step's decision is kept
 
 
 def test_a_kept_claim_is_not_reused_for_another_scale():
@@ -348,3 +349,24 @@ def test_a_kept_claim_handed_out_again_cannot_be_changed_by_its_reader():
     with pytest.raises(TypeError):
         again.estimates["fake"] = 1.0  # type: ignore[index]
     assert bhqk.choose_backend(q, k, k, masks.causal("bottom_right")).estimates == {}
+
+
+def test_a_statistics_capture_gets_the_calls_lse_from_auto_on_the_cpu(monkeypatch):
+    """Statistics start from each row's lse: with a capture of statistics active, auto on the CPU runs a
+    call that returns it (the span path, from the same kernel call) instead of running the fused
+    kernel a second time for it; the output and the statistics are those of the plain call."""
+    from bhqk.functional import spans_kernels
+
+    again = []
+    fused_lse = spans_kernels.fused_lse
+    monkeypatch.setattr(spans_kernels, "fused_lse", lambda *a, **kw: again.append(1) or fused_lse(*a, **kw))
+    q, k, v = qkv(1, 4, 2, 64, 64, d=16, dtype=torch.float32)
+    plain = bhqk.attention(q, k, v, masks.causal())
+    with bhqk.capture(what=("entropy",)) as cap:
+        captured = bhqk.attention(q, k, v, masks.causal())
+    assert torch.equal(plain, captured)
+    assert cap[0].backend == "spans" and again == []
+    with bhqk.capture(what=("entropy",)) as named:
+        bhqk.attention(q, k, v, masks.causal(), backend="torch")  # a named backend is not changed: the lse is recomputed
+    assert named[0].backend == "torch" and again == [1]
+    assert_close(cap[0].entropy, named[0].entropy, dtype=torch.float32, n=64)

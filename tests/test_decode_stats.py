@@ -1,7 +1,7 @@
 """Every statistic of every record equals the same statistic computed from eager's weights for that
 row, at the prefill and at each decode step (issue 25, item 2): B=1 without a mask and B=2
 left-padded; MHA and GQA; Hugging Face ``generate()``, bhqk's GPT-2 ``generate()`` and a decode loop
-over bhqk's own ``KVCache``; with the decode-step shortcuts (GQA packing, kept plans, kept claims;
+over bhqk's own ``KVCache``; with the decode-step shortcuts (GQA packing, kept plans, kept decisions;
 :mod:`bhqk.shortcuts`) and with every shortcut off.
 
 Eager's weights: transformers' ``output_attentions`` of one full forward over the generated ids

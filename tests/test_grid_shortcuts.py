@@ -1,6 +1,6 @@
 """The semantics grid's shortcut axis (issue 25 item 3, issue 28): every path that answers from
 something cheaper than the reference — each shortcut declared in :mod:`bhqk.shortcuts` (kept plans
-and call masks, kept claims, checked sizes, the cost memo, extents, a dense mask's grids,
+and call masks, kept decisions (claims and checks per call family), checked sizes, the cost memo, extents, a dense mask's grids,
 FlexAttention's kernels and block masks, decode-step GQA packing) — is run, in one
 test, as a first call, a repeated call (which the shortcut answers: its ``hits`` grow) and a repeated
 call after the input changed (new values, new strides, an in-place write into q, k, v, a dense mask,
@@ -12,6 +12,7 @@ a new shortcut joins by being declared (``shortcuts.declare``) and registering a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ import torch
 
 import bhqk
 from bhqk import masks, shortcuts
-from bhqk.functional import costs, flex
+from bhqk.functional import costs, flex, registry
+from bhqk.functional.problem import Problem
 from tolerance import assert_close
 
 
@@ -43,8 +45,9 @@ class Scenario:
     def reference(self) -> torch.Tensor:
         q, k, v = (self.inputs[n].double() for n in "qkv")
         bias = self.bias if "bias_t" not in self.inputs else self.inputs["bias_t"].double()
+        mask = self.inputs.get("mask", self.mask)  # a change may put another mask object in the inputs
         with shortcuts.off():
-            return bhqk.attention(q, k, v, self.mask, bias=bias, softcap=self.softcap, backend="reference")
+            return bhqk.attention(q, k, v, mask, bias=bias, softcap=self.softcap, backend="reference")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def _qkv(B=2, H=4, Hkv=2, Q=40, K=40, d=16, g=None):
 def _attend(backend: str, mask=None, softcap=None, bias_in=False, bias=None):
     def run(inp):
         b = inp["bias_t"] if bias_in else bias
-        return bhqk.attention(inp["q"], inp["k"], inp["v"], mask, bias=b, softcap=softcap, backend=backend)
+        return bhqk.attention(inp["q"], inp["k"], inp["v"], inp.get("mask", mask), bias=b, softcap=softcap, backend=backend)
     return run
 
 
@@ -99,18 +102,114 @@ def _(mp, tmp):
     return Scenario(inp, _attend("reference", masks.causal("bottom_right")), masks.causal("bottom_right"))
 
 
-@case("claims", "decode step")
+def _grow(n: int):
+    """A decode step's next call: ``n`` more keys (k and v grown as a KV cache grows)."""
+    def change(inp: dict) -> None:
+        g = torch.Generator().manual_seed(13)
+        for t in "kv":
+            more = torch.randn(*inp[t].shape[:2], n, inp[t].shape[3], generator=g)
+            inp[t] = torch.cat([inp[t], more], dim=2)  # [B, Hkv, K, x] -> [B, Hkv, K + n, x]
+    return change
+
+
+def _poison(name: str, key: int = 3):
+    """NaN in one key of k or v, or in one query row of q: the hand-off to tiled must fire."""
+    def change(inp: dict) -> None:
+        t = inp[name].clone()
+        t[0, 0, key if name != "q" else 0, 0] = float("nan")
+        inp[name] = t
+    return change
+
+
+def _retype(dtype: torch.dtype):
+    def change(inp: dict) -> None:
+        for n in "qkv":
+            inp[n] = inp[n].to(dtype)
+    return change
+
+
+def _requires_grad(inp: dict) -> None:
+    for n in "qkv":
+        inp[n] = inp[n].clone().requires_grad_(True)
+
+
+def _threads(inp: dict) -> None:  # another thread count (restored by _restore_threads): nothing a claim reads
+    torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
+
+
+def _mask_to(mask):
+    def change(inp: dict) -> None:
+        inp["mask"] = mask
+    return change
+
+
+DECODE_CHANGES = {"one more key": _grow(1), "K past a key tile (512)": _grow(40), "dtype float64": _retype(torch.float64),
+                  "requires_grad": _requires_grad, "NaN in q": _poison("q"), "NaN in k": _poison("k"),
+                  "NaN in v": _poison("v"), "threads": _threads, "top-left mask": _mask_to(masks.causal("top_left")),
+                  "no mask": _mask_to(None), "a window": _mask_to(masks.sliding_window(4, align="bottom_right"))}
+
+
+@case("decisions", "decode step")
 def _(mp, tmp):
     inp = _qkv(Q=1, K=23)
     m = masks.causal("bottom_right")
-    return Scenario(inp, _attend("auto", m), m)
+    return Scenario(inp, _attend("auto", m), m, changes=DECODE_CHANGES)
 
 
-@case("claims", "causal")
+@case("decisions", "decode step at K=500")
+def _(mp, tmp):
+    inp = _qkv(B=1, H=9, Hkv=3, Q=1, K=500, d=64)
+    m = masks.causal("bottom_right")
+    return Scenario(inp, _attend("auto", m), m, changes=DECODE_CHANGES)
+
+
+@case("decisions", "decode step, no mask, bnhd")
+def _(mp, tmp):
+    inp = _qkv(Q=1, K=23)
+    for n in "qkv":
+        inp[n] = inp[n].transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, N, d] views of [B, N, H, d]
+
+    def run(inp):
+        return bhqk.attention(*(inp[n].transpose(1, 2) for n in "qkv"), inp.get("mask"), layout="bnhd").transpose(1, 2)
+    return Scenario(inp, run, None, changes={"one more key": _grow(1), "NaN in q": _poison("q")})
+
+
+@case("decisions", "causal")
 def _(mp, tmp):
     inp = _qkv(B=1, Q=64, K=64)
     m = masks.causal()
-    return Scenario(inp, _attend("auto", m), m)
+    return Scenario(inp, _attend("auto", m), m, changes={"NaN in k": _poison("k", 40), "NaN in v": _poison("v", 40),
+                                                          "requires_grad": _requires_grad, "threads": _threads,
+                                                          "no mask": _mask_to(None)})
+
+
+@case("decisions", "causal with the lse")
+def _(mp, tmp):
+    inp = _qkv(B=1, Q=64, K=64)
+    m = masks.causal()
+
+    def run(inp):
+        out, lse = bhqk.attention(inp["q"], inp["k"], inp["v"], inp.get("mask", m), return_lse=True)
+        assert lse is not None and lse.shape == out.shape[:3]
+        return out
+    return Scenario(inp, run, m, changes={"NaN in k": _poison("k", 40), "one more query and key": _grow_both(1)})
+
+
+def _grow_both(n: int):
+    """Q and K grow together (a prefill one token longer): K is in the key of a causal call's family."""
+    def change(inp: dict) -> None:
+        _grow(n)(inp)
+        g = torch.Generator().manual_seed(17)
+        q = inp["q"]
+        inp["q"] = torch.cat([q, torch.randn(*q.shape[:2], n, q.shape[3], generator=g)], dim=2)  # [B, H, Q + n, d]
+    return change
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @case("decode GQA packing", "decode step")
@@ -353,3 +452,198 @@ def test_a_predicate_key_must_be_hashable_or_tensors():
     with torch.inference_mode():
         ids = torch.zeros(3)
     assert masks.predicate(lambda b, h, i, j: i >= j, key=ids).cache_key() is None  # no version counter: never kept
+
+
+# ---- a kept decision answers its family only ------------------------------------------------------------
+
+def _step(K: int = 30, **kw):
+    """A GQA decode step (q [2, 6, 1, 16], k/v [2, 2, K, 16]) as (q, k, v, mask, keyword arguments)."""
+    g = torch.Generator().manual_seed(K)
+    q, k, v = torch.randn(2, 6, 1, 16, generator=g), torch.randn(2, 2, K, 16, generator=g), torch.randn(2, 2, K, 16, generator=g)
+    return [q, k, v, kw.pop("mask", masks.causal("bottom_right")), kw]
+
+
+def _nan(i: int):
+    def f(call):
+        t = call[i].clone()
+        t[0, 0, -1, 0] = float("nan")
+        call[i] = t
+        return call
+    return f
+
+
+def _kw(**extra):
+    def f(call):
+        call[4] = {**call[4], **extra}
+        return call
+    return f
+
+
+def _transposed(call):  # the same values as views of [B, N, H, d] buffers
+    call[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in call[:3]]
+    return call
+
+
+def _grad(call):
+    call[:3] = [t.clone().requires_grad_(True) for t in call[:3]]
+    return call
+
+
+VARIANTS: dict[str, Callable[[list], list]] = {
+    "one more key": lambda c: _step(31),
+    "K past a key tile": lambda c: _step(520),
+    "top-left causal": lambda c: _step(mask=masks.causal("top_left")),
+    "top-left causal, K = 1": lambda c: _step(1, mask=masks.causal("top_left")),
+    "no mask": lambda c: _step(mask=None),
+    "a window": lambda c: _step(mask=masks.sliding_window(4, align="bottom_right")),
+    "key padding": lambda c: _step(mask=masks.causal("bottom_right") & masks.key_padding((torch.arange(30) > 3).expand(2, 30))),
+    "float64": lambda c: [t.double() if isinstance(t, torch.Tensor) else t for t in c],
+    "other strides": _transposed,
+    "requires_grad": _grad,
+    "the lse": _kw(return_lse=True),
+    "scale 0": _kw(scale=0.0),
+    "another scale": _kw(scale=0.5),
+    "softcap": _kw(softcap=5.0),
+    "sinks": _kw(sinks=torch.zeros(6)),
+    "bias": _kw(bias=torch.zeros(1, 1, 1, 30)),
+    "NaN in q": _nan(0),
+    "NaN in k": _nan(1),
+    "NaN in v": _nan(2),
+    "Q = 3": lambda c: [torch.randn(2, 6, 3, 16), *c[1:]],
+    "bnhd layout": lambda c: [*(t.transpose(1, 2) for t in c[:3]), c[3], {**c[4], "layout": "bnhd"}],
+    "after top-left causal at K = 1, K = 30": lambda c: _step(mask=_TOP_LEFT),  # the same mask object at other sizes
+    "after Q = 3 bottom-right, Q = 3 top-left": lambda c: [c[0], c[1], c[2], masks.causal("top_left"), c[4]],
+    "after a mask seeing every key at K = 30, the same object at K = 20": lambda c: _step(20, mask=_FROM_30),
+}
+_TOP_LEFT = masks.causal("top_left")
+
+
+class _From30(masks.Mask):
+    """key ≤ query + c with c = K − 1 for K ≥ 30 (the one query sees every key) and 0 below (key 0 only):
+    a causal diagonal that depends on the sizes, for the last-mask read (registry._LAST_MASK)."""
+
+    head_dependent = False
+
+    def causal_diagonal(self, ext):
+        return ext.K - 1 if ext.K >= 30 else 0
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        qi, ki = torch.arange(q0, q1, device=device)[:, None], torch.arange(k0, k1, device=device)[None, :]
+        return ki <= qi + self.causal_diagonal(ext)  # [q, k]
+
+
+_FROM_30 = _From30()
+BASES = {"after top-left causal at K = 1, K = 30": lambda: _step(1, mask=_TOP_LEFT),  # else a bottom-right decode step
+         "after Q = 3 bottom-right, Q = 3 top-left": lambda: [torch.randn(2, 6, 3, 16), *_step()[1:]],
+         "after a mask seeing every key at K = 30, the same object at K = 20": lambda: _step(mask=_FROM_30)}
+
+
+def _out(call) -> torch.Tensor:
+    q, k, v, mask, kw = call
+    out = bhqk.attention(q, k, v, mask, **kw)
+    out = out[0] if kw.get("return_lse") else out
+    return out.transpose(1, 2) if kw.get("layout") == "bnhd" else out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_kept_decision_is_not_reused_for_a_call_outside_its_family(variant):
+    """After a decode step's decision is kept (and answers a repeated call), each variant of the call
+    gets the backend a fresh decision gives it (``shortcuts.off("decisions")``), the reference's
+    answer, and — where the variant is its family (one more key, K past a key tile) — the kept
+    decision (hits grow, nothing new kept)."""
+    shortcuts.clear()
+    kept = shortcuts.declared()["decisions"]
+    base = BASES.get(variant, _step)
+    _out(base())
+    before = kept.hits
+    _out(base())
+    assert kept.hits > before, "the repeated decode step was not answered by its kept decision"
+    call = VARIANTS[variant](base())
+    q, k, v, mask, kw = call
+    choose = {n: x for n, x in kw.items() if n not in ("layout",)}
+    if kw.get("layout") == "bnhd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    chosen = bhqk.choose_backend(q, k, v, mask, **choose).name
+    with shortcuts.off("decisions"):
+        fresh = bhqk.choose_backend(q, k, v, mask, **choose).name
+    assert chosen == fresh, f"{variant}: the kept decision ran {chosen}, a fresh one {fresh}"
+    entries, before = len(registry.DECISIONS), kept.hits
+    out = _out(call)
+    if variant in ("one more key", "K past a key tile"):
+        assert kept.hits > before and len(registry.DECISIONS) == entries, f"{variant}: its family's decision was not used"
+    ref_kw = {n: x for n, x in kw.items() if n in ("scale", "softcap")}
+    for name in ("bias", "sinks"):
+        if name in kw:
+            ref_kw[name] = kw[name].double()
+    with shortcuts.off():
+        ref = bhqk.attention(q.double(), k.double(), v.double(), mask, backend="reference", **ref_kw)
+    assert_close(out, ref, dtype=q.dtype, n=k.shape[2], msg=variant)
+
+
+def _bad(call, i: int, t):
+    call[i] = t
+    return call
+
+
+ERRORS: dict[str, Callable[[list], list]] = {
+    "v one key longer": lambda c: _bad(c, 2, torch.randn(2, 2, 31, 16)),
+    "k of another dtype": lambda c: _bad(c, 1, c[1].double()),
+    "H not a multiple of Hkv": lambda c: _bad(_bad(c, 1, torch.randn(2, 4, 30, 16)), 2, torch.randn(2, 4, 30, 16)),
+    "q 3-D": lambda c: _bad(c, 0, c[0][:, :, 0]),
+    "no alignment for Q ≠ K": lambda c: _bad(c, 3, masks.causal()),
+    "scale NaN": _kw(scale=float("nan")),
+    "scale True": _kw(scale=True),
+    "softcap 0": _kw(softcap=0.0),
+    "dropout 1.5": _kw(dropout_p=1.5),
+    "unknown layout": _kw(layout="bhdn"),
+    "a mask that does not broadcast": lambda c: _bad(c, 3, torch.ones(3, 1, 1, 30, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("error", ERRORS)
+def test_every_error_still_fires_after_a_decision_is_kept(error):
+    """A decode step's decision is kept; each bad variant of the call raises exactly the error it
+    raises with every shortcut off (errors are never kept, and no check is skipped for them)."""
+    shortcuts.clear()
+    _out(_step())
+    _out(_step())
+    q, k, v, mask, kw = ERRORS[error](_step())
+    with pytest.raises((ValueError, TypeError)) as kept:
+        bhqk.attention(q, k, v, mask, **kw)
+    with shortcuts.off(), pytest.raises((ValueError, TypeError)) as fresh:
+        bhqk.attention(q, k, v, mask, **kw)
+    assert type(kept.value) is type(fresh.value) and str(kept.value) == str(fresh.value)
+
+
+def test_a_new_backend_is_asked_after_a_decision_was_kept(monkeypatch):
+    """The registry's entries are in a decision's key: a backend registered later that claims the call
+    with fewer scores runs it."""
+    shortcuts.clear()
+    _out(_step())
+    ran = []
+
+    def run(p, need_lse, plan=None):
+        ran.append(p.ext.K)
+        return registry.get("reference").run(p, need_lse)
+
+    monkeypatch.setitem(registry._REGISTRY, "claims all", registry.Backend("claims all", run, lambda p, lse: None,
+                                                                         share=lambda p, plan=None: 0.0))
+    q, k, v, mask, kw = _step()
+    assert bhqk.choose_backend(q, k, v, mask).name == "claims all"
+    _out(_step())
+    assert ran == [30]
+
+
+def test_a_decisions_key_reads_every_field_of_a_problem():
+    """family() is written by hand: every compared field of a Problem must be one it reads
+    (registry.FAMILY_READS); a field added to Problem fails here until the key reads it."""
+    fields = {f.name for f in dataclasses.fields(Problem) if f.compare}
+    assert fields == set(registry.FAMILY_READS)
+
+
+def test_a_generation_keeps_one_decision():
+    """Every decode step of a generation (K = 1 … 40, across the 512-key tile too) is one family."""
+    shortcuts.clear()
+    for K in (*range(1, 41), 511, 512, 513, 1030):
+        _out(_step(K))
+    assert len(registry.DECISIONS) == 1

@@ -18,6 +18,10 @@ from typing import Any, Protocol
 
 
 class Observer(Protocol):
+    """Receives events (``on_event``). An observer with a true ``wants_lse`` attribute asks ``auto``
+    calls on the CPU for their log-sum-exp (:func:`wants_lse`): the span path returns it from the
+    same fused-kernel call, where the statistics would otherwise run the kernel again for it."""
+
     def on_event(self, event: str, data: dict[str, Any]) -> None: ...
 
 
@@ -38,6 +42,11 @@ def active() -> tuple[Observer, ...]:
 def quiet() -> bool:
     """Nobody listens or edits anywhere (two integer tests): :func:`scope` would do nothing."""
     return not (_LISTENING or _EDITING)
+
+
+def wants_lse() -> bool:
+    """An active observer asks for each call's log-sum-exp (``Observer.wants_lse``)."""
+    return _LISTENING > 0 and any(getattr(o, "wants_lse", False) for o in _ACTIVE.get())
 
 
 def emit(event: str, **data: Any) -> None:

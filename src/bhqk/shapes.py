@@ -36,6 +36,16 @@ class Sizes:
         new.size, new.bound_by, new.seen = dict(self.size), dict(self.bound_by), list(self.seen)
         return new
 
+    def again(self, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sizes:
+        """A copy for a call whose q, k, v passed the same checks as the call these sizes were bound
+        from, with K bound from ``k`` (a decode step's one more key) and this call's shapes seen."""
+        qn, kn, vn = LAYOUTS[layout]
+        new = Sizes.__new__(Sizes)
+        new.size = {**self.size, "K": k.shape[kn.index("K")]}
+        new.bound_by = dict(self.bound_by)
+        new.seen = [("q", qn, tuple(q.shape)), ("k", kn, tuple(k.shape)), ("v", vn, tuple(v.shape))]
+        return new
+
     def __getitem__(self, name: str) -> int:
         return self.size[name]
 
@@ -163,18 +173,24 @@ def per_query_head(t: torch.Tensor, H: int, heads: Sequence[int] | None = None) 
 
 
 def all_finite(*ts: torch.Tensor) -> bool:
-    """No NaN/inf in any of ``ts``: a finite sum proves it without a bool copy; only a non-finite sum
-    (NaN/inf, or finite values that overflow) needs the full check. Under ``torch.compile`` the
-    check is skipped (a branch on data cannot be traced): compiled calls assume finite input."""
+    """No NaN/inf in any of ``ts`` (:func:`finite`). Under ``torch.compile`` the check is skipped (a
+    branch on data cannot be traced): compiled calls assume finite input."""
     if torch.compiler.is_compiling():
         return True
     for t in ts:
-        wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
-        if t.requires_grad:
-            t = t.detach()  # the check is no part of the graph
-        if t.numel() and not math.isfinite(float(t.sum(dtype=wide))) and not bool(torch.isfinite(t).all()):
+        if not finite(t):
             return False
     return True
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in ``t``, read from its data (not under ``torch.compile``: :func:`all_finite`): a
+    finite sum proves it without a bool copy; only a non-finite sum (NaN/inf, or finite values that
+    overflow) needs the full check."""
+    wide = torch.float32 if t.dtype == torch.float16 else None  # fp16 sums overflow at 65504; bf16 has fp32's range
+    if t.requires_grad:
+        t = t.detach()  # the check is no part of the graph
+    return not t.numel() or math.isfinite(float(t.sum(dtype=wide))) or bool(torch.isfinite(t).all())
 
 
 def tile_of(t: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:

@@ -26,11 +26,7 @@ class Shortcut:
     def __init__(self, name: str, what: str, key: str, bound: str, invalidation: str) -> None:
         self.name, self.what, self.key, self.bound, self.invalidation = name, what, key, bound, invalidation
         self.hits = 0  # calls it answered (a cache hit, a fast path taken): what tests check it was exercised by
-
-    @property
-    def on(self) -> bool:
-        """False inside ``off()`` (all, or this one by name)."""
-        return not (_OFF[None] or _OFF.get(self.name))
+        self.on = True  # False inside ``off()`` (all, or this one by name); an attribute ``off`` sets: read at every call
 
     def clear(self) -> None:
         """Forget what is kept (nothing, for a fast path)."""
@@ -49,14 +45,23 @@ class Cache(Shortcut, Generic[T]):
         self._store: dict[Hashable, T] = {}
 
     def lookup(self, key: Hashable) -> T | None:
-        """The value kept for ``key`` (None: none, or turned off)."""
-        hit = self._store.get(key) if self.on else None
+        """The value kept for ``key`` (None: none, or turned off; an unhashable key keeps nothing)."""
+        if not self.on:
+            return None
+        try:
+            hit = self._store.get(key)
+        except TypeError:  # a part of the key that is no value (an option holding a list)
+            return None
         if hit is not None:
             self.hits += 1
         return hit
 
     def put(self, key: Hashable, value: T) -> None:
         if not self.on:
+            return
+        try:
+            hash(key)
+        except TypeError:  # never kept
             return
         if len(self._store) >= self.size:
             for old in list(self._store)[: max(1, self.size // 2)]:
@@ -108,7 +113,14 @@ def declare(s: Shortcut) -> Shortcut:
     if s.name in _DECLARED and _DECLARED[s.name] is not s:
         raise ValueError(f"a shortcut named {s.name!r} is already declared.")
     _DECLARED[s.name] = s
+    s.on = not (_OFF[None] or _OFF.get(s.name))
     return s
+
+
+def _set_on() -> None:
+    """Every declared shortcut's ``on`` from the ``off()`` blocks open now."""
+    for s in _DECLARED.values():
+        s.on = not (_OFF[None] or _OFF.get(s.name))
 
 
 def declared() -> dict[str, Shortcut]:
@@ -126,11 +138,13 @@ def off(*names: str) -> Iterator[None]:
     keys: tuple[str | None, ...] = names or (None,)
     for k in keys:
         _OFF[k] = _OFF.get(k, 0) + 1
+    _set_on()
     try:
         yield
     finally:
         for k in keys:
             _OFF[k] -= 1
+        _set_on()
 
 
 def clear() -> None:

@@ -9,7 +9,7 @@ from .. import observe
 from ..errors import BackendError
 from . import reference
 from .problem import Problem, prepare
-from .registry import resolve
+from .registry import fast, prepared, resolve
 
 
 def attention(
@@ -49,19 +49,27 @@ def attention(
     """
     options = None if block_q is None and block_k is None else \
         {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
-    p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
-    choice = resolve(backend, p, return_lse)
+    if backend == "auto" and bias is None and sinks is None and not return_lse and observe.quiet() \
+            and not torch.compiler.is_compiling():  # a decision kept for the call's family computes it (decode steps)
+        out = fast(q, k, v, mask, scale, softcap, dropout_p, layout, options)
+        if out is not None:
+            return out
+    # statistics being captured start from each row's lse: on the CPU auto runs a call that returns it
+    need_lse = return_lse or (backend == "auto" and not observe.quiet() and isinstance(q, torch.Tensor)
+                              and q.device.type == "cpu" and observe.wants_lse())
+    p, choice = prepared(backend, need_lse, q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks)
     try:
-        out, lse = choice.run(p, return_lse)  # out [B, H, Q, dv]
+        out, lse = choice.run(p, need_lse)  # out [B, H, Q, dv]
     except BackendError:  # FlexAttention failed to compile a kernel (it refuses it from now on): auto chooses again
-        if not choice.by_auto or (retry := resolve(backend, p, return_lse)).backend is choice.backend:
+        if not choice.by_auto or (retry := resolve(backend, p, need_lse)).backend is choice.backend:
             raise
         choice = retry
-        out, lse = choice.run(p, return_lse)
-    if observe.editors():  # bhqk.edit: the heads it names are recomputed and stitched in (out-of-place)
-        p, out, lse = observe.edit(p, out, lse, backend)
-    if observe.active():
-        observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
+        out, lse = choice.run(p, need_lse)
+    if not observe.quiet():
+        if observe.editors():  # bhqk.edit: the heads it names are recomputed and stitched in (out-of-place)
+            p, out, lse = observe.edit(p, out, lse, backend)
+        if observe.active():
+            observe.emit("attention", problem=p, backend=choice.backend.name, out=out, lse=lse)
     if layout == "bnhd":
         out = out.transpose(1, 2)  # [B, H, Q, dv] -> [B, Q, H, dv]
     return (out, lse) if return_lse else out

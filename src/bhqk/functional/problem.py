@@ -34,6 +34,32 @@ class Problem:
     def __post_init__(self) -> None:
         self.ext = extent(self.sizes)
 
+    @classmethod
+    def kept(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sizes: Sizes, ext: Extent, mask: Mask | None,
+             scale: float, softcap: float | None, dropout_p: float, options: dict, every_key: bool) -> Problem:
+        """The call of a family whose checks passed (``registry.Kept``: no bias, no sinks), its extent
+        given and, where ``every_key``, its :attr:`every_key` known: the fields set as ``prepare``
+        would, without the dataclass's ``__init__``."""
+        p = cls.__new__(cls)
+        p.q, p.k, p.v, p.sizes, p.mask, p.bias, p.scale = q, k, v, sizes, mask, None, scale
+        p.softcap, p.dropout_p, p.options, p.sinks, p.ext = softcap, dropout_p, options, None, ext
+        if every_key:
+            p._every_key = True  # what every_key would compute (the family says so)
+        return p
+
+    @property
+    def every_key(self) -> bool:
+        """Every query may attend every key: no mask, or one query whose causal diagonal
+        (``Mask.causal_diagonal``) reaches the last key (a decode step: bottom-right causal, its
+        query at the last key position). Computed once per problem (a plain attribute, not
+        ``functools.cached_property``, whose lock ``torch.compile`` cannot trace)."""
+        known = getattr(self, "_every_key", None)
+        if known is None:
+            m, e = self.mask, self.ext
+            known = m is None or (e.Q == 1 and (c := m.causal_diagonal(e)) is not None and c >= e.K - 1)
+            self._every_key = known
+        return known
+
     @property
     def needs_grad(self) -> bool:
         """Grad mode is on and q, k or v requires gradients: the call's backward will run."""
@@ -61,11 +87,21 @@ declare(EXTENTS)
 def extent(sizes: Sizes) -> Extent:
     """The Extent [B, H, Q, K] of ``sizes`` (shared, :data:`EXTENTS`: building a frozen dataclass
     costs a microsecond)."""
-    key = (sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
+    return extent_of(sizes["B"], sizes["H"], sizes["Q"], sizes["K"])
+
+
+def extent_of(B: int, H: int, Q: int, K: int) -> Extent:
+    """The shared Extent [B, H, Q, K] (:data:`EXTENTS`)."""
+    key = (B, H, Q, K)
     if (e := EXTENTS.lookup(key)) is None:
         e = Extent(*key)
         EXTENTS.put(key, e)
     return e
+
+
+def default_scale(d: int) -> float:
+    """1/√d (1 for d = 0): the scale of a call that gives none."""
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0
 
 
 def prepare(
@@ -125,7 +161,7 @@ def check_scalars(sizes: Sizes, scale, softcap) -> tuple[float, float | None]:
     """``scale`` (default 1/√d) must be a finite number, ``softcap`` None or a finite positive number:
     a NaN or infinite one would turn every score into NaN or ±inf."""
     if scale is None:
-        scale = 1.0 / math.sqrt(sizes["d"]) if sizes["d"] > 0 else 1.0  # a finite float: nothing to check
+        scale = default_scale(sizes["d"])  # a finite float: nothing to check
     else:
         scale = _number("scale", scale, "the factor on Q·Kᵀ, default 1/√d")
     if softcap is not None:

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from ..errors import BackendError
-from ..masks import Mask
+from ..masks import Extent, Mask
+from ..shapes import Sizes
 from ..shortcuts import Cache, declare
 from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
-from .problem import Problem, prepare
+from .problem import Problem, default_scale, extent_of, prepare
 
 Run = Callable[[Problem, bool, Any], tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan) -> (out, lse)
 WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why it cannot take the call
@@ -36,7 +37,10 @@ class Backend:
     kernel computes the call exactly through it (1.0: nothing skipped), else None.
     ``estimate(problem, grad, costs)``: seconds (its ``Estimate.plan``: the plan it weighed).
     ``traceable``: ``torch.compile`` can trace its run. ``hands_off(problem, plan)``: (the backend
-    that computes a call it takes but cannot compute right, why)."""
+    that computes a call it takes but cannot compute right, why). ``fast(problem)``: a callable
+    ``(q, k, v) -> out | None`` that computes every call of the problem's family (what a decision
+    ``auto`` keeps for the family holds: :data:`DECISIONS`) from its bhnd tensors alone, None where
+    its hand-off would apply (the full path then hands the call off), or None: it has none."""
 
     name: str
     run: Run
@@ -47,13 +51,55 @@ class Backend:
     share: Callable[[Problem, Any], float | None] | None = None
     plan_for: Callable[[Problem], Any] | None = None
     plan_key: Callable[[Problem], Hashable] | None = None
+    fast: Callable[[Problem], Callable[..., torch.Tensor | None] | None] | None = None
 
     def plan(self, p: Problem, plan: Any = None) -> Any:
         """``plan``, else this backend's plan of ``p`` (None: it has none)."""
         return plan if plan is not None or self.plan_for is None else self.plan_for(p)
 
 
-_REGISTRY: dict[str, Backend] = {}
+class _Entries(dict):
+    """The registered backends by name; ``version`` changes with every change of the entries (a kept
+    decision names the version it was made under)."""
+
+    version = 0
+
+    def _changed(self) -> None:
+        self.version = _Entries.version = _Entries.version + 1  # never reused, even by another dict
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        self._changed()
+        return out
+
+    def popitem(self):
+        out = super().popitem()
+        self._changed()
+        return out
+
+    def setdefault(self, key, default=None):
+        out = super().setdefault(key, default)
+        self._changed()
+        return out
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+
+_REGISTRY: _Entries = _Entries()
 
 
 def register(backend: Backend) -> Backend:
@@ -78,7 +124,7 @@ def get(name: str) -> Backend:
 
 register(Backend("reference", reference.run, reference.why_not))  # builds [B, H, Q, K]
 register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not, torch_sdpa.estimate, hands_off=torch_sdpa.hands_off,
-                 share=torch_sdpa.share))  # F.scaled_dot_product_attention
+                 share=torch_sdpa.share, fast=torch_sdpa.fast))  # F.scaled_dot_product_attention
 # the fused kernel over the key spans a mask allows; after torch, so a tie of shares (nothing to skip) goes to plain SDPA
 register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share,
                  plan_for=spans.plan_for, plan_key=spans.plan_key))
@@ -138,14 +184,14 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     """``auto``, by structure first: of the backends that can take the call, the claimant (``share``:
     PyTorch's fused kernel computes it exactly) computing the fewest scores runs (a tie: the first
     registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
-    SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never."""
-    key = _structure(p, need_lse)
-    try:
-        hit = None if key is None else CLAIMS.lookup(key)
-    except TypeError:  # an option that is no value: not kept
-        key = hit = None
+    SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never.
+    A claim is kept for the call's family (:data:`DECISIONS`, :func:`family`)."""
+    fam = None if p.bias is not None or p.sinks is not None or torch.compiler.is_compiling() else \
+        family(p.q, p.k, p.v, p.mask, p.scale, p.softcap, p.dropout_p, "bhnd", p.options, need_lse)
+    key = None if fam is None else fam[0]
+    hit = None if key is None else DECISIONS.lookup(key)
     if hit is not None:
-        return _handed_off(hit, p)
+        return _handed_off(hit.choice, p)
     refused: dict[str, str] = {}
     claims: list[tuple[float, int, Backend, Any]] = []
     weighed: list[Backend] = []
@@ -163,7 +209,8 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         why = f"{be.name}: PyTorch's fused kernel computes this call exactly, {share:.0%} of the scores"
         why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o, _ in others) + _nots(refused)
         if key is not None:  # handed out again: read-only, and without the plan (its plan cache keeps that)
-            CLAIMS.put(key, Choice(be, why, _NOTHING_WEIGHED, by_auto=True))
+            DECISIONS.put(key, Kept(p.sizes.copy(), p.scale, p.softcap, p.dropout_p, dict(p.options),
+                                    Choice(be, why, _NOTHING_WEIGHED, by_auto=True), be.fast and be.fast(p)))
         return _handed_off(Choice(be, why, {}, plan, by_auto=True), p)
     grad, found = p.needs_grad, {}
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
@@ -183,46 +230,163 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     return _handed_off(Choice(_REGISTRY[ranked[0]], why, estimates, found[ranked[0]].plan, True), p)
 
 
-CLAIMS: Cache[Choice] = Cache(  # claims where they read no data (a model's decode steps)
-    "claims", "asking every backend's why_not and share again", "the registry's entries, need_lse, grad mode, and "
-    "every compared field of the Problem (tensors by shape, dtype, device, requires_grad; the mask by type and "
-    "attributes): derived from the dataclass, not written by hand", 1024,
-    "a new registry entry or any field of the call; never kept with a bias, sinks or a mask but causal (they read data)")
-declare(CLAIMS)
+@dataclass(frozen=True)
+class Kept:
+    """A claim kept for a family of calls (:data:`DECISIONS`): what ``prepare`` checked and bound for
+    it (the sizes, the scale, softcap, dropout and options), the ``Choice`` without a plan (its
+    backend's plan cache keeps that) and the backend's ``fast`` computation of the family, if any;
+    no tensor (a decode step's keys are not held)."""
+
+    sizes: Sizes
+    scale: float
+    softcap: float | None
+    dropout_p: float
+    options: dict
+    choice: Choice
+    fast: Callable[..., torch.Tensor | None] | None  # the backend's Backend.fast for the family
+
+    def problem(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, layout: str,
+                ext: Extent, every_key: bool) -> Problem:
+        """The checked call of ``q``, ``k``, ``v`` (its family's: only K may differ) in the bhnd layout."""
+        sizes = self.sizes.again(layout, q, k, v)
+        if layout == "bnhd":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N, H, d] -> [B, H, N, d] (views)
+        return Problem.kept(q, k, v, sizes, ext, mask, self.scale, self.softcap, self.dropout_p,
+                            dict(self.options) if self.options else {}, every_key)
+
+
+class _Decisions(Cache[Kept]):
+    def clear(self) -> None:
+        super().clear()
+        _LAST_MASK[0] = None
+
+
+DECISIONS: Cache[Kept] = _Decisions(  # a model's decode steps: one family for every layer and every step
+    "decisions", "checking a call's sizes, mask and numbers (prepare), asking every backend's why_not and share, and "
+    "the chosen backend's own per-call decisions (Backend.fast: SDPA's arguments)",
+    "family(): the registry's entries, need_lse, grad mode; the shapes, dtypes, devices and requires_grad of q, k, v; "
+    "the mask's type and attributes; scale (1/√d when not given), softcap, dropout_p, options; K itself, except where "
+    "the call's one query sees every key (a decode step: one family for every K ≥ 1). The last mask read (its part "
+    "of the key and causal diagonal, by identity and sizes) is kept beside", 1024,
+    "any of those is a new key; never kept with a bias, sinks, a mask but causal (their claims read data), under "
+    "torch.compile, or for a call that raised; the NaN/inf hand-off is checked on every call")
+declare(DECISIONS)
 _NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})
+_EVERY_KEY = "one query, every key"  # the K of the family of calls whose one query sees every key
+_PLAIN = frozenset({float, int, type(None)})  # scale, softcap, dropout_p kept as their own key
+_PLAIN_PARTS = _PLAIN | {bool, str}  # a mask's attributes that are their own key
+# what family() reads: every compared field of a Problem (tests/test_grid_shortcuts.py checks the list against the dataclass)
+FAMILY_READS = ("q", "k", "v", "sizes", "mask", "bias", "scale", "softcap", "dropout_p", "options", "sinks")
 
 
-def _structure(p: Problem, need_lse: bool) -> tuple | None:
-    """All a claim depends on, for a call without a bias, sinks or a mask but causal: the registry,
-    need_lse, grad mode and every compared field of ``p`` (:func:`_part`; ``sizes`` is derived from
-    q, k, v's shapes); None where not kept (and where the key turns out unhashable: see :func:`decide`)."""
-    diagonal = None if p.mask is None else p.mask.causal_diagonal(p.ext)  # the mask is exactly key ≤ query + diagonal
-    if p.bias is not None or p.sinks is not None or (p.mask is not None and diagonal is None):
+def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
+           options: dict | None, need_lse: bool) -> tuple[tuple, tuple[int, int, int, int], bool] | None:
+    """(The key of a call's kept decision, its sizes (B, H, Q, K), whether its one query sees every
+    key) for a call without a bias or sinks, as given to ``attention`` or as a ``Problem``'s
+    fields: all that ``prepare``'s checks and every claim read (see :data:`DECISIONS`), shapes in
+    the bhnd order. K is read through the mask: where the one query sees every key (no mask, or a
+    causal one reaching the last key) every K ≥ 1 is one family, as nothing a check or a claim
+    reads depends on it then; else K is in the key. None: not kept (a mask that is not causal, an
+    argument that is no plain tensor or number: its error is prepare's)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    key = [tuple(map(id, _REGISTRY.values())), need_lse, p.needs_grad]
-    for name in _FIELDS:
-        x = getattr(p, name)
-        key.append(x if type(x) in _VALUES else _part(x))
-    return tuple(key)
+    if type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
+        return None
+    qs: tuple[int, ...]
+    ks: tuple[int, ...]
+    vs: tuple[int, ...]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return None
+    if layout == "bnhd":
+        qs, ks, vs = ((s[0], s[2], s[1], s[3]) for s in (qs, ks, vs))  # [B, N, H, x] -> [B, H, N, x]
+    elif layout != "bhnd":
+        return None
+    B, H, Q, d = qs
+    K = ks[2]
+    every = Q == 1 and K >= 1 and vs[2] == K
+    part = None
+    if mask is not None:
+        read = _LAST_MASK[0]
+        if read is None or read[0] is not mask or read[1] != (B, H, Q, K):  # the layers of a model share a mask
+            read = _read_mask(mask, (B, H, Q, K))
+            if read is None:
+                return None
+        part, diagonal = read[2], read[3]
+        every = every and diagonal >= K - 1
+    key = (_REGISTRY.version, need_lse, torch.is_grad_enabled(), qs, ks[:2], ks[3], vs[:2], vs[3],
+           _EVERY_KEY if every else (K, vs[2]), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+           q.requires_grad, k.requires_grad, v.requires_grad, part, default_scale(d) if scale is None else scale,
+           softcap, dropout_p, tuple(options.items()) if options else ())
+    return key, (B, H, Q, K), every
 
 
-_DERIVED = {"sizes"}  # bound from q, k, v's shapes and the layout, which the key holds
-_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.compare and f.name not in _DERIVED)  # what a claim reads
-_VALUES = frozenset({float, int, bool, str, type(None)})  # fields that are their own key
+_LAST_MASK: list[tuple | None] = [None]  # (mask, (B, H, Q, K), its part of a key, its causal diagonal): the last read
+
+
+def _read_mask(mask, sizes: tuple[int, int, int, int]) -> tuple | None:
+    """What :func:`family` reads of a mask at ``sizes``: (mask, sizes, its type and attributes, its
+    causal diagonal), kept as the last read (the layers of a model's step share one mask; a mask is
+    a value: what it holds does not change); None where not kept (not causal, not a mask)."""
+    if not isinstance(mask, Mask):
+        return None
+    try:
+        diagonal = mask.causal_diagonal(extent_of(*sizes))  # the mask is exactly key ≤ query + diagonal
+    except ValueError:  # e.g. causal without an alignment for Q ≠ K: prepare says so
+        return None
+    if diagonal is None:
+        return None
+    read = (mask, sizes, _part(mask), diagonal)
+    if DECISIONS.on:
+        _LAST_MASK[0] = read
+    return read
+
+
+def prepared(backend: str, need_lse: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, bias=None,
+             scale=None, softcap=None, dropout_p=0.0, layout: str = "bhnd", options: dict | None = None,
+             sinks=None) -> tuple[Problem, Choice]:
+    """The checked call (``prepare``) and what runs it (:func:`resolve`). A call on ``auto`` of a
+    family whose claim is kept (:data:`DECISIONS`) skips both: its checks passed for the family, and
+    only its data is looked at (the NaN/inf hand-off)."""
+    if backend == "auto" and bias is None and sinks is None and DECISIONS.on and not torch.compiler.is_compiling():
+        fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, need_lse)
+        hit = None if fam is None else DECISIONS.lookup(fam[0])
+        if fam is not None and hit is not None:
+            p = hit.problem(q, k, v, mask, layout, extent_of(*fam[1]), fam[2])
+            return p, _handed_off(hit.choice, p)
+    p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
+    return p, resolve(backend, p, need_lse)
+
+
+def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
+         options: dict | None) -> torch.Tensor | None:
+    """out of an ``auto`` call without a bias, sinks or the lse, computed by the ``fast`` of the
+    decision kept for its family (``Backend.fast``): no ``Problem`` is built, nothing is checked but
+    the data its hand-off reads. None: no such decision, or that check failed (the full path runs,
+    and hands the call off). Callers check that nobody observes or edits (``observe.quiet``)."""
+    fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, False)
+    hit = None if fam is None else DECISIONS.lookup(fam[0])
+    if hit is None or hit.fast is None:
+        return None
+    if layout == "bnhd":  # [B, N, H, x] -> [B, H, N, x] and the output back (views)
+        out = hit.fast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return None if out is None else out.transpose(1, 2)
+    return hit.fast(q, k, v)
 
 
 def _part(x: Any) -> Any:
-    """What a claim reads of one field of a call: a tensor's shape, dtype, device and requires_grad
-    (not its values), a mask's type and attributes, a dict's items (in their order: another order is
-    only a miss), else the value (an unhashable one: not kept)."""
-    if type(x) in _VALUES:
-        return x
+    """What a claim reads of a mask: its type and attributes (a tensor by shape, dtype, device and
+    requires_grad, not its values; a dict's items in their order), else the value (an unhashable
+    one: not kept)."""
+    if isinstance(x, Mask):
+        attrs = vars(x)
+        if _PLAIN_PARTS.issuperset(map(type, attrs.values())):  # a causal mask's alignment: its items as they are
+            return (type(x), *attrs.items())
+        return (type(x), *[(k, _part(v)) for k, v in attrs.items()])
     if isinstance(x, torch.Tensor):
         return ("tensor", x.shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, dict):
         return ("dict", *[(k, _part(v)) for k, v in x.items()])
-    if isinstance(x, Mask):
-        return (type(x), *[(k, _part(v)) for k, v in vars(x).items()])
     return x
 
 

@@ -10,13 +10,15 @@ answer as every other backend."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..bias import Bias, in_dtype
 from ..masks import to_sdpa, top_left_count
-from ..shapes import per_query_head
+from ..shapes import finite, per_query_head
 from ..shortcuts import Shortcut, declare
 from . import nonfinite
 from .costs import Costs, Estimate
@@ -26,20 +28,12 @@ _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 HAS_GQA = _TORCH >= (2, 5)  # enable_gqa= and zero output for fully masked rows arrived in 2.5
 
 
-def all_allowed(p: Problem) -> bool:
-    """The mask lets every query attend every key: none, or one query whose causal diagonal
-    (``Mask.causal_diagonal``) reaches the last key (a decode step: bottom-right causal, its query
-    at the last key position)."""
-    m = p.mask
-    return m is None or (p.ext.Q == 1 and (c := m.causal_diagonal(p.ext)) is not None and c >= p.ext.K - 1)
-
-
 def structure_free(p: Problem) -> bool:
     """True when SDPA can take the call without a dense [.., Q, K] mask or bias: no mask, or one
     that is exactly SDPA's top-left ``is_causal`` (``causal_diagonal`` 0) at a positive scale."""
     if p.bias is not None:
         return False
-    if all_allowed(p):
+    if p.every_key:
         return True
     return p.mask is not None and p.mask.causal_diagonal(p.ext) == 0 and p.scale_positive
 
@@ -51,7 +45,7 @@ def share(p: Problem, plan: None = None) -> float | None:
     if not structure_free(p) or (p.dropout_p > 0 and p.q.device.type == "cpu"):
         return None
     Q, K = p.ext.Q, p.ext.K
-    if all_allowed(p) or Q * K == 0:
+    if p.every_key or Q * K == 0:
         return 1.0
     return top_left_count(Q, K) / (Q * K)  # is_causal is top-left: row i sees keys 0..i
 
@@ -101,36 +95,75 @@ def hands_off(p: Problem, plan: None = None) -> tuple[str, str] | None:
     """("tiled", why) when SDPA would let NaN/inf in the inputs cross the mask, else None. Without a
     mask or bias every row attends every key, so NaN/inf in k or v reach every row in SDPA as in
     the formula; only q is checked."""
-    return nonfinite.hand_off(p, all_allowed(p) and p.bias is None, "SDPA")
+    return nonfinite.hand_off(p, p.every_key and p.bias is None, "SDPA")
+
+
+@dataclass(frozen=True)
+class Call:
+    """SDPA's arguments for one call: ``attn_mask`` (None, or the dense mask/bias it must be handed),
+    ``is_causal`` (top-left), the scale and dropout; ``every_key``: every row sees every key, so
+    only q needs the NaN/inf check (:func:`hands_off`). A call without a tensor is the same for
+    every call of its family: the decision ``auto`` keeps for the family holds it (:func:`fast`)."""
+
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    every_key: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """out [B, H, Q, dv] of q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv] (finite inputs)."""
+        B, H, Q, d = q.shape
+        Hkv = k.shape[1]
+        attn_mask, is_causal = self.attn_mask, self.is_causal
+        if Q == 1 and Hkv != H and attn_mask is None and not is_causal and PACKING.on:  # one query, nothing masked: the G
+            G = H // Hkv  # query heads of a K/V head become G queries of one call, which reads each K/V head once (not G times)
+            PACKING.hits += 1
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, d), k, v, None, self.dropout_p, False,
+                                                 scale=self.scale)  # [B, H, 1, d] -> [B, Hkv, G, d] -> [B, Hkv, G, dv]
+            return out.reshape(B, H, 1, v.shape[-1])  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]
+        if Hkv == H:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale)
+        if not HAS_GQA:
+            k, v = per_query_head(k, H), per_query_head(v, H)  # [B, Hkv, K, x] -> [B, H, K, x]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale,
+                                              enable_gqa=True)  # [B, H, Q, dv]
+
+    def on_finite(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """The call where its inputs are finite (q; and k, v unless ``every_key``), else None: such a
+        call is handed to the tiled backend (:func:`hands_off`), which the caller's full path does."""
+        if not finite(q) or not (self.every_key or (finite(k) and finite(v))):
+            return None
+        return self(q, k, v)
+
+
+def call(p: Problem) -> Call:
+    """SDPA's arguments for ``p``: no mask where every query sees every key (a decode step),
+    ``is_causal`` where the mask is exactly its top-left causal one at a positive scale, else the
+    dense mask (with a bias: the bias, −inf where the mask forbids)."""
+    B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
+    allowed = p.every_key
+    if p.bias is None and allowed:  # every query sees every key (a decode step): no mask to build
+        return Call(None, False, p.scale, p.dropout_p, True)
+    kw = to_sdpa(None if allowed else p.mask, B, H, Q, K, device=p.q.device)
+    attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
+    if is_causal and p.mask is not None and (p.bias is not None or not p.scale_positive):  # no is_causal with a mask
+        attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # nor at a scale <= 0
+    if p.bias is not None:
+        bias = _bias(p, p.bias)
+        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+    return Call(attn_mask, is_causal, p.scale, p.dropout_p, False)
+
+
+def fast(p: Problem) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+    """``Backend.fast``: the :class:`Call` of ``p``'s whole family on finite inputs
+    (:meth:`Call.on_finite`), where it holds no tensor (no dense mask or bias: :func:`structure_free`),
+    else None."""
+    return call(p).on_finite if structure_free(p) else None
 
 
 def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registry entry (no plan): SDPA on a call it computes right (finite inputs: see
     :func:`hands_off`): out [B, H, Q, dv], no lse."""
-    B, H, Q, K = p.ext.B, p.ext.H, p.ext.Q, p.ext.K
-    allowed = all_allowed(p)
-    if p.bias is None and allowed:  # every query sees every key (a decode step): no mask to build
-        attn_mask, is_causal = None, False
-    else:
-        kw = to_sdpa(None if allowed else p.mask, B, H, Q, K, device=p.q.device)
-        attn_mask, is_causal = kw["attn_mask"], kw["is_causal"]
-        if is_causal and p.mask is not None and (p.bias is not None or not p.scale_positive):  # no is_causal with a mask
-            attn_mask, is_causal = p.mask.materialize(B, H, Q, K, device=p.q.device), False  # nor at a scale <= 0
-        if p.bias is not None:
-            bias = _bias(p, p.bias)
-            attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
-    k, v = p.k, p.v
-    Hkv = k.shape[1]
-    if Q == 1 and Hkv != H and attn_mask is None and not is_causal and PACKING.on:  # one query, nothing masked: the G query heads
-        G = H // Hkv  # of a K/V head become G queries of one call, which reads each K/V head once (not G times)
-        PACKING.hits += 1
-        q = p.q.reshape(B, Hkv, G, p.q.shape[-1])  # [B, H, 1, d] -> [B, Hkv, G, d]
-        out = F.scaled_dot_product_attention(q, k, v, None, p.dropout_p, False, scale=p.scale)  # [B, Hkv, G, dv]
-        return out.reshape(B, H, 1, v.shape[-1]), None  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]
-    if Hkv == H:
-        return F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale), None  # [B, H, Q, dv]
-    if not HAS_GQA:
-        k, v = per_query_head(k, H), per_query_head(v, H)  # [B, Hkv, K, x] -> [B, H, K, x]
-        return F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale), None
-    out = F.scaled_dot_product_attention(p.q, k, v, attn_mask, p.dropout_p, is_causal, scale=p.scale, enable_gqa=True)
-    return out, None  # [B, H, Q, dv]
+    return call(p)(p.q, p.k, p.v), None

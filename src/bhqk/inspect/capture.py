@@ -269,6 +269,7 @@ class Capture:
             if option and n in self.what and n not in given:
                 raise ValueError(f"capture: what={n!r} needs {option}={_NEEDS[option]}.")
         self.want = want if (set(self.what) | given) & set(STATS) else None
+        self.wants_lse = self.want is not None  # statistics start from each row's lse: asked of the call (observe)
         self.blocks = (block_q, block_k)
         self.selection = Selection(who, layers, heads, model, rows)  # the same selection and errors as edit
         self.layers, self.heads, self.rows = self.selection.layers, self.selection.heads, self.selection.rows

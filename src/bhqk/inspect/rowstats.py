@@ -222,7 +222,7 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     call as bhqk does (no mask or a causal one it aligns the same way, no bias, softcap or dropout;
     the sinks are added after), else None."""
     from ..functional.spans_kernels import fused_lse, fused_refuses
-    from ..functional.torch_sdpa import all_allowed, structure_free
+    from ..functional.torch_sdpa import structure_free
 
     if (fused_refuses(p.q, exact_lse=True) is not None or p.softcap is not None or not structure_free(p)
             or p.ext.Q == 0 or p.ext.K == 0):
@@ -235,7 +235,7 @@ def _fused_lse(p: Problem, heads: list[int], rows: list[int] | None) -> torch.Te
     q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))  # the kernel reads d at stride 1 (design.md §4)
     try:
         # is_causal is top-left: only for a causal mask that is not a decode step (which sees every key)
-        lse = fused_lse(q, k, not all_allowed(p), scale=p.scale)  # [B, h, r]
+        lse = fused_lse(q, k, not p.every_key, scale=p.scale)  # [B, h, r]
     except RuntimeError:  # a shape or dtype the kernel refuses: the online pass computes it
         return None
     if p.sinks is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -157,7 +158,8 @@ def attention_forward(
     already projected, any argument set to None) are ignored; any other raises a ``TypeError`` naming
     it. Each call runs in ``observe.scope(module)``, so ``bhqk.capture(model=...)`` names it by the
     module's path."""
-    attend = getattr(key, "bhqk_attend", None)  # keys a head-wise budget cache holds per group of heads (bhqk.budget)
+    # keys a head-wise budget cache holds per group of heads (bhqk.budget: a tensor subclass)
+    attend = None if type(key) is torch.Tensor else getattr(key, "bhqk_attend", None)
     if attend is not None:
         return attend(attention_forward, module, query, value, attention_mask, dropout=dropout, scaling=scaling,
                       is_causal=is_causal, softcap=softcap, position_bias=position_bias, s_aux=s_aux, sinks=sinks,
@@ -171,7 +173,11 @@ def attention_forward(
                         f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
                         f"position_ids, cu_seq_lens_q/k, output_attentions.")
     B, H, Q, K = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
+    if type(attention_mask) is HFMask and attention_mask._tensor is None:  # the builder's mask, untouched (a decode step)
+        structure = attention_mask.structure
+        mask, extra, built = (None if isinstance(structure, AllKeys) else structure), None, True
+    else:
+        mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
     if not built:
         causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
         mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
@@ -181,7 +187,7 @@ def attention_forward(
     bias = position_bias
     if extra is not None:
         bias = extra if bias is None else bias + extra
-    sink = _sinks(s_aux, sinks, H)
+    sink = None if s_aux is None and sinks is None else _sinks(s_aux, sinks, H)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     if observe.quiet():  # nobody to name the module to (the scope would do nothing): no context manager per call
         out = attention(query, key, value, mask, bias=bias, scale=scaling, softcap=softcap, sinks=sink,
@@ -197,10 +203,10 @@ def attention_forward(
 
 
 def _attention_for(backend: str) -> Callable:
-    def bhqk_attention(module, query, key, value, attention_mask, **kwargs):
-        return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
-
-    bhqk_attention.__name__ = f"bhqk_attention_{backend}"
+    """:func:`attention_forward` on ``backend`` (a ``functools.partial``: a model's every layer calls
+    it, and a Python function around it would be one more frame per call)."""
+    bhqk_attention = functools.partial(attention_forward, backend=backend)
+    bhqk_attention.__name__ = f"bhqk_attention_{backend}"  # type: ignore[attr-defined]
     bhqk_attention.__doc__ = f"{attention_forward.__doc__}\n\n    Backend: {backend!r}."
     return bhqk_attention
 
