@@ -100,6 +100,21 @@ def wheel_file(w: Wheel) -> tuple[Path, str | None]:
     return path, _record_sha256(dist, w.file)
 
 
+def resolve(source: str | Path) -> str | Path:
+    """What a ``--model`` names, the same in every command: a name of :data:`NAMES` (returned as it is),
+    else an existing file or folder (a Path); a LoadError listing the known names otherwise."""
+    if str(source) in NAMES:
+        return str(source)
+    p = Path(source)
+    if p.exists():
+        return p
+    import difflib
+
+    close = difflib.get_close_matches(str(source), NAMES, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise LoadError(f"no model {str(source)!r}: not a known name ({', '.join(sorted(NAMES))}), nor a file or folder.{hint}")
+
+
 def is_pretrained(source: str | Path) -> bool:
     """``source`` is something :func:`pretrained` loads: a name of :data:`NAMES`, a ``.gguf`` file, a
     folder holding one, or a Hugging Face folder of a causal language model other than GPT-2 (bhqk's
@@ -135,7 +150,7 @@ def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
         w = NAMES[str(source)]
         path, sha = wheel_file(w)
         return path, sha, f"`{w.install.replace('install', 'install --force-reinstall', 1)}`"
-    p = Path(source)
+    p = Path(resolve(source))
     if p.is_dir():
         if (p / "config.json").is_file():
             return None
@@ -144,9 +159,6 @@ def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
             raise LoadError(f"{p}: a model folder needs config.json (a Hugging Face folder) or exactly one .gguf file; "
                             f"found {len(found)} .gguf files and no config.json.")
         p = found[0]
-    elif not p.exists():
-        names = ", ".join(sorted(NAMES))
-        raise LoadError(f"no model {str(source)!r}: not a known name ({names}), nor a file or folder.")
     if p.suffix.lower() != ".gguf":
         raise LoadError(f"{p}: expected a .gguf file or a Hugging Face folder.")
     return p, None, f"a fresh copy of {p.name}"
@@ -269,6 +281,9 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     ``attn_implementation`` (``"bhqk"``, ``"bhqk:<backend>"``, or transformers' ``"eager"``/``"sdpa"``),
     in eval mode, and its tokenizer with the chat template. A GGUF file is converted once into the
     cache (module doc; ``cache_dir`` overrides ``$BHQK_CACHE``); a later load takes about a second."""
+    from ..integrations.transformers import check_implementation
+
+    check_implementation(attn_implementation)  # before anything is hashed, converted or loaded
     found = _gguf_in(source)
     if found is None:
         return _load_hf(Path(source), attn_implementation, None)
@@ -284,11 +299,41 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     return _load_hf(folder, attn_implementation, f"delete the cache folder (rm -r '{folder}') and load again.")
 
 
+def implementation(backend: str = "auto") -> str:
+    """transformers' ``attn_implementation`` for bhqk's ``backend``: ``"bhqk"`` for ``auto``, else ``"bhqk:<backend>"``."""
+    return "bhqk" if backend == "auto" else f"bhqk:{backend}"
+
+
 def load_for_cli(source: str | Path, backend: str = "auto") -> tuple[Any, Any]:
     """What a command's ``--model`` loads when :func:`is_pretrained`: ``pretrained(source)`` on bhqk's
-    attention with ``backend`` (``auto``: ``"bhqk"``, else ``"bhqk:<backend>"``)."""
-    return pretrained(source, attn_implementation="bhqk" if backend == "auto" else f"bhqk:{backend}")
+    attention with ``backend`` (:func:`implementation`)."""
+    return pretrained(source, attn_implementation=implementation(backend))
 
 
-__all__ = ["pretrained", "is_pretrained", "from_gguf", "load_for_cli", "NAMES", "Wheel", "cache_root", "cache_folder",
+def open_model(source: str | Path, backend: str = "auto") -> Any:
+    """The transformers model a command's ``--model`` names (:func:`resolve`), on bhqk's ``backend``, as an
+    :class:`~bhqk.integrations.transformers.Loaded`: a model name or a GGUF file through
+    :func:`load_for_cli` (``name``: the name given), any other local Hugging Face folder as it is."""
+    from ..integrations.transformers import Loaded, load_folder
+
+    found = resolve(source)
+    if from_gguf(found):
+        model, tok = load_for_cli(found, backend)
+        return Loaded(model, tok, True, Path(getattr(model, "name_or_path", "") or str(found)), name=str(source))
+    if not Path(found).is_dir():
+        raise LoadError(f"{found}: not a model: give a model name ({', '.join(sorted(NAMES))}), a .gguf file or a "
+                        "local Hugging Face folder.")
+    return load_folder(found, implementation(backend))
+
+
+def context_length(model: Any) -> int | None:
+    """The positions a transformers model was trained for (``config.max_position_embeddings``), if it says."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+
+
+__all__ = ["pretrained", "is_pretrained", "from_gguf", "resolve", "open_model", "load_for_cli", "implementation",
+           "context_length", "NAMES", "Wheel", "cache_root", "cache_folder",
            "wheel_file", "sha256_of"]
