@@ -24,19 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def cli_model(smollm2, monkeypatch):
-    """Every command loads the session's SmolLM2 for a model name (records what it was asked for)."""
-    seen = []
-
-    def load(source, backend="auto"):
-        seen.append((str(source), backend))
-        return smollm2
-
-    monkeypatch.setattr(real, "load_for_cli", load)
-    return seen
-
-
-@pytest.fixture
 def nothing_loads(monkeypatch):
     """A load of any model fails the test: what is refused must be refused before."""
 

@@ -211,7 +211,8 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
                                    "trial) and OUT/needle.png (the heatmap). Deterministic given --seed. Progress: a "
                                    "bar on a terminal, else a line per prompt on stderr.")
     p.add_argument("--model", default="smollm2-135m",
-                   help="a model name (smollm2-135m, the default), a .gguf file or a Llama-family Hugging Face folder")
+                   help="a model name (smollm2-135m, the default; gemma3-270m), a .gguf file or a Hugging Face folder "
+                        "of a causal LM")
     p.add_argument("--lengths", type=int_list(64), default=[1024, 2048, 4096, 8192],
                    help="prompt lengths in tokens, template included, at most the model's context (default "
                         "1024,2048,4096,8192)")

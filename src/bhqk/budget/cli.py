@@ -60,7 +60,8 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
 
     b = sub.add_parser("budget", help="choose which K/V heads keep every key (the rest keep a sink and a window)",
                        description=__doc__)
-    b.add_argument("--model", required=True, help="a model name (smollm2-135m), a .gguf file or a local Hugging Face folder")
+    b.add_argument("--model", required=True,
+                   help="a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder")
     b.add_argument("--full", type=fraction, default=0.5, help="fraction of K/V heads that keep every key (default 0.5)")
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")

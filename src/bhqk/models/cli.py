@@ -283,11 +283,13 @@ def generate_pretrained(a: argparse.Namespace) -> str:
         torch.manual_seed(a.seed)
     sample = a.temperature > 0
     extra = {"temperature": a.temperature, "top_k": a.top_k} if sample else {}
-    eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id
+    eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id  # an id or a list (Gemma 3: 1, 106)
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
     streamer = None if a.show_ids else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=sample,
-                             eos_token_id=eos, pad_token_id=eos, streamer=streamer, **extra)  # [1, n + new]
+                             eos_token_id=eos, pad_token_id=pad, streamer=streamer, **extra)  # [1, n + new]
     return ",".join(map(str, out[0].tolist())) if a.show_ids else ""
 
 
@@ -324,17 +326,17 @@ def cmd_generate(a: argparse.Namespace) -> str:
 
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, a GGUF file)",
+    p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, gemma3-270m, a GGUF file)",
                        description="Continue a prompt with a local Hugging Face GPT-2 folder, one token at a time "
                                    "with a KV cache: greedy by default, sampled with --temperature and --top-k. "
-                                   "With a pretrained chat model (smollm2-135m, a .gguf file, a Llama-family folder: "
-                                   "bhqk.models.pretrained) the prompt is asked through its chat template and the "
+                                   "With a pretrained chat model (smollm2-135m, gemma3-270m, a .gguf file, a Llama-family "
+                                   "folder: bhqk.models.pretrained) the prompt is asked through its chat template and the "
                                    "answer streams as it is generated.")
     p.add_argument("prompt", nargs="?", default=None, type=text,
                    help="text (tokenized with the folder's tokenizer.json; a chat model: the user's message)")
     p.add_argument("--model", required=True,
                    help="a local Hugging Face GPT-2 folder (config.json + weights), or a pretrained model: "
-                        "a model name (smollm2-135m), a .gguf file, a Llama-family Hugging Face folder")
+                        "a model name (smollm2-135m, gemma3-270m), a .gguf file, a Llama-family Hugging Face folder")
     p.add_argument("--ids", type=int_list(0), default=None,
                    help="prompt token ids, comma-separated, when there is no tokenizer.json (e.g. 464,3797)")
     p.add_argument("--max-new-tokens", "-n", type=int_at_least(0), default=32, help="tokens to generate (default 32)")

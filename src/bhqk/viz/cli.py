@@ -18,7 +18,7 @@ from ..models.cli import BACKEND_HELP, backend_name
 from ..models.cli import text as text_arg
 
 DEFAULT_OUT = "bhqk-show"
-MODEL_HELP = ("a model name (smollm2-135m), a .gguf file or a local Hugging Face folder, encoder or decoder, loaded "
+MODEL_HELP = ("a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder, encoder or decoder, loaded "
               "offline (default: the bundled all-MiniLM-L6-v2)")
 
 

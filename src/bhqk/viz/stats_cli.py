@@ -144,8 +144,9 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="attention statistics of every layer and head of a local model, at any length",
                        description=__doc__)
     s.add_argument("text", nargs="?", default=None, help="the text (or --file)")
-    s.add_argument("--model", default=None, help="smollm2-135m, a GGUF file, or a local Hugging Face model folder "
-                                                 "(config.json, weights, tokenizer); default: the bundled all-MiniLM-L6-v2")
+    s.add_argument("--model", default=None, help="a model name (smollm2-135m, gemma3-270m), a GGUF file, or a local Hugging "
+                                                 "Face model folder (config.json, weights, tokenizer); default: the bundled "
+                                                 "all-MiniLM-L6-v2")
     s.add_argument("--file", default=None, help="read the text from this file (UTF-8)")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the pictures and the page (default {DEFAULT_OUT})")
     s.add_argument("--max-tokens", type=int_at_least(MIN_TEXT_TOKENS), default=None,
