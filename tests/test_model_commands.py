@@ -170,3 +170,13 @@ def test_resolve_returns_names_and_paths_and_lists_names(tmp_path):
     with pytest.raises(LoadError, match=r"no model 'nosuch'.*smollm2-135m"):
         real.resolve("nosuch")
     assert real.context_length(torch.nn.Linear(1, 1)) is None
+
+
+def test_needle_on_a_folder_without_tokenizer_is_one_error(tmp_path):
+    import transformers
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).save_pretrained(tmp_path / "tiny")
+    code, out, err = run(["needle", "--model", str(tmp_path / "tiny"), "--lengths", "128", "--out", str(tmp_path)])
+    assert code == 2 and "tokenizer" in err and "Traceback" not in err, err

@@ -15,6 +15,7 @@ from typing import NoReturn
 import torch
 
 from . import masks
+from .errors import LoadError
 from .explain import explain
 from .models.cli import BACKEND_HELP, attention_progress, backend_name, int_at_least, int_list
 
@@ -193,6 +194,9 @@ def cmd_needle(a: argparse.Namespace) -> str:
     plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
     loaded = load_model(lambda: open_model(a.model, a.backend), str(a.model), a.model)
     model, tok = loaded.model, loaded.tokenizer
+    if tok is None or not loaded.decoder:
+        raise LoadError(f"--model {a.model}: bhqk needle asks a causal language model with its tokenizer; "
+                        f"{loaded.folder} is not one or has no tokenizer files.")
     bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
     result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
                          edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
