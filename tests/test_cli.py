@@ -169,7 +169,7 @@ def test_multi_line_library_error_is_printed_whole(tmp_path):
     (["embed", "hello", "--out", "vectors.csv"], "use one of .npy, .json"),
     (["embed"], "no sentences"),
     (["embed", "hello", "--file", "/nonexistent/sentences.txt"], "No such file or directory: /nonexistent/sentences.txt"),
-    (["generate", "--model", "/nonexistent/folder", "--ids", "1"], "not a folder"),
+    (["generate", "--model", "/nonexistent/folder", "--ids", "1"], "nor a file or folder"),
     (["nonsense"], "invalid choice"),
     ([], "required"),
 ])

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from bhqk.inspect import needle
-from bhqk.models import real
 from test_cli import run
 
 pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
@@ -81,19 +80,6 @@ def test_found_is_a_whole_number():
 
 
 # ---- the command line --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cli_model(smollm2, monkeypatch):
-    """The commands load the session's model instead of a second copy (tests/test_pretrained.py loads)."""
-    seen = []
-
-    def load(source, backend="auto"):
-        seen.append((str(source), backend))
-        return smollm2
-
-    monkeypatch.setattr(real, "load_for_cli", load)
-    return seen
 
 
 def test_cli_needle_writes_the_grid_and_edits_heads(cli_model, smollm2, tmp_path):

@@ -15,6 +15,7 @@ from typing import NoReturn
 import torch
 
 from . import masks
+from .errors import LoadError
 from .explain import explain
 from .models.cli import BACKEND_HELP, attention_progress, backend_name, int_at_least, int_list
 
@@ -187,14 +188,19 @@ def load_plan(path: str):
 def cmd_needle(a: argparse.Namespace) -> str:
     from .inspect import needle
     from .models.cli import load_model, progress_enabled
-    from .models.real import load_for_cli
+    from .models.real import open_model
 
     pairs = needle.parse_edit(a.edit) if a.edit is not None else None
     plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
-    model, tok = load_model(lambda: load_for_cli(a.model, a.backend), str(a.model), a.model)
+    loaded = load_model(lambda: open_model(a.model, a.backend), str(a.model), a.model)
+    model, tok = loaded.model, loaded.tokenizer
+    if tok is None or not loaded.decoder:
+        raise LoadError(f"--model {a.model}: bhqk needle asks a causal language model with its tokenizer; "
+                        f"{loaded.folder} is not one or has no tokenizer files.")
+    bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
     result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
                          edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
-                         progress=progress_enabled())
+                         progress=bar, log=None if bar else lambda line: print(line, file=sys.stderr, flush=True))
     result.meta.update({"model": str(a.model), "backend": a.backend, "edit": a.edit, "plan": a.plan})
     what = " ".join(x for x in (f"edit {a.edit}" if a.edit else "", f"plan {a.plan}" if a.plan else "") if x)
     js, png = result.save(a.out, title=f"{a.model}: pass key found (%)" + (f", {what}" if what else ""))
@@ -206,11 +212,14 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
                        description="Hide a random pass key at each depth of a prompt of each length (filler: Python's "
                                    "own documentation), ask for it through the chat template, greedy-decode the "
                                    "answer; print the table of keys found and write OUT/needle.json (one entry per "
-                                   "trial) and OUT/needle.png (the heatmap). Deterministic given --seed.")
+                                   "trial) and OUT/needle.png (the heatmap). Deterministic given --seed. Progress: a "
+                                   "bar on a terminal, else a line per prompt on stderr.")
     p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default), a .gguf file or a Llama-family Hugging Face folder")
+                   help="a model name (smollm2-135m, the default; gemma3-270m), a .gguf file or a Hugging Face folder "
+                        "of a causal LM")
     p.add_argument("--lengths", type=int_list(64), default=[1024, 2048, 4096, 8192],
-                   help="prompt lengths in tokens, template included (default 1024,2048,4096,8192)")
+                   help="prompt lengths in tokens, template included, at most the model's context (default "
+                        "1024,2048,4096,8192)")
     p.add_argument("--depths", type=fraction_list, default=fraction_list("0,0.1,...,1"),
                    help="needle depths, fractions of the filler before it (default 0,0.1,...,1)")
     p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts (keys) per cell (default 1)")

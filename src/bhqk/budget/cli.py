@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from ..errors import LoadError
 from .find import SCORES, find
@@ -15,17 +14,11 @@ from .plan import model_shape
 
 def load_model(source: str):
     """(model, tokenizer) for a model name, a ``.gguf`` file or a local Hugging Face folder, running
-    bhqk's attention (a folder may lack tokenizer files: the induction score needs none)."""
-    from ..models.real import from_gguf, load_for_cli
+    bhqk's attention (a folder may lack tokenizer files: the induction score needs none); the names of
+    every command (:func:`bhqk.models.real.open_model`)."""
+    from ..models.real import open_model
 
-    if from_gguf(source):
-        return load_for_cli(source)
-    path = Path(source)
-    if not path.is_dir():
-        raise LoadError(f"--model {source}: not a model name, a .gguf file or a local Hugging Face folder.")
-    from ..integrations.transformers import load_folder
-
-    loaded = load_folder(path)
+    loaded = open_model(source)
     if not loaded.decoder:
         raise LoadError(f"--model {source}: not a causal language model (a budget plan is for decoders).")
     return loaded.model, loaded.tokenizer
@@ -66,7 +59,8 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
 
     b = sub.add_parser("budget", help="choose which K/V heads keep every key (the rest keep a sink and a window)",
                        description=__doc__)
-    b.add_argument("--model", required=True, help="a model name (smollm2-135m), a .gguf file or a local Hugging Face folder")
+    b.add_argument("--model", required=True,
+                   help="a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder")
     b.add_argument("--full", type=fraction, default=0.5,
                    help="fraction of K/V heads that keep what the model keeps, among those whose layer sees "
                         "further back than the streaming window (default 0.5)")

@@ -279,14 +279,19 @@ def ask(model, tok, t: Trial, *, max_new_tokens: int = 16, edit: Callable[[], An
 
 def grid(model, tok, lengths: Iterable[int], depths: Iterable[float], trials: int = 1, seed: int = 0, *,
          edit: Callable[[], Any] | dict | None = None, plan: Any = None, past_key_values: Callable[[], Any] | None = None,
-         max_new_tokens: int = 16, progress: bool = True) -> NeedleResult:
+         max_new_tokens: int = 16, progress: bool = True, log: Callable[[str], Any] | None = None) -> NeedleResult:
     """The needle grid (module doc): every length × depth × trial, a tqdm bar over them when
-    ``progress``. ``plan``: an object whose ``.cache()`` makes each generation's cache (the same as
+    ``progress``, and ``log(line)`` after each prompt when given (length, depth, trial, found or not,
+    seconds). ``plan``: an object whose ``.cache()`` makes each generation's cache (the same as
     ``past_key_values=plan.cache``); a KV budget plan (``.check(model)``) is checked against the model
-    before any forward, and makes its caches with ``plan.cache(model)``."""
+    before any forward, and makes its caches with ``plan.cache(model)``. A length beyond the model's
+    context (``max_position_embeddings``) is refused before any prompt runs."""
     import functools
+    import time
 
     from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from ..models.real import context_length
 
     if plan is not None:
         if past_key_values is not None:
@@ -298,10 +303,20 @@ def grid(model, tok, lengths: Iterable[int], depths: Iterable[float], trials: in
     lengths, depths = list(lengths), list(depths)
     if trials < 1 or not lengths or not depths:
         raise ValueError(f"needle: the grid is empty (lengths={lengths}, depths={depths}, trials={trials}).")
+    limit = context_length(model)
+    beyond = [L for L in lengths if limit is not None and L > limit]
+    if beyond:
+        raise ValueError(f"needle: lengths {beyond} are longer than the model's context of {limit:,} tokens "
+                         f"(max_position_embeddings); give lengths up to {limit:,}.")
     todo = make_trials(tok, lengths, depths, trials, seed)  # the prompts first: a bad length fails at once
     entries = []
-    for t in tqdm(todo, desc="needle", unit=" prompt", disable=not progress, leave=False, dynamic_ncols=True):
+    for i, t in enumerate(tqdm(todo, desc="needle", unit=" prompt", disable=not progress, leave=False,
+                               dynamic_ncols=True)):
+        t0 = time.perf_counter()
         entries.append(ask(model, tok, t, max_new_tokens=max_new_tokens, edit=edit, past_key_values=past_key_values))
+        if log is not None:
+            log(f"needle {i + 1}/{len(todo)}: length {t.length}, depth {t.depth:g}, trial {t.trial}: "
+                f"{'found' if entries[-1]['found'] else 'not found'} ({time.perf_counter() - t0:.1f} s)")
     return NeedleResult(entries, seed, {"max_new_tokens": max_new_tokens, "needle": NEEDLE, "question": QUESTION})
 
 

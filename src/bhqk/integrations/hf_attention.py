@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from .. import observe
-from ..errors import MaskError
+from ..errors import BackendError, MaskError
 from ..functional import attention, attention_weights
 from ..functional import names as backend_names
 from ..masks import Mask, causal, dense, document, from_hf
@@ -209,6 +209,27 @@ def _attention_for(backend: str) -> Callable:
     bhqk_attention.__name__ = f"bhqk_attention_{backend}"  # type: ignore[attr-defined]
     bhqk_attention.__doc__ = f"{attention_forward.__doc__}\n\n    Backend: {backend!r}."
     return bhqk_attention
+
+
+def check_implementation(name: str) -> None:
+    """A BackendError naming ``name`` and the choices when it is not an attention implementation that
+    loads: ``"bhqk"`` / ``"bhqk:<backend>"`` for a backend of :func:`bhqk.functional.names`, or one of
+    transformers' own (``eager`` and its ``AttentionInterface``; hub kernels, ``org/name``, pass)."""
+    if name.split(":")[0] == "bhqk":
+        if name in names():
+            return
+        backend = name.partition(":")[2]
+        raise BackendError(f"attn_implementation={name!r}: bhqk has no backend {backend!r}; choose one of "
+                           f"{', '.join(names())} (the backends of bhqk.functional.names()).")
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return  # the load that follows says what to install
+    theirs = ["eager", *AttentionInterface._global_mapping]
+    if name in theirs or "/" in name or "|" in name:
+        return
+    raise BackendError(f"attn_implementation={name!r} is not an attention implementation; choose bhqk's "
+                       f"({', '.join(names())}) or transformers' ({', '.join(theirs)}).")
 
 
 def register(name: str = "bhqk") -> list[str]:

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import LoadError
 from ..models.loading import read_config
-from .hf_attention import register
+from .hf_attention import check_implementation, register
 
 # ---- local model folders (for the command line) ---------------------------------------------------
 
@@ -20,12 +20,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 @dataclass
 class Loaded:
-    """A Hugging Face model from a local folder on bhqk: ``decoder`` models are causal LMs."""
+    """A Hugging Face model from a local folder on bhqk: ``decoder`` models are causal LMs; ``name``: what
+    the user called it (a model name such as ``smollm2-135m``, else the folder's name)."""
 
     model: torch.nn.Module
     tokenizer: Any | None  # a transformers tokenizer (PreTrainedTokenizerBase)
     decoder: bool
     folder: Path
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.folder.name
 
 
 def is_decoder_config(config: dict) -> bool:
@@ -35,13 +40,16 @@ def is_decoder_config(config: dict) -> bool:
 
 
 def load_folder(folder: str | Path, name: str = "bhqk", dtype: torch.dtype = torch.float32) -> Loaded:
-    """Model and tokenizer from a local folder, offline, with ``attn_implementation=name``
-    (registered first). Decoders load as ``AutoModelForCausalLM``, others as ``AutoModel``."""
+    """Model and tokenizer from a local folder, offline, with ``attn_implementation=name`` (bhqk's
+    names registered first; a name that is no implementation is a BackendError before anything loads).
+    Decoders load as ``AutoModelForCausalLM``, others as ``AutoModel``."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(folder)
+    check_implementation(name)
     decoder = is_decoder_config(read_config(folder))
-    register(name.split(":")[0])
+    if name.split(":")[0] == "bhqk":
+        register()
     cls = AutoModelForCausalLM if decoder else AutoModel
     model = cls.from_pretrained(folder, attn_implementation=name, local_files_only=True, dtype=dtype).eval()
     tokenizer = None

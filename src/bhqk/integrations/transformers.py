@@ -42,9 +42,10 @@ its attention functions): :mod:`~bhqk.integrations.hf_mask` (the mask tensor and
 
 from __future__ import annotations
 
-from .hf_attention import IGNORED, attention_forward, names, register
+from .hf_attention import IGNORED, attention_forward, check_implementation, names, register
 from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, encode, is_decoder_config, load_folder
 from .hf_mask import ROW_BLOCK_ENTRIES, AllKeys, HFMask, build_mask
 
-__all__ = ["register", "names", "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
+__all__ = ["register", "names", "check_implementation",
+           "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
            "is_decoder_config", "cache_keyword", "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]

@@ -1,7 +1,7 @@
 """Real models on bhqk: a BERT encoder (all-MiniLM-L6-v2 bundled) and GPT-2, loaded from local
 Hugging Face folders through key tables. ``tokenizers``/``safetensors`` are the ``models`` extra.
-``pretrained("smollm2-135m")``: a real pretrained decoder (transformers' model on bhqk's attention;
-the ``real`` extra), see :mod:`bhqk.models.real`."""
+``pretrained("smollm2-135m")``, ``pretrained("gemma3-270m")``: real pretrained decoders (transformers'
+models on bhqk's attention; the ``real`` extra), see :mod:`bhqk.models.real`."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def sentence(text: str) -> str:
 
 
 def text(value: str) -> str:
-    """An argparse type: a text with at least one non-space character (``bhqk show``, ``bhqk trace``)."""
+    """An argparse type: a text with at least one non-space character (``bhqk show``, ``trace``, ``generate``)."""
     if not value.strip():
         raise argparse.ArgumentTypeError(f"the text is empty ({value!r}); give some words to read")
     return value
@@ -263,7 +263,7 @@ def generate_pretrained(a: argparse.Namespace) -> str:
     streamed to stdout as they are decoded."""
     from transformers import TextStreamer
 
-    from .real import load_for_cli
+    from .real import context_length, load_for_cli
 
     model, tok = load_model(lambda: load_for_cli(a.model, a.backend), str(a.model), a.model)
     if a.prompt is not None:
@@ -274,26 +274,33 @@ def generate_pretrained(a: argparse.Namespace) -> str:
     vocab = model.config.vocab_size
     if ids.numel() == 0 or not bool(((ids >= 0) & (ids < vocab)).all()):
         raise ValueError(f"token ids must be in [0, {vocab}) for this model, got {ids[0].tolist()}.")
+    limit = context_length(model)
+    if limit is not None and ids.shape[1] + a.max_new_tokens > limit:
+        raise ValueError(f"the prompt is {ids.shape[1]:,} tokens{' (chat template included)' if a.prompt is not None else ''}"
+                         f" and --max-new-tokens asks for {a.max_new_tokens:,} more: {a.model} reads at most {limit:,} "
+                         f"positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens.")
     if a.seed is not None:
         torch.manual_seed(a.seed)
     sample = a.temperature > 0
     extra = {"temperature": a.temperature, "top_k": a.top_k} if sample else {}
-    eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id
+    eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id  # an id or a list (Gemma 3: 1, 106)
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
     streamer = None if a.show_ids else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=sample,
-                             eos_token_id=eos, pad_token_id=eos, streamer=streamer, **extra)  # [1, n + new]
+                             eos_token_id=eos, pad_token_id=pad, streamer=streamer, **extra)  # [1, n + new]
     return ",".join(map(str, out[0].tolist())) if a.show_ids else ""
 
 
 def cmd_generate(a: argparse.Namespace) -> str:
     from .bert import load_tokenizer
     from .gpt2 import GPT2
-    from .real import is_pretrained
+    from .real import is_pretrained, resolve
 
     if (a.prompt is None) == (a.ids is None):
         raise ValueError("give either a prompt (needs tokenizer.json in the model folder) or --ids, not both.")
-    if is_pretrained(a.model):
+    if is_pretrained(resolve(a.model)):
         return generate_pretrained(a)
     model = load_model(lambda: GPT2.from_pretrained(a.model, backend=a.backend), "GPT-2", a.model)
     tok = None
@@ -319,17 +326,17 @@ def cmd_generate(a: argparse.Namespace) -> str:
 
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, a GGUF file)",
+    p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, gemma3-270m, a GGUF file)",
                        description="Continue a prompt with a local Hugging Face GPT-2 folder, one token at a time "
                                    "with a KV cache: greedy by default, sampled with --temperature and --top-k. "
-                                   "With a pretrained chat model (smollm2-135m, a .gguf file, a Llama-family folder: "
-                                   "bhqk.models.pretrained) the prompt is asked through its chat template and the "
+                                   "With a pretrained chat model (smollm2-135m, gemma3-270m, a .gguf file, a Llama-family "
+                                   "folder: bhqk.models.pretrained) the prompt is asked through its chat template and the "
                                    "answer streams as it is generated.")
-    p.add_argument("prompt", nargs="?", default=None,
+    p.add_argument("prompt", nargs="?", default=None, type=text,
                    help="text (tokenized with the folder's tokenizer.json; a chat model: the user's message)")
     p.add_argument("--model", required=True,
                    help="a local Hugging Face GPT-2 folder (config.json + weights), or a pretrained model: "
-                        "smollm2-135m, a .gguf file, a Llama-family Hugging Face folder")
+                        "a model name (smollm2-135m, gemma3-270m), a .gguf file, a Llama-family Hugging Face folder")
     p.add_argument("--ids", type=int_list(0), default=None,
                    help="prompt token ids, comma-separated, when there is no tokenizer.json (e.g. 464,3797)")
     p.add_argument("--max-new-tokens", "-n", type=int_at_least(0), default=32, help="tokens to generate (default 32)")

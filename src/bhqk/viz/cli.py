@@ -14,9 +14,12 @@ import torch
 
 from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
+from ..models.cli import BACKEND_HELP, backend_name
 from ..models.cli import text as text_arg
 
 DEFAULT_OUT = "bhqk-show"
+MODEL_HELP = ("a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder, encoder or decoder, loaded "
+              "offline (default: the bundled all-MiniLM-L6-v2)")
 
 
 def pick_head(stats: Sequence[HeadStats]) -> HeadStats:
@@ -32,8 +35,8 @@ def run_sentence(sentence: str, model: str | Path | None = None, backend: str = 
                  specials: list[str] | None = None) -> tuple[Capture, list[str]]:
     """Capture every layer and head of ``sentence``, cut to ``max_tokens`` tokens (special tokens
     included; default and upper bound: the model's limit, 256 at most). ``model``: None (the bundled
-    MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or any other local Hugging Face
-    folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
+    MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or a model name, a GGUF file or any
+    other local Hugging Face folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
     [tokens before the cut, tokens kept] is appended to it; when ``specials`` is given, the special
     tokens of the model's tokenizer that are among the kept tokens (none for GPT-2's text, [CLS] and
     [SEP] for a BERT's). Blank text is refused (a ValueError) before any model is loaded."""
@@ -75,18 +78,23 @@ def _limit(max_tokens: int | None, limit: int) -> int:
     return max_tokens
 
 
-def _is_bert_folder(folder: str | Path) -> bool:
+def _is_bert_folder(model: str | Path) -> bool:
+    """``model`` (what ``--model`` names in every command: :func:`bhqk.models.real.resolve`) is a BERT folder,
+    read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
     from ..models.loading import read_config
+    from ..models.real import from_gguf, resolve
 
-    return read_config(folder).get("model_type") == "bert"
+    found = resolve(model)
+    return not from_gguf(found) and read_config(found).get("model_type") == "bert"
 
 
 def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
             cut: list[int] | None, specials: list[str] | None) -> tuple[Capture, list[str]]:
-    """``run_sentence`` for any local Hugging Face folder: transformers' AutoModel on bhqk."""
-    from ..integrations.transformers import encode, load_folder
+    """``run_sentence`` for a model name, a GGUF file or any local Hugging Face folder: transformers' model on bhqk."""
+    from ..integrations.transformers import encode
+    from ..models.real import open_model
 
-    loaded = load_folder(folder, "bhqk" if backend == "auto" else f"bhqk:{backend}")
+    loaded = open_model(folder, backend)
     inputs, tokens = encode(loaded, sentence)  # input_ids [1, N], ...
     limit = min(HF_MAX_TOKENS, int(getattr(loaded.model.config, "max_position_embeddings", HF_MAX_TOKENS) or HF_MAX_TOKENS))
     limit = _limit(max_tokens, limit)
@@ -171,17 +179,16 @@ def cmd_show(a: argparse.Namespace) -> str:
 def add_show_parser(sub) -> argparse.ArgumentParser:
     """Register ``bhqk show`` on an argparse subparsers object."""
     s = sub.add_parser("show", help="pictures and an interactive page of a text's attention (bundled MiniLM or any local model)",
-                       description="Run one text through a model (the bundled MiniLM, or --model DIR: any local Hugging Face "
-                                   "folder, encoder or decoder), capture every layer's attention "
+                       description="Run one text through a model (the bundled MiniLM, or --model: a model name, a GGUF "
+                                   "file or any local Hugging Face folder, encoder or decoder), capture every layer's attention "
                                    "weights [B, H, Q, K] and write attention.png, attention_grid.png and "
                                    "attention.html (rows = queries, columns = keys) into --out.")
     s.add_argument("sentence", type=text_arg,
                    help='the text, e.g. "The cat sat on the mat." (longer than --max-tokens: cut, with a notice)')
-    s.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
-                                                 "(default: the bundled all-MiniLM-L6-v2)")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--layer", type=int, default=None, help="layer (attention call index) for attention.png; default: picked")
     s.add_argument("--head", type=int, default=None, help="head for attention.png; default: the most focused word-to-word head")
-    s.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")
+    s.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
     s.add_argument("--max-tokens", type=int, default=None,
                    help="cut the text to this many tokens, [CLS] and [SEP] included (default: the model's limit, 256 for MiniLM)")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder to write the PNGs and the HTML page into (default: {DEFAULT_OUT})")
@@ -191,8 +198,8 @@ def add_show_parser(sub) -> argparse.ArgumentParser:
 
 def trace_text(text: str, model: str | Path | None = None, backend: str = "auto") -> str:
     """The named shapes of every attention call while ``model`` reads ``text`` (``bhqk trace``): the
-    bundled MiniLM by default, a BERT folder on bhqk's encoder, any other local folder through
-    transformers on bhqk."""
+    bundled MiniLM by default, a BERT folder on bhqk's encoder, a model name, a GGUF file or any other
+    local folder through transformers on bhqk."""
     from ..inspect.trace import trace
 
     check_text(text)
@@ -206,9 +213,10 @@ def trace_text(text: str, model: str | Path | None = None, backend: str = "auto"
             enc.model(ids, attention_mask)
         tokens = list(enc.tokenizer.encode(text).tokens)
     else:
-        from ..integrations.transformers import encode, load_folder
+        from ..integrations.transformers import encode
+        from ..models.real import open_model
 
-        loaded = load_folder(model, "bhqk" if backend == "auto" else f"bhqk:{backend}")
+        loaded = open_model(model, backend)
         inputs, tokens = encode(loaded, text)  # input_ids [1, N], ...
         with torch.no_grad(), trace(loaded.model) as t:
             loaded.model(**inputs)
@@ -218,12 +226,12 @@ def trace_text(text: str, model: str | Path | None = None, backend: str = "auto"
 def add_trace_parser(sub) -> argparse.ArgumentParser:
     """Register ``bhqk trace`` on an argparse subparsers object."""
     t = sub.add_parser("trace", help="the named shapes of every attention call of a model reading a text",
-                       description="Run one text through a model (the bundled MiniLM, or --model DIR: any local Hugging "
-                                   "Face folder) and print, per attention call, its module path, backend and the named "
+                       description="Run one text through a model (the bundled MiniLM, or --model: a model name, a GGUF "
+                                   "file or any local Hugging Face folder) and print, per attention call, its module path, "
+                                   "backend and the named "
                                    "shapes of q, k, v, S/P and the output.")
     t.add_argument("text", type=text_arg, help='the text, e.g. "The cat sat on the mat."')
-    t.add_argument("--model", default=None, help="a local Hugging Face model folder, encoder or decoder, loaded offline "
-                                                 "(default: the bundled all-MiniLM-L6-v2)")
-    t.add_argument("--backend", default="auto", help="attention backend the model runs on (auto, reference, torch, tiled)")
+    t.add_argument("--model", default=None, help=MODEL_HELP)
+    t.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
     t.set_defaults(func=lambda a: trace_text(a.text, a.model, a.backend))
     return t

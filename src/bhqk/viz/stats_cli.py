@@ -28,25 +28,22 @@ TOP_COLUMNS = ("sink", "prev", "local", "entropy")  # what --top N ranks (entrop
 
 
 def load(model: str | Path | None, backend: str = "auto"):
-    """The model ``bhqk stats`` reads, on bhqk (``backend``): None is the bundled all-MiniLM-L6-v2, else a
-    model name (``smollm2-135m``), a GGUF file, or a local Hugging Face folder (config.json, weights,
-    tokenizer files). The one place the command finds
-    its model (model names join here). A folder without tokenizer files is refused before its weights load."""
-    from ..integrations.transformers import TOKENIZER_FILES, Loaded, load_folder
+    """The model ``bhqk stats`` reads, on bhqk (``backend``): None is the bundled all-MiniLM-L6-v2, else
+    what ``--model`` names in every command (:func:`bhqk.models.real.resolve`: a model name such as
+    ``smollm2-135m``, a GGUF file, or a local Hugging Face folder with its tokenizer files). A folder
+    without tokenizer files is refused before its weights load."""
+    from ..integrations.transformers import TOKENIZER_FILES, load_folder
     from ..models.bert import bundled_model_dir
-    from ..models.real import from_gguf, load_for_cli
+    from ..models.real import from_gguf, implementation, open_model, resolve
 
-    if model is not None and from_gguf(model):
-        lm, tok = load_for_cli(model, backend)  # a model name or a GGUF file: converted once into bhqk's cache
-        return Loaded(lm, tok, True, Path(lm.name_or_path or str(model)))
-    folder = bundled_model_dir() if model is None else Path(model)
-    if not folder.is_dir():
-        raise LoadError(f"--model {folder}: not a folder (a local Hugging Face model: config.json, weights, tokenizer).")
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise LoadError(f"--model {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): bhqk stats turns the "
+    if model is None:
+        return load_folder(bundled_model_dir(), implementation(backend))
+    found = resolve(model)
+    if not from_gguf(found) and Path(found).is_dir() and not any((Path(found) / f).is_file() for f in TOKENIZER_FILES):
+        raise LoadError(f"--model {found} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): bhqk stats turns the "
                         "text into tokens with the model's tokenizer; copy the tokenizer files of the model it was "
                         "trained with into the folder.")
-    return load_folder(folder, name="bhqk" if backend == "auto" else f"bhqk:{backend}")
+    return open_model(model, backend)
 
 
 def tokenize(loaded, text: str) -> tuple[dict, list[str], int]:
@@ -89,7 +86,7 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
         loaded.model(**inputs)
     seconds = time.perf_counter() - t0
     table = cap.head_table(positions)
-    name = loaded.folder.name if model_dir is not None else "all-MiniLM-L6-v2 (bundled)"
+    name = loaded.name if model_dir is not None else "all-MiniLM-L6-v2 (bundled)"
     cut = f" (cut from {N})" if keep < N else ""
     meta = {"model": str(loaded.folder), "tokens": f"{keep}{cut}", "layers × heads": f"{len(table.layers)} × {table.num_heads}",
             "window": str(window), "forward + statistics": f"{seconds:.2f} s"}
@@ -147,8 +144,9 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="attention statistics of every layer and head of a local model, at any length",
                        description=__doc__)
     s.add_argument("text", nargs="?", default=None, help="the text (or --file)")
-    s.add_argument("--model", default=None, help="smollm2-135m, a GGUF file, or a local Hugging Face model folder "
-                                                 "(config.json, weights, tokenizer); default: the bundled all-MiniLM-L6-v2")
+    s.add_argument("--model", default=None, help="a model name (smollm2-135m, gemma3-270m), a GGUF file, or a local Hugging "
+                                                 "Face model folder (config.json, weights, tokenizer); default: the bundled "
+                                                 "all-MiniLM-L6-v2")
     s.add_argument("--file", default=None, help="read the text from this file (UTF-8)")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the pictures and the page (default {DEFAULT_OUT})")
     s.add_argument("--max-tokens", type=int_at_least(MIN_TEXT_TOKENS), default=None,
