@@ -10,7 +10,6 @@ import pytest
 import torch
 import transformers
 
-import bhqk
 from bhqk import masks
 from bhqk.budget import BudgetCache, GroupedKV, Plan, find, score_heads, streaming_mask
 from bhqk.budget.find import rank, score_keys
@@ -384,13 +383,6 @@ def test_a_refused_crop_leaves_every_layer_as_it_was():
     with pytest.raises(ValueError, match="activate_past_recording"):
         cache.crop(-4)
     assert [layer.length for layer in cache.budget_layers] == [14, 14] and cache.get_seq_length() == 14
-
-
-def test_capture_over_a_mixed_budget_layer_is_refused_not_misnumbered():
-    model = _llama()
-    ids, _ = _inputs(B=1, N=10)
-    with pytest.raises(ValueError, match="one call per group"), torch.no_grad(), bhqk.capture(model=model):
-        model(input_ids=ids, cache=_mixed(model).cache(model))
 
 
 def test_find_names_what_it_cannot_do():

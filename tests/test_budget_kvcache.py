@@ -227,23 +227,6 @@ def test_a_refused_crop_or_call_changes_nothing_and_an_emptied_cache_takes_new_s
 
 
 @torch.no_grad()
-def test_capture_or_edit_over_a_mixed_budget_layer_is_refused_not_misnumbered():
-    """A layer with full and streaming heads runs one call per group: capture and edit would see the
-    group's head indices, so they are refused there (a plan.emulate model gives the heads by the model's index)."""
-    import bhqk
-
-    model = _gpt2()
-    ids, am = _inputs(B=1)
-    for block in (lambda: bhqk.capture(model=model), lambda: bhqk.edit(model=model, heads=[3], zero=True)):
-        with pytest.raises(ValueError, match="one call per group"), block():
-            model.generate(ids, 2, cache=_mixed().kv_cache(model))
-    everyone = Plan(torch.ones(2, 4, dtype=torch.bool), sink=S, window=W)  # one group per layer: indices hold
-    with bhqk.capture(model=model) as cap:
-        model.generate(ids, 2, cache=everyone.kv_cache(model))
-    assert len(cap.records) > 0
-
-
-@torch.no_grad()
 def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
     """sink=64 and 13 + 4 positions: the ring never wraps, every position is held, any crop is exact."""
     model = _gpt2()

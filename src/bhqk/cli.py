@@ -308,7 +308,7 @@ def parser() -> Parser:
     add_trace_parser(sub)
     from .viz.stats_cli import add_stats_parser
 
-    add_stats_parser(sub)
+    add_stats_parser(sub).set_defaults(load_plan=load_plan)  # --plan: bhqk.budget sits above viz
     add_needle_parser(sub)
     from .budget.cli import add_budget_parser
 

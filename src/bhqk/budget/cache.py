@@ -23,6 +23,12 @@ other attention implementation gets a ``BackendError`` on its first use of the k
 answer. While a streaming group holds the whole frame (nothing dropped yet), its mask stays
 structured: the model's & ``~key_span(0, sink − o) | sliding_window(window, align="bottom_right")``.
 
+While something observes or edits (``bhqk.capture``, ``trace``, ``edit``) a layer with streaming heads — and
+a sliding layer of full heads past its window — runs instead as ONE call over every position written
+(:meth:`GroupedKV._one_call`): heads in the model's order and key index = position, as in the emulated run
+(``plan.emulate`` over a cache that keeps every position), so records and edits are that run's. It copies
+what the groups hold into [B, Hkv, N, ·] buffers: O(N·d) per K/V head and observed call.
+
 Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
 then every group keeps every new position until the next ``crop``, which removes the rejected
 positions and only then drops what no later query may see — exact. Without past recording a ``crop``
@@ -41,9 +47,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import masks, observe
 from ..errors import BackendError, ShapeError
-from ..integrations.hf_attention import _mask_and_bias
+from ..integrations.hf_attention import model_mask
 from ..integrations.hf_mask import AllKeys
-from ..nn.cache import own, take_heads
+from ..nn.cache import one_call_mask, own, spread, take_heads
+from ..shapes import as_4d
 from .mask import streaming_mask
 
 
@@ -98,19 +105,19 @@ class GroupedKV(torch.Tensor):
     def bhqk_attend(self, attend: Callable, module, query: torch.Tensor, value: torch.Tensor, attention_mask,
                     **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of ``query`` [B, H, Q, d] over each group with ``attend`` (bhqk's attention function,
-        same contract) → (out [B, Q, H, dv], weights [B, H, Q, K] or None), heads in the model's order."""
+        same contract) → (out [B, Q, H, dv], weights [B, H, Q, K] or None), heads in the model's order.
+        While something observes or edits, one call over every position instead (:meth:`_one_call`)."""
         if not isinstance(value, GroupedKV) or value.groups is not self.groups:
             raise BackendError("bhqk budget cache: keys and values of different caches reached the attention function.")
         for k in ("position_bias", "indices"):
             if kw.get(k) is not None:
                 raise TypeError(f"bhqk budget cache: {k!r} is not supported with a head-wise budget cache.")
-        if len(self.groups) > 1 and (observe.active() or observe.editors()):
-            raise ValueError("bhqk budget cache layer: capture and edit name heads by their index in the call, but a "
-                             "layer with full and streaming heads runs one call per group, so those indices would be "
-                             "the group's, not the model's; capture or edit the model without the budget cache: "
-                             "with plan.emulate(model): ...")
         B, H, Q, _ = query.shape
         Hkv, K = self.shape[1], self.shape[2]
+        m, bias = model_mask(attention_mask, module, Q, K, kw.get("is_causal"), kw.get("sliding_window"),
+                             kw.get("position_ids"), kw.get("cu_seq_lens_q"), kw.get("cu_seq_lens_k"))
+        if observe.active() or observe.editors():
+            return self._one_call(attend, module, query, m, bias, **kw)
         G = H // Hkv  # query heads per K/V head
         want_w = bool(kw.pop("output_attentions", False))
         sinks = {n: kw.pop(n, None) for n in ("s_aux", "sinks")}
@@ -120,7 +127,7 @@ class GroupedKV(torch.Tensor):
             qh = [kv * G + j for kv in g.kv for j in range(G)]
             qi = torch.tensor(qh, device=query.device)
             q = take_heads(query, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d] (a view where the heads are a run)
-            mask = self._mask(attention_mask, module, B, Q, K, g) if g.streaming else attention_mask
+            mask = self._mask(m, bias, B, Q, K, g) if g.streaming else attention_mask
             extra = {n: (None if s is None else take_heads(s.reshape(H), 0, qh))  # [H] -> [h]
                      for n, s in sinks.items()}
             o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
@@ -137,9 +144,31 @@ class GroupedKV(torch.Tensor):
         assert out is not None
         return out, wt
 
-    def _mask(self, attention_mask, module, B: int, Q: int, K: int, g: Group):
-        """The streaming group's mask: the model's mask (at the columns held) & the streaming mask."""
-        m, bias, _ = _mask_and_bias(attention_mask, module, None, Q)
+    def _one_call(self, attend: Callable, module, query: torch.Tensor, m, bias,
+                  **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer as capture, trace and edit see it: ONE attention call over every position written,
+        0 … N − 1 (N = ``first`` + K; key index = position, as in the emulated run over a cache that keeps
+        every position), heads in the model's order. Each group's keys and values are laid out in
+        [B, Hkv, N, ·] buffers (zeros where a head holds nothing); the full heads see the model's mask (no
+        position before the frame), the streaming heads that & the streaming mask, which forbids every
+        position they dropped. Costs O(N·d) per K/V head and call (the copy)."""
+        B, H, Q, _ = query.shape
+        Hkv, K, o = self.shape[1], self.shape[2], self.first
+        N = o + K
+        dev = query.device
+        m, bias = _at_positions(m, bias, o, B, H, Q, K, dev)
+        stream_kv = [kv for g in self.groups if g.streaming for kv in g.kv]
+        mask = one_call_mask(m, streaming_mask(self.sink, self.window), stream_kv, H, Hkv)
+        frame = torch.arange(o, N, device=dev)  # [K] the positions of the frame's columns
+        held = [frame if g.columns is None else g.columns.to(dev) + o for g in self.groups]  # [K'] per group
+        keys = spread([(g.kv, g.keys, pos) for g, pos in zip(self.groups, held)], Hkv, N)  # [B, Hkv, N, d]
+        values = spread([(g.kv, g.values, pos) for g, pos in zip(self.groups, held)], Hkv, N)  # [B, Hkv, N, dv]
+        kw["position_bias"] = bias
+        out, w = attend(module, query, keys, values, AllKeys(N) if mask is None else mask, **kw)  # [B, Q, H, dv]
+        return out, (None if w is None else w[..., o:])  # [B, H, Q, N] -> the frame's [B, H, Q, K], as the groups'
+
+    def _mask(self, m, bias, B: int, Q: int, K: int, g: Group):
+        """The streaming group's mask: the model's mask ``m`` (at the columns held) & the streaming mask."""
         sink = max(0, self.sink - self.first)  # the sink positions still in the frame are its first columns
         if g.columns is None and bias is None:  # the whole frame: structured, as the model's mask
             stream = streaming_mask(sink, self.window)
@@ -160,6 +189,23 @@ class GroupedKV(torch.Tensor):
         if bool(allowed.all()):
             return AllKeys(len(cols))
         return masks.dense(allowed)
+
+
+def _at_positions(m, bias, o: int, B: int, H: int, Q: int, K: int, dev) -> tuple[masks.Mask | None, torch.Tensor | None]:
+    """The model's mask and additive bias over a frame of K columns (positions o … o + K − 1) as masks of a
+    call over every position 0 … o + K − 1: nothing before ``o`` visible. A structured mask becomes dense
+    ([#B, #H, Q, o + K] bools) past the layer's window: O(Q·N) for that call (a decode step: Q = 1)."""
+    if o == 0:
+        return m, bias
+    if bias is not None:
+        bias = torch.nn.functional.pad(bias, (o, 0))  # [.., Q, K] -> [.., Q, o + K]: forbidden there by the mask
+    if m is None:
+        return masks.key_span(0, o), bias
+    blk = as_4d(m.block(masks.Extent(B, H, Q, K), 0, Q, 0, K, dev))  # [#B, #H, #Q, #K]
+    blk = blk.expand(*blk.shape[:2], Q, K)  # [#B, #H, Q, K]
+    out = blk.new_zeros(*blk.shape[:2], Q, o + K)  # [#B, #H, Q, N]
+    out[..., o:] = blk
+    return masks.dense(out), bias
 
 
 def _refuse(func) -> BackendError:
@@ -231,7 +277,8 @@ class BudgetLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write Q new positions (key_states [B, Hkv, Q, d], value_states [B, Hkv, Q, dv]); return what
-        this call's queries may read: plain tensors if every head is full, else :class:`GroupedKV`."""
+        this call's queries may read: plain tensors if every head is full (a :class:`GroupedKV` of one
+        group while observed past the layer's window: read over every position), else :class:`GroupedKV`."""
         self.check_keys(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -239,7 +286,13 @@ class BudgetLayer(CacheLayerMixin):
         o = self.first(P)  # the frame of this call: positions o … P + Q − 1
         self.length = P + Q
         if not self.stream:
-            return self._own_layer(key_states, value_states)
+            keys, values = self._own_layer(key_states, value_states)  # [B, Hkv, P + Q − o, ·]
+            if o == 0 or not (observe.active() or observe.editors()):
+                return keys, values
+            # observed past the layer's window: seen over every position, as every budget layer (_one_call)
+            one = [Group(self.full, keys, values, None, False)]
+            return (GroupedKV(one, tuple(keys.shape), keys, self.sink, self.window, o, "keys"),
+                    GroupedKV(one, tuple(values.shape), values, self.sink, self.window, o, "values"))
         groups = []
         if self.full:
             fk = _cat(self.fk, take_heads(key_states, 1, self.full))  # [B, h_full, n + Q, d] (n ≥ P − o held)

@@ -67,6 +67,21 @@ def _mask_and_bias(attention_mask, module, is_causal: bool | None, Q: int):
     raise MaskError(f"attention_mask has dtype {attention_mask.dtype}; expected bool (True = attend) or float (additive).")
 
 
+def model_mask(attention_mask, module, Q: int, K: int, is_causal: bool | None = None, sliding_window=None,
+               position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None):
+    """The call's mask and additive bias as :func:`attention_forward` reads what transformers passed:
+    (bhqk mask or None, float [.., Q, K] or None); where no mask builder ran, from ``is_causal``,
+    ``sliding_window`` and packed sequences."""
+    if type(attention_mask) is HFMask and attention_mask._tensor is None:  # the builder's mask, untouched (a decode step)
+        structure = attention_mask.structure
+        return (None if isinstance(structure, AllKeys) else structure), None
+    mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
+    if not built:
+        causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    return mask, extra
+
+
 def _selected(indices: torch.Tensor, B: int, Q: int, K: int) -> Mask:
     """A sparse-attention indexer's choice (DeepSeek V3.2's ``indices``: [B, Q, topk] or [B, H, Q, topk]
     key indices per query, −1 = none) as a mask: bool [B, 1 or H, Q, K]."""
@@ -173,14 +188,8 @@ def attention_forward(
                         f"scaling, is_causal, softcap, position_bias, s_aux, sinks, sliding_window, indices, "
                         f"position_ids, cu_seq_lens_q/k, output_attentions.")
     B, H, Q, K = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    if type(attention_mask) is HFMask and attention_mask._tensor is None:  # the builder's mask, untouched (a decode step)
-        structure = attention_mask.structure
-        mask, extra, built = (None if isinstance(structure, AllKeys) else structure), None, True
-    else:
-        mask, extra, built = _mask_and_bias(attention_mask, module, is_causal, Q)
-    if not built:
-        causal_here = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        mask = _unbuilt(mask, Q, K, bool(causal_here), sliding_window, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    mask, extra = model_mask(attention_mask, module, Q, K, is_causal, sliding_window, position_ids, cu_seq_lens_q,
+                             cu_seq_lens_k)
     if indices is not None:
         sel = _selected(indices, B, Q, K)
         mask = sel if mask is None else mask & sel

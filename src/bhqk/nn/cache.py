@@ -21,8 +21,9 @@ positions; the queries are the *last* Q positions of the keys, so mask with
 full K/V heads keep every position (a :class:`LayerCache`) and its streaming heads keep the first
 ``sink`` positions and a ring of the ``window + 1`` most recent (:class:`BudgetLayerCache`; the extra
 slot takes each decode step's new key in place, over the one position no query can see any more).
-Such a layer attends itself — one attention call per group of heads — so ``MultiHeadAttention``
-hands it the queries (:meth:`BudgetLayerCache.attention`) instead of calling ``update``. A layer
+Such a layer attends itself — one attention call per group of heads (one call over every position
+while capture, trace or edit look) — so ``MultiHeadAttention`` hands it the queries
+(:meth:`BudgetLayerCache.attention`) instead of calling ``update``. A layer
 whose heads are all full is a plain :class:`LayerCache`: an all-full plan is the ordinary cache.
 """
 
@@ -233,6 +234,34 @@ def own(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
 
 
+# ---- a budget layer seen as one call (while something observes or edits it) -----------------------
+
+
+def spread(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], Hkv: int, N: int) -> torch.Tensor:
+    """What each group of K/V heads holds, laid out over every position: ``parts`` of (K/V head indices,
+    t [B, h, n, ·], the positions held int64 [n]) → [B, Hkv, N, ·], zeros where a head holds nothing
+    (a mask that forbids those positions must go with it: nothing may read the zeros)."""
+    t0 = parts[0][1]
+    out = t0.new_zeros(t0.shape[0], Hkv, N, t0.shape[-1])  # [B, Hkv, N, ·]
+    for kv, t, pos in parts:
+        kvi = torch.tensor(kv, device=t.device)
+        out[:, kvi[:, None], pos.to(t.device)[None, :]] = t  # [B, h, n, ·] into [B, Hkv, N, ·] at (head, position)
+    return out
+
+
+def one_call_mask(model: masks.Mask | None, stream: masks.Mask, stream_kv: list[int], H: int, Hkv: int) -> masks.Mask | None:
+    """The mask of a budget layer run as one call over every position: the query heads of the streaming
+    K/V heads ``stream_kv`` see ``model & stream`` (which forbids every position they dropped), the
+    others ``model`` — a ``per_head`` mask of two parts (the span path runs each as a call of its own)."""
+    if not stream_kv:
+        return model
+    both = stream if model is None else model & stream
+    if len(stream_kv) == Hkv:
+        return both
+    G = H // Hkv  # query heads per K/V head
+    return masks.per_head([both if h // G in stream_kv else model for h in range(H)])
+
+
 class BudgetLayerCache:
     """One layer of a head-wise budget: K/V heads ``full`` keep every position (a :class:`LayerCache`),
     heads ``stream`` their first ``sink`` positions and the most recent ones, in a buffer of
@@ -367,7 +396,10 @@ class BudgetLayerCache:
                   return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store this call's k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and attend q [B, H, Q, d] over what
         each group of heads holds (``mask`` [Q, length + Q] as for a plain cache) → (o [B, H, Q, dv]
-        in the model's head order, weights [B, H, Q, length + Q] with zeros at evicted keys, or None)."""
+        in the model's head order, weights [B, H, Q, length + Q] with zeros at evicted keys, or None).
+        While something observes or edits (capture, trace, ``bhqk.edit``) the groups run as one call over
+        every position (:func:`spread`, :func:`one_call_mask`), so heads and keys are the model's: O(K·d)
+        more per K/V head and call (a copy; nothing changes when nobody looks)."""
         Hkv = len(self.full) + len(self.stream)
         if (k.dim() != 4 or v.dim() != 4 or k.shape[1] != Hkv or v.shape[1] != Hkv or k.shape[:3] != v.shape[:3]
                 or (self.head_dim is not None and k.shape[3] != self.head_dim)):
@@ -387,11 +419,6 @@ class BudgetLayerCache:
         if m is not None and m.head_dependent:  # checked before anything is written
             raise MaskError(f"budget layer {self.index}: mask= is head-dependent ({m!r}); the streaming heads' "
                             f"held positions take one mask for every head.")
-        if self.full and self.stream and (observe.active() or observe.editors()):
-            raise ValueError(f"budget layer {self.index}: capture and edit name heads by their index in the call, but "
-                             f"a layer with full and streaming heads runs one call per group, so those indices would "
-                             f"be the group's, not the model's; capture or edit the model without the budget cache: "
-                             f"with plan.emulate(model): ...")
         self._fit(k, v)
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
         if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
@@ -400,6 +427,13 @@ class BudgetLayerCache:
         ks, vs = take_heads(k, 1, self.stream), take_heads(v, 1, self.stream)  # [B, Hkv, Q, ·] -> [B, h_stream, Q, ·]
         parts.append((self.stream, *self._stream_call(ks, vs, mask, P)))
         self.end = K
+        if observe.active() or observe.editors():  # seen as one call: heads and keys in the model's numbering
+            spread_k = spread([(kv, kk, pos) for kv, kk, _, _, pos in parts], Hkv, K)  # [B, Hkv, K, d]
+            spread_v = spread([(kv, vv, pos) for kv, _, vv, _, pos in parts], Hkv, K)  # [B, Hkv, K, dv]
+            stream = ~masks.key_span(0, self.sink) | masks.sliding_window(self.window, align="bottom_right")
+            m = one_call_mask(masks.as_mask(mask), stream, self.stream, H, Hkv)
+            out = attention(q, spread_k, spread_v, m, dropout_p=dropout_p, backend=backend, sinks=sinks)  # [B, H, Q, dv]
+            return out, (attention_weights(q, spread_k, m, sinks=sinks) if return_weights else None)  # [B, H, Q, K]
         o = q.new_empty(B, H, Q, v.shape[-1])  # [B, H, Q, dv]: each group writes its heads
         w_all = q.new_zeros(B, H, Q, K) if return_weights else None  # [B, H, Q, K]: zeros at evicted keys
         for kv, kk, vv, m, pos in parts:

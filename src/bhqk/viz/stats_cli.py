@@ -5,6 +5,8 @@ head table (the mean statistics over the tokens; ``--top N``: the N heads of eac
 the roles found, writes ``overview.png`` (layers × heads: entropy, sink, previous-token),
 ``received.png`` (the attention each key receives, its peaks labelled with their tokens) and
 ``stats.html`` (both inlined, self-contained), and with ``--json``/``--csv`` the whole table as data.
+``--plan PLAN.json`` (a causal LM): the forward runs with the plan's KV cache (``plan.cache(model)``), so
+the table is the budget model's — its streaming heads see only their sink and window.
 The statistics are computed tile by tile: no [Q, K] matrix is built."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,9 +63,13 @@ def tokenize(loaded, text: str) -> tuple[dict, list[str], int]:
 
 def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OUT, max_tokens: int | None = None,
         window: int = 8, backend: str = "auto", positions: tuple[int, ...] = (), top: int | None = None,
-        json_path: str | Path | None = None, csv_path: str | Path | None = None) -> tuple[str, dict[str, Path]]:
-    """The report (text) and the files written. ``model_dir`` None: the bundled MiniLM."""
+        json_path: str | Path | None = None, csv_path: str | Path | None = None,
+        plan: Any = None) -> tuple[str, dict[str, Path]]:
+    """The report (text) and the files written. ``model_dir`` None: the bundled MiniLM. ``plan``: a KV
+    budget plan (``bhqk.budget.Plan``) whose cache the forward runs with (a causal LM; checked against
+    the model before the forward)."""
     from ..inspect.capture import capture
+    from ..integrations.hf_folder import cache_keyword
     from . import stats_page
 
     if max_tokens is not None and max_tokens < MIN_TEXT_TOKENS:
@@ -70,6 +77,11 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
     if not isinstance(text, str) or not text.strip():  # before any model is loaded
         raise ValueError(f"the text is empty ({text[:20]!r}); bhqk stats needs at least {MIN_TEXT_TOKENS} tokens of text.")
     loaded = load(model_dir, backend)
+    if plan is not None:
+        if not loaded.decoder:
+            raise ValueError(f"--plan: a KV budget runs a causal language model with its cache; {loaded.folder} is "
+                             f"not one (an encoder attends without a cache).")
+        plan.check(loaded.model)  # a plan made for another model fails here, before the forward
     inputs, tokens, words = tokenize(loaded, text)
     if words < MIN_TEXT_TOKENS:
         raise ValueError(f"the text has {words} token{'' if words == 1 else 's'} besides the model's special tokens "
@@ -83,13 +95,16 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
     t0 = time.perf_counter()
     with torch.no_grad(), attention_progress("bhqk stats", total=layers), \
             capture(model=loaded.model, what=STATS, offsets=(1,), window=window) as cap:
-        loaded.model(**inputs)
+        cache = {} if plan is None else {cache_keyword(loaded.model): plan.cache(loaded.model)}
+        loaded.model(**inputs, **cache)
     seconds = time.perf_counter() - t0
     table = cap.head_table(positions)
     name = loaded.name if model_dir is not None else "all-MiniLM-L6-v2 (bundled)"
     cut = f" (cut from {N})" if keep < N else ""
     meta = {"model": str(loaded.folder), "tokens": f"{keep}{cut}", "layers × heads": f"{len(table.layers)} × {table.num_heads}",
             "window": str(window), "forward + statistics": f"{seconds:.2f} s"}
+    if plan is not None:
+        meta["plan"] = repr(plan)
     files = stats_page.write(table, cap.records, out, title=f"attention statistics: {name}", meta=meta, tokens=tokens)
     if json_path is not None:
         files["json"] = Path(json_path)
@@ -99,7 +114,7 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
         table.to_csv(csv_path)
     roles = table.roles()
     lines = [f"{name}: {keep} tokens{cut}, {len(table.layers)} layers × {table.num_heads} heads, "
-             f"forward + statistics {seconds:.2f} s", ""]
+             f"forward + statistics {seconds:.2f} s", *([] if plan is None else [f"KV cache: {plan!r}"]), ""]
     lines += [top_heads(table, top), ""] if top is not None else [str(table), ""]
     lines.append("roles: " + (", ".join(f"layer {r.layer} head {r.head} {r.role} {r.score:.2f}" for r in roles)
                               if roles else "none found"))
@@ -135,8 +150,9 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> str:
+    plan = None if args.plan is None else args.load_plan(args.plan)  # before the model: a bad plan fails at once
     report, _ = run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
-                    backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv)
+                    backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)
     return report
 
 
@@ -161,6 +177,9 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--top", type=int_at_least(1), default=None, metavar="N",
                    help=f"print only the N heads of each of {', '.join(TOP_COLUMNS)} (entropy: the lowest) instead of "
                         "every row")
+    s.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="run the forward with the KV cache of a head-wise budget plan (bhqk.budget.Plan.load): the "
+                        "budget model's statistics")
     s.set_defaults(func=cmd_stats)
     return s
 
