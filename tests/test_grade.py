@@ -212,23 +212,44 @@ def cli_model(smollm2, monkeypatch):
 
 
 def test_streaming_every_head_grades_below_full_attention(cli_model, smollm2, tmp_path):
-    """``bhqk needle --compare full streaming``: with a sink of 4 and a window of 16 every needle of a
-    320-token prompt (depth 0.1 … 0.9) is out of every head's reach, so streaming finds none and full
-    attention finds them; the KL divergence from full attention on 256 tokens is positive."""
-    code, out, err = run(["needle", "--compare", "full", "streaming", "--sink", "4", "--window", "16", "--task", "needle",
-                          "--lengths", "320", "--trials", "2", "--kl-lengths", "256", "--chunks", "1", "--out", str(tmp_path)])
+    """``bhqk needle --compare full PLAN.json``: a plan that streams every K/V head with a sink of 4 and
+    a window of 16 cannot reach a needle of a 320-token prompt (depth 0.1 … 0.9), so it finds none where
+    full attention finds them; its KL divergence from full attention on 256 tokens is positive."""
+    from bhqk.budget import Plan
+
+    cfg = smollm2[0].config
+    plan = tmp_path / "stream.json"
+    Plan(torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, dtype=torch.bool), 4, 16).save(plan)
+    code, out, err = run(["needle", "--compare", "full", str(plan), "--task", "needle", "--lengths", "320", "--trials", "2",
+                          "--kl-lengths", "256", "--chunks", "1", "--out", str(tmp_path)])
     assert code == 0, err
     data = json.loads((tmp_path / "grade.json").read_text())
     s = data["tasks"]["summary"]
-    assert s["reference"] == "full" and data["configs"] == ["full", "streaming"]
+    assert s["reference"] == "full" and data["configs"] == ["full", str(plan)]
     whole = s["groups"][-1]
-    assert whole["accuracy"]["full"]["correct"] == 2 and whole["accuracy"]["streaming"]["correct"] == 0, data["tasks"]["entries"]
-    d = whole["difference"]["streaming"]
+    got = whole["accuracy"]
+    assert got["full"]["correct"] == 2 and got[str(plan)]["correct"] == 0, data["tasks"]["entries"]
+    d = whole["difference"][str(plan)]
     assert d["diff"] == -1 and d["only_reference"] == 2 and d["hi"] < 0
     kl = data["divergence"][0]
-    assert kl["start"] == 4 + 16 + 1 and kl["summary"]["full"]["kl"] == 0 and kl["summary"]["streaming"]["kl"] > 0.1
-    assert kl["summary"]["streaming"]["ppl_ratio"] > 1
+    assert kl["start"] == 4 + 16 + 1 and kl["summary"]["full"]["kl"] == 0 and kl["summary"][str(plan)]["kl"] > 0.1
+    assert kl["summary"][str(plan)]["ppl_ratio"] > 1
     assert "2/2 = 1.00 [" in out and "0/2 = 0.00 [" in out and "difference from full" in out and "KL" in out
+
+
+def test_named_configurations(smollm2, tmp_path):
+    from bhqk.budget import Plan
+    from bhqk.cli import named_plans
+
+    model = smollm2[0]
+    Plan(torch.ones(30, 3, dtype=torch.bool), 8, 32).save(tmp_path / "p.json")
+    got = named_plans(["full", "streaming", str(tmp_path / "p.json")], model, sink=2, window=5)
+    assert list(got) == ["full", "streaming", str(tmp_path / "p.json")] and got["full"] is None
+    s = got["streaming"]
+    assert not s.full.any() and s.full.shape == (30, 3) and (s.sink, s.window) == (2, 5)
+    assert got[str(tmp_path / "p.json")].full.all() and got[str(tmp_path / "p.json")].window == 32
+    with pytest.raises(ValueError, match="twice"):
+        named_plans(["full", "full"], model, 2, 5)
 
 
 def test_kl_of_a_plan_that_keeps_everything_is_zero(smollm2):

@@ -294,7 +294,8 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int_at_least(1), default=1,
                    help="prompts (keys) per cell, or per task and length with --task/--compare (default 1)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the keys and haystacks (default 0)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of each answer (default 16)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16,
+                   help="tokens of each answer of the grid (default 16; the graded set: each task's own)")
     p.add_argument("--out", default="bhqk-needle", help="folder for needle.json and needle.png (default bhqk-needle)")
     p.add_argument("--edit", default=None, metavar="zero:L.H,...",
                    help="zero the outputs of these query heads (layer.head) during every generation, e.g. zero:5.0,12.3")
