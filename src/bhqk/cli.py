@@ -173,6 +173,17 @@ def fraction_list(text: str) -> list[float]:
     return values
 
 
+def task_list(text: str) -> list[str]:
+    """An argparse type: comma-separated task names of bhqk.inspect.tasks."""
+    from .inspect.tasks import TASKS
+
+    names = [x.strip() for x in text.replace(" ", ",").split(",") if x.strip()]
+    bad = [x for x in names if x not in TASKS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected tasks among {', '.join(TASKS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def load_plan(path: str):
     """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``; bhqk.budget is imported only here)."""
     import importlib
@@ -185,18 +196,92 @@ def load_plan(path: str):
     return budget.Plan.load(path)
 
 
-def cmd_needle(a: argparse.Namespace) -> str:
-    from .inspect import needle
-    from .models.cli import load_model, progress_enabled
+def named_plans(names: list[str], model, sink: int, window: int) -> dict:
+    """``--compare``'s configurations by name: ``full`` (the model as it is: None), ``streaming`` (every
+    K/V head keeps ``sink`` + ``window``) or a plan's JSON file (``bhqk.budget.Plan.load``)."""
+    import importlib
+
+    out: dict = {}
+    for name in names:
+        if name in out:
+            raise ValueError(f"--compare: {name!r} is given twice.")
+        if name == "full":
+            out[name] = None
+        elif name == "streaming":
+            plan = importlib.import_module("bhqk.budget.plan")
+            shape = plan.model_shape(model)
+            out[name] = plan.Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window,
+                                  model=shape)
+        else:
+            out[name] = load_plan(name)
+    return out
+
+
+def causal_lm(a: argparse.Namespace) -> tuple:
+    """``bhqk needle``'s ``--model`` (with ``--backend``): (model, tokenizer) of a causal language model,
+    else one LoadError."""
+    from .models.cli import load_model
     from .models.real import open_model
 
-    pairs = needle.parse_edit(a.edit) if a.edit is not None else None
-    plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
     loaded = load_model(lambda: open_model(a.model, a.backend), str(a.model), a.model)
-    model, tok = loaded.model, loaded.tokenizer
-    if tok is None or not loaded.decoder:
+    if loaded.tokenizer is None or not loaded.decoder:
         raise LoadError(f"--model {a.model}: bhqk needle asks a causal language model with its tokenizer; "
                         f"{loaded.folder} is not one or has no tokenizer files.")
+    return loaded.model, loaded.tokenizer
+
+
+def cmd_grade(a: argparse.Namespace) -> str:
+    """``bhqk needle --task/--compare/--kl-lengths``: the graded set (bhqk.inspect.grade)."""
+    import json
+    from pathlib import Path
+
+    from .inspect import grade, tasks
+    from .models.cli import progress_enabled
+
+    if a.edit is not None or a.depths is not None:
+        raise ValueError("--edit and --depths belong to the grid; the graded set (--task, --compare, --kl-lengths) "
+                         "draws each prompt's depth from --seed.")
+    if a.plan is not None and a.compare is not None:
+        raise ValueError("give --plan (one plan) or --compare (several), not both.")
+    names = a.compare or ([a.plan] if a.plan is not None else ["full"])
+    for name in names:  # a bad plan fails before the model loads
+        if name not in ("full", "streaming"):
+            load_plan(name)
+    model, tok = causal_lm(a)
+    plans = named_plans(names, model, a.sink, a.window)
+    lengths = a.lengths or list(grade.LENGTHS)
+    what = a.task or (["needle"] if not a.kl_lengths else [])
+    lines = [f"{a.model}, seed {a.seed}: " + ", ".join(names)]
+    data: dict = {"model": str(a.model), "backend": a.backend, "seed": a.seed, "configs": names,
+                  "sink": a.sink, "window": a.window}
+    if what:
+        prompts = tasks.make_set(tok, what, lengths, a.trials, a.seed)
+        g = grade.grade(model, tok, prompts, plans, progress=progress_enabled())
+        cost = ", ".join(f"{L}: prefill {c['prefill_s']:.2f} s + reply {c['decode_s']:.2f} s"
+                         for L, c in g.cost().items())
+        lines += [f"{a.trials} trial(s) per task and length", g.table(), f"median seconds per reply: {cost}"]
+        data["tasks"] = g.to_json()
+    for L in a.kl_lengths or []:
+        d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed, progress=progress_enabled())
+        lines += ["", d.table()]
+        data.setdefault("divergence", []).append(d.to_json())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grade.json").write_text(json.dumps(data, indent=1))
+    return "\n".join(lines + [f"wrote {out / 'grade.json'}"])
+
+
+def cmd_needle(a: argparse.Namespace) -> str:
+    from .inspect import needle
+    from .models.cli import progress_enabled
+
+    if a.task is not None or a.compare is not None or a.kl_lengths is not None:
+        return cmd_grade(a)
+    a.lengths = a.lengths or [1024, 2048, 4096, 8192]
+    a.depths = a.depths if a.depths is not None else fraction_list("0,0.1,...,1")
+    pairs = needle.parse_edit(a.edit) if a.edit is not None else None
+    plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
+    model, tok = causal_lm(a)
     bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
     result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
                          edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
@@ -217,20 +302,36 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m",
                    help="a model name (smollm2-135m, the default; gemma3-270m), a .gguf file or a Hugging Face folder "
                         "of a causal LM")
-    p.add_argument("--lengths", type=int_list(64), default=[1024, 2048, 4096, 8192],
+    p.add_argument("--lengths", type=int_list(64), default=None,
                    help="prompt lengths in tokens, template included, at most the model's context (default "
-                        "1024,2048,4096,8192)")
-    p.add_argument("--depths", type=fraction_list, default=fraction_list("0,0.1,...,1"),
+                        "1024,2048,4096,8192; with --task or --compare 1024,2048,4096)")
+    p.add_argument("--depths", type=fraction_list, default=None,
                    help="needle depths, fractions of the filler before it (default 0,0.1,...,1)")
-    p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts (keys) per cell (default 1)")
+    p.add_argument("--trials", type=int_at_least(1), default=1,
+                   help="prompts (keys) per cell, or per task and length with --task/--compare (default 1)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the keys and haystacks (default 0)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of each answer (default 16)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16,
+                   help="tokens of each answer of the grid (default 16; the graded set: each task's own)")
     p.add_argument("--out", default="bhqk-needle", help="folder for needle.json and needle.png (default bhqk-needle)")
     p.add_argument("--edit", default=None, metavar="zero:L.H,...",
                    help="zero the outputs of these query heads (layer.head) during every generation, e.g. zero:5.0,12.3")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="generate with the KV cache of a head-wise budget plan (bhqk.budget.Plan.load)")
     p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
+    g = p.add_argument_group("graded set", "Prompts at depths drawn from --seed, every configuration on the same "
+                             "prompts; every accuracy with its 95 % interval and each configuration's paired "
+                             "difference from the first; OUT/grade.json (bhqk.inspect.grade).")
+    g.add_argument("--task", type=task_list, default=None, metavar="TASK[,TASK...]",
+                   help="needle, multikey, multivalue, vartrack (bhqk.inspect.tasks; default needle)")
+    g.add_argument("--compare", nargs="+", default=None, metavar="PLAN",
+                   help="configurations: full (the model as it is), streaming (every K/V head keeps --sink + --window) "
+                        "or a plan's JSON file; differences are taken from the first (default: full)")
+    g.add_argument("--sink", type=int_at_least(0), default=64, help="the streaming configuration's sink (default 64)")
+    g.add_argument("--window", type=int_at_least(0), default=256, help="the streaming configuration's window (default 256)")
+    g.add_argument("--kl-lengths", type=int_list(2), default=None, metavar="N[,N...]",
+                   help="also the KL divergence from full attention and the perplexity on --chunks pieces of N tokens "
+                        "of real text, at the positions beyond sink + window")
+    g.add_argument("--chunks", type=int_at_least(1), default=4, help="text pieces per --kl-lengths length (default 4)")
     p.set_defaults(func=cmd_needle)
     return p
 

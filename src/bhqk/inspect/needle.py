@@ -74,9 +74,9 @@ class Trial:
     needle_at: int
 
 
-def _template(tok) -> tuple[list[int], list[int]]:
-    """The chat-template tokens before and after the haystack."""
-    content = f"{INTRO}\n\n{PLACEHOLDER}\n\n{QUESTION}"
+def _template(tok, intro: str = INTRO, question: str = QUESTION) -> tuple[list[int], list[int]]:
+    """The chat-template tokens before and after the haystack of the user message ``intro / haystack / question``."""
+    content = f"{intro}\n\n{PLACEHOLDER}\n\n{question}"
     text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
     before, after = text.split(PLACEHOLDER)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -102,18 +102,24 @@ def make_trial(tok, length: int, depth: float, trial: int = 0, seed: int = 0) ->
     before, after = _template(tok)
     needle = tok(" " + NEEDLE.format(key=key) + "\n", add_special_tokens=False)["input_ids"]
     n = length - len(before) - len(after) - len(needle)  # filler tokens
-    ids, ends = filler(tok)
-    if n < 0:
-        raise ValueError(f"needle: length={length} is too short: the template, question and needle take "
-                         f"{length - n} tokens.")
-    if n > len(ids):
-        raise ValueError(f"needle: length={length} needs {n} filler tokens; the filler text has {len(ids)}.")
-    starts = [j + 1 for j in range(len(ids) - n) if ends[j]] or [0]  # a haystack begins a sentence
-    start = rng.choice(starts)
+    hay, ends, start = haystack(tok, length, n, rng, "needle:", "the template, question and needle")
     at = _snap(round(depth * n), ends, start, n)
-    hay = ids[start : start + n]
     prompt = before + hay[:at] + needle + hay[at:] + after
     return Trial(length, depth, trial, key, prompt, len(before) + at)
+
+
+def haystack(tok, length: int, n: int, rng: random.Random, who: str, rest: str) -> tuple[list[int], list[bool], int]:
+    """``n`` filler tokens of a ``length``-token prompt, from a sentence start drawn by ``rng``: (their ids,
+    the whole filler's sentence ends, the start). ``who`` begins the error and ``rest`` names the prompt's
+    other parts when ``n`` < 0 (they take more than ``length``) or the filler is too short."""
+    ids, ends = filler(tok)
+    if n < 0:
+        raise ValueError(f"{who} length={length} is too short: {rest} take {length - n} tokens.")
+    if n > len(ids):
+        raise ValueError(f"{who} length={length} needs {n} filler tokens; the filler text has {len(ids)}.")
+    starts = [j + 1 for j in range(len(ids) - n) if ends[j]] or [0]  # a haystack begins a sentence
+    start = rng.choice(starts)
+    return ids[start : start + n], ends, start
 
 
 def make_trials(tok, lengths: Iterable[int], depths: Iterable[float], trials: int = 1, seed: int = 0) -> list[Trial]:

@@ -1,0 +1,259 @@
+"""Grading KV budget plans on SmolLM2-135M-Instruct with intervals: the RULER-style tasks of
+``bhqk.inspect.tasks`` and the KL divergence / perplexity of ``bhqk.inspect.grade``.
+
+    python benchmarks/grade.py --part tasks --tasks needle,multikey,multivalue --lengths 1024,2048,4096 \\
+        --trials 20 --configs full,streaming,default@0.25,random0@0.25 --tag T
+    python benchmarks/grade.py --part kl --lengths 4096 --chunks 8 --configs full,streaming,default@0.25,random0@0.25 --tag T
+    python benchmarks/grade.py --part cost --lengths 1024,2048,4096 --repeats 3 --tag T   # one trial's seconds
+    python benchmarks/grade.py --part table --tag T                                        # the tables again
+
+Configurations (sink ``--sink``, window ``--window``): ``full`` (the model as it is), ``streaming`` (every
+K/V head sink + window), ``<score>@<fraction>`` (``bhqk.budget.find(full=fraction, score=...)``;
+``default`` is find's default score), ``random<seed>@<fraction>`` (that many K/V heads drawn at random).
+Every configuration answers the same prompts (seeded: ``--seed``), so differences are paired.
+
+Results merge into ``benchmarks/results/grade-<tag>.json`` (CPU model and flags, versions, load average,
+the plans' full heads). ``tasks`` writes after each (task, length) group and skips the groups already
+there, so an interrupted run resumes. ``cost`` times whole trials of full attention (prefill + the
+reply's decoding, median of ``--repeats``) with nothing else of this script running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import budget as budget_bench  # benchmarks/budget.py: make_plan, default_score  # noqa: E402
+import machine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def path_of(tag: str) -> Path:
+    return RESULTS / f"grade-{tag}.json"
+
+
+def load_results(tag: str) -> dict:
+    p = path_of(tag)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def save_results(tag: str, data: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = path_of(tag).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path_of(tag))
+
+
+def meta() -> dict:
+    import transformers
+
+    return {**machine.describe(), "transformers": transformers.__version__,
+            "note": "shared 2-core machine (other agents running): timings are noisy"}
+
+
+def plans_of(model, tok, names: list[str], sink: int, window: int) -> dict:
+    """name -> None (full) or a Plan."""
+    out: dict = {}
+    for name in names:
+        if name == "full":
+            out[name] = None
+            continue
+        score, _, frac = name.partition("@")
+        if score == "default":
+            score = budget_bench.default_score()
+        out[name] = budget_bench.make_plan(model, tok, score, float(frac or 0.0), sink, window)
+    return out
+
+
+def describe_plans(plans: dict) -> dict:
+    return {name: None if p is None else {"full_heads": int(p.full.sum()), "kv_heads": p.full.numel(),
+                                          "score": p.score, "plan": p.full.int().tolist()}
+            for name, p in plans.items()}
+
+
+def part_tasks(a) -> None:
+    from bhqk.inspect import grade, tasks
+    from bhqk.models import pretrained
+
+    model, tok = pretrained("smollm2-135m")
+    names = a.configs.split(",")
+    plans = plans_of(model, tok, names, a.sink, a.window)
+    data = load_results(a.tag)
+    run = data.setdefault("tasks", {"groups": {}})
+    run.update({"configs": names, "sink": a.sink, "window": a.window, "seed": a.seed, "plans": describe_plans(plans)})
+    run.setdefault("meta", []).append(meta())
+    for task in a.tasks.split(","):
+        for L in [int(x) for x in a.lengths.split(",")]:
+            key = f"{task}@{L}"
+            old = run["groups"].get(key)
+            if old and not set(names) <= set(old["entries"]):
+                old = None  # graded with other configurations: grade it again
+            done = old["trials"] if old else 0
+            if done >= a.trials:
+                print(f"== {key}: already graded ({done} trials)", flush=True)
+                continue
+            prompts = [tasks.make(tok, task, L, i, a.seed) for i in range(done, a.trials)]  # the trials not yet graded
+            t0 = time.perf_counter()
+            g = grade.grade(model, tok, prompts, plans, progress=False)
+            if old is None:
+                old = run["groups"][key] = {"task": task, "length": L, "trials": 0, "seconds": 0.0, "loadavg": [],
+                                            "prompts": [], "entries": {n: [] for n in names}}
+            old["trials"] = a.trials
+            old["seconds"] += time.perf_counter() - t0
+            old["loadavg"].append(os.getloadavg())
+            old["prompts"] += [p.to_json() for p in prompts]
+            for n in names:
+                old["entries"][n] = old["entries"][n] + g.entries[n]
+            save_results(a.tag, data)
+            print(f"== {key}: trials {done}…{a.trials - 1} ({time.perf_counter() - t0:.0f} s, load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+            print(g.table(), flush=True)
+    print(tasks_table(data))
+
+
+def grades_of(data: dict, task: str | None = None) -> object:
+    """The Grades of every stored group (of ``task``), prompts in (task, length, trial) order."""
+    from bhqk.inspect import grade, tasks
+
+    run = data["tasks"]
+    names = run["configs"]
+    prompts, entries = [], {n: [] for n in names}
+    for g in run["groups"].values():
+        if task is not None and g["task"] != task:
+            continue
+        if not all(n in g["entries"] for n in names):
+            continue
+        for i, p in enumerate(g["prompts"]):
+            prompts.append(tasks.Prompt(p["task"], p["length"], p["trial"], p["seed"], [], tuple(p["answer"]),
+                                        tuple(p["distractors"]), (), tuple(p["at"])))
+            for n in names:
+                entries[n].append(g["entries"][n][i])
+    return grade.Grades(prompts, entries)
+
+
+def tasks_table(data: dict) -> str:
+    """Per task and length: each configuration's accuracy [Wilson 95 %]; per task: the paired difference
+    from full [Newcombe 95 %] and McNemar's p (markdown)."""
+    g = grades_of(data)
+    names = g.names
+    lines = ["| task | length | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for t, L in g.groups():
+        cells = []
+        for n in names:
+            k, m, lo, hi = g.accuracy(n, t, L)
+            cells.append(f"{k}/{m} = {k / m:.2f} [{lo:.2f}, {hi:.2f}]")
+        lines.append(f"| {t or 'all'} | {'all' if L is None else L} | " + " | ".join(cells) + " |")
+    ref = names[0]
+    lines += ["", "| task | " + " | ".join(f"{n} − {ref}" for n in names[1:]) + " |", "|---|" + "---|" * (len(names) - 1)]
+    for t, L in g.groups():
+        if L is not None:
+            continue
+        lines.append(f"| {t or 'all'} | " + " | ".join(
+            f"{d.diff:+.2f} [{d.lo:+.2f}, {d.hi:+.2f}], {d.x_only}:{d.y_only}, p={d.p:.2g}"
+            for d in (g.difference(n, ref, t) for n in names[1:])) + " |")
+    return "\n".join(lines)
+
+
+def part_kl(a) -> None:
+    from bhqk.inspect import grade
+    from bhqk.models import pretrained
+
+    model, tok = pretrained("smollm2-135m")
+    names = a.configs.split(",")
+    plans = plans_of(model, tok, names, a.sink, a.window)
+    data = load_results(a.tag)
+    chunks = [int(x) for x in a.chunks.split(",")]
+    for L, C in zip([int(x) for x in a.lengths.split(",")], chunks * 8):
+        t0 = time.perf_counter()
+        d = grade.divergence(model, tok, plans, L, C, seed=a.seed, progress=False)
+        data.setdefault("kl", {})[str(L)] = {**d.to_json(), "meta": meta(), "seconds": time.perf_counter() - t0,
+                                             "loadavg_end": os.getloadavg(), "plans": describe_plans(plans)}
+        save_results(a.tag, data)
+        print(f"== KL at {L} ({time.perf_counter() - t0:.0f} s)\n{d.table()}", flush=True)
+
+
+def kl_table(data: dict) -> str:
+    lines = ["| length | chunks | config | KL (nats/token) | perplexity | × full |", "|---|---|---|---|---|---|"]
+    for L, r in data.get("kl", {}).items():
+        for name, s in r["summary"].items():
+            if not isinstance(s, dict):
+                continue
+            lines.append(f"| {L} | {len(r['reference_nll'])} | {name} | {s['kl']:.4f} [{s['kl_ci'][0]:.4f}, "
+                         f"{s['kl_ci'][1]:.4f}] | {s['ppl']:.3f} [{s['ppl_ci'][0]:.3f}, {s['ppl_ci'][1]:.3f}] | "
+                         f"{s['ppl_ratio']:.4f} [{s['ppl_ratio_ci'][0]:.4f}, {s['ppl_ratio_ci'][1]:.4f}] |")
+    return "\n".join(lines)
+
+
+def part_cost(a) -> None:
+    """One trial of each task at each length on full attention, ``--repeats`` times: prefill and reply seconds."""
+    from bhqk.inspect import grade, tasks
+    from bhqk.models import pretrained
+
+    model, tok = pretrained("smollm2-135m")
+    data = load_results(a.tag)
+    out: dict = {"meta": meta(), "rows": {}}
+    for L in [int(x) for x in a.lengths.split(",")]:
+        for task in a.tasks.split(","):
+            p = tasks.make(tok, task, L, 0, a.seed)
+            es = [grade.reply(model, tok, p) for _ in range(a.repeats)]
+            row = {"prefill_s": [e["prefill_s"] for e in es], "decode_s": [e["decode_s"] for e in es],
+                   "new_tokens": es[0]["new_tokens"], "loadavg": os.getloadavg()}
+            out["rows"][f"{task}@{L}"] = row
+            print(f"{task} at {L}: prefill {statistics.median(row['prefill_s']):.2f} s, reply "
+                  f"{statistics.median(row['decode_s']):.2f} s ({row['new_tokens']} tokens), load {row['loadavg'][0]:.1f}",
+                  flush=True)
+    out["meta"]["loadavg_end"] = os.getloadavg()
+    data.setdefault("cost", []).append(out)
+    save_results(a.tag, data)
+    print(cost_table(data))
+
+
+def cost_table(data: dict) -> str:
+    lines = ["| trial | prefill s (median, range) | reply s (median, range) | reply tokens | load |", "|---|---|---|---|---|"]
+    for run in data.get("cost", []):
+        for key, r in run["rows"].items():
+            p, d = r["prefill_s"], r["decode_s"]
+            lines.append(f"| {key} | {statistics.median(p):.2f} ({min(p):.2f}–{max(p):.2f}) | {statistics.median(d):.2f} "
+                         f"({min(d):.2f}–{max(d):.2f}) | {r['new_tokens']} | {r['loadavg'][0]:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["tasks", "kl", "cost", "table"], required=True)
+    p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    p.add_argument("--tasks", default="needle,multikey,multivalue")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--configs", default="full,streaming,default@0.25,random0@0.25")
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunks", default="8", help="text chunks per --lengths value (kl), comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    torch.set_grad_enabled(False)
+    if a.part == "tasks":
+        part_tasks(a)
+    elif a.part == "kl":
+        part_kl(a)
+    elif a.part == "cost":
+        part_cost(a)
+    else:
+        data = load_results(a.tag)
+        for name, f in (("tasks", tasks_table), ("kl", kl_table), ("cost", cost_table)):
+            if data.get(name):
+                print(f(data), "\n")
+
+
+if __name__ == "__main__":
+    main()
