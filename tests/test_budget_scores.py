@@ -180,20 +180,20 @@ def test_passkey_prompts_are_exact_in_length_and_drawn_from_the_seed():
 
 def test_learned_gates_resume_exactly(handmade, tmp_path):
     tok = CharTokenizer()
-    straight = train_gates(handmade, tok, S, W, 3, **LEARN)
+    straight = train_gates(handmade, tok, S, W, 2, **LEARN)
     ck = tmp_path / "gates.pt"
-    with pytest.raises(_Stop):  # interrupted in step 2, after the checkpoint of step 1
-        train_gates(handmade, tok, S, W, 3, checkpoint=ck, every=1, progress=_stop_at(2), **LEARN)
+    with pytest.raises(_Stop):  # interrupted after step 1 and its checkpoint
+        train_gates(handmade, tok, S, W, 2, checkpoint=ck, every=1, progress=_stop_at(1), **LEARN)
     assert torch.load(ck, weights_only=True)["step"] == 1
-    resumed = train_gates(handmade, tok, S, W, 3, resume=ck, **LEARN)
-    assert resumed.step == 3 and torch.equal(resumed.gates, straight.gates)
-    assert torch.load(ck, weights_only=True)["step"] == 3  # written back where it came from
-    assert not torch.equal(straight.gates, torch.ones(2, 2))
+    resumed = train_gates(handmade, tok, S, W, 2, resume=ck, **LEARN)
+    assert resumed.step == 2 and torch.equal(resumed.gates, straight.gates)
+    assert torch.load(ck, weights_only=True)["step"] == 2  # written back where it came from
+    assert not torch.equal(straight.gates, torch.full((2, 2), straight.gates[0, 0].item()))  # step 2 moved them apart
     with pytest.raises(LoadError, match="other settings.*'reg'"):
-        train_gates(handmade, tok, S, W, 3, resume=ck, reg=0.5, **LEARN)
+        train_gates(handmade, tok, S, W, 2, resume=ck, reg=0.5, **LEARN)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(LoadError, match="not a gates checkpoint"):
-        train_gates(handmade, tok, S, W, 3, resume=tmp_path / "junk.pt", **LEARN)
+        train_gates(handmade, tok, S, W, 2, resume=tmp_path / "junk.pt", **LEARN)
 
 
 class _Stop(Exception):
@@ -220,13 +220,13 @@ def test_cli_budget_runs_the_causal_scores_with_their_knobs(handmade, tmp_path, 
     text = tmp_path / "text.txt"
     text.write_text(topics["if"] * 2)
     base = ["budget", "--model", "handmade", "--full", "0.25", "--sink", str(S), "--window", str(W)]
-    assert main(base + ["--score", "kl", "--probe-length", "200", "--text", str(text)]) == 0
+    assert main(base + ["--score", "kl", "--probe-length", "64", "--text", str(text)]) == 0
     out, err = capsys.readouterr()
     assert "1 of 4 K/V heads full" in out and "chosen by kl" in out and "kl: layer 1 kv head 1:" in err
     ck = tmp_path / "gates.pt"
     learn = base + ["--score", "learned", "--probe-length", "700"]
-    assert main(learn + ["--steps", "1", "--checkpoint", str(ck)]) == 0
-    assert "learned: step 1/1" in capsys.readouterr().err and torch.load(ck, weights_only=True)["step"] == 1
+    assert main(learn + ["--steps", "0", "--checkpoint", str(ck)]) == 0  # the wiring; training is tested above
+    assert "chosen by learned" in capsys.readouterr().out and torch.load(ck, weights_only=True)["step"] == 0
     assert main(learn + ["--steps", "2", "--resume", str(ck)]) == 2  # a schedule of another length
     assert "made with other settings" in capsys.readouterr().err
     assert main(base + ["--score", "kl", "--steps", "3"]) == 2

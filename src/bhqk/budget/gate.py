@@ -51,6 +51,10 @@ def _gated_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     g, stream = got
     B, H, Q, _ = query.shape
     Hkv = key.shape[1]
+    if g.shape[0] != Hkv or (g.dim() == 2 and g.shape[1] != Q):
+        want = f"[Hkv={Hkv}]" if g.dim() == 1 else f"[Hkv={Hkv}, N={Q}]"
+        raise ShapeError(f"bhqk.budget.gated: the gates of {type(module).__name__} are {list(g.shape)} but its call "
+                         f"needs {want} (per-row gates fit a prefill of N tokens only).")
     mask, bias, built = _mask_and_bias(attention_mask, module, kw.get("is_causal"), Q)
     if not built or bias is not None:
         raise MaskError(f"bhqk.budget.gated: {type(module).__name__} got an attention mask bhqk's mask builder did "
@@ -59,10 +63,6 @@ def _gated_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     kw = {k: v for k, v in kw.items() if k != "output_attentions"}
     o_s, _ = attention_forward(module, query, key, value, stream if mask is None else mask & stream,
                                backend=backend, **kw)  # [B, Q, H, dv]
-    if g.shape[0] != Hkv or (g.dim() == 2 and g.shape[1] != Q):
-        want = f"[Hkv={Hkv}]" if g.dim() == 1 else f"[Hkv={Hkv}, N={Q}]"
-        raise ShapeError(f"bhqk.budget.gated: the gates of {type(module).__name__} are {list(g.shape)} but its call "
-                         f"needs {want} (per-row gates fit a prefill of N tokens only).")
     gq = g.to(out.dtype).repeat_interleave(H // Hkv, dim=0)  # [Hkv(, Q)] -> [H(, Q)]: a query head reads its K/V head's
     gq = gq[None, None, :, None] if g.dim() == 1 else gq.T[None, :, :, None]  # [1, 1|Q, H, 1]
     return o_s + gq * (out - o_s), weights  # [B, Q, H, dv]

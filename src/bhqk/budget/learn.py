@@ -167,10 +167,12 @@ def _load(path: Path, s: Settings, shape) -> dict:
 def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length: int | tuple[int, int] = 1024,
                 keys: int = 2, words: int = 8, seed: int = 0, lr: float = 0.02, reg: float = 0.05,
                 checkpoint: str | Path | None = None, resume: str | Path | None = None, every: int = 10,
-                progress: Callable[[int, dict[str, float]], None] | None = None) -> Training:
+                until: int | None = None, progress: Callable[[int, dict[str, float]], None] | None = None
+                ) -> Training:
     """Train one gate per K/V head of ``model`` (a Hugging Face causal LM) for ``steps`` steps (module
     doc); ``checkpoint``: written every ``every`` steps and at the end; ``resume``: a checkpoint to
-    continue from (same settings; its step ≤ ``steps``). ``progress(step, record)`` after each step."""
+    continue from (same settings; its step ≤ ``steps``); ``until``: stop after that step (the schedule
+    still spans ``steps``: a long run in parts). ``progress(step, record)`` after each step."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"train_gates: steps must be an int >= 0, got {steps!r}.")
     if tokenizer is None:
@@ -190,6 +192,7 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
         step = int(state["step"])
         if step > steps:
             raise ValueError(f"train_gates: {resume} is at step {step}, beyond steps={steps}.")
+    stop = steps if until is None else min(until, steps)
     out = Path(checkpoint) if checkpoint is not None else Path(resume) if resume is not None else None
     run = Training(gates.detach(), step, s)
     was = model.training
@@ -198,7 +201,7 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
     for p in frozen:
         p.requires_grad_(False)
     try:
-        while step < steps:
+        while step < stop:
             t0 = time.perf_counter()
             ids, first = passkey_prompt(tokenizer, s.prompt_length(step), s.seed, step, s.keys, s.words)
             ids = ids.to(dev)
@@ -218,15 +221,15 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
             rec = {"step": step, "distill": float(distill.detach()), "mean gate": float(gates.detach().mean()),
                    "seconds": time.perf_counter() - t0, "tokens": int(ids.numel())}
             run.history.append(rec)
+            if out is not None and (step % every == 0 or step == stop):
+                _save(out, gates, opt, step, s, (L, Hkv))
             if progress is not None:
                 progress(step, rec)
-            if out is not None and (step % every == 0 or step == steps):
-                _save(out, gates, opt, step, s, (L, Hkv))
     finally:
         for p in frozen:
             p.requires_grad_(True)
         model.train(was)
-    if out is not None and step == steps and not out.exists():
+    if out is not None and not out.exists():  # nothing trained now (resumed at its end, or steps=0)
         _save(out, gates, opt, step, s, (L, Hkv))
     run.gates, run.step = gates.detach().clone().cpu(), step
     return run

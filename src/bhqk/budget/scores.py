@@ -1,6 +1,38 @@
 """Causal head scores: how much streaming a K/V head changes the model's next-token distributions.
 
-research draft
+Both read text (``ids`` [B, N]; :func:`text_ids`) and score the rows streaming can change: rows
+i ≥ S + W + 1 (:func:`first_row`; a streaming head's row i sees keys 0 … S−1 and i − W … i, so every
+earlier row sees all its keys anyway). n = N − S − W − 1 rows per sequence.
+
+``kl`` (:func:`kl_scores`): D_h = mean over those rows of KL(p_full ‖ p_h), p_h the next-token
+distribution with K/V head h alone streamed (``Plan.emulate``: ``bhqk.edit(mask=streaming)`` on its
+query heads, on the fast path). One forward per K/V head, started at the head's layer from full
+attention's input to that layer (the layers before it are unchanged; :func:`reference` checks that
+such a run reproduces the full one, else every run starts at layer 0). Full attention's log-probs
+are computed once; logits come ``CHUNK`` rows at a time from the final hidden states
+(:func:`next_token_kl`, the one KL helper).
+
+``fisher`` (:func:`fisher_scores`): the same divergence to second order, from one forward and one
+backward. Gates mix each head's full and streaming outputs (:func:`bhqk.budget.gate.gated`), one per
+K/V head h and query row t; D(g) = mean_t KL(p_full ‖ p_g). At g = 1 (full attention) D = 0 and
+∇D = 0 — the KL is at its minimum — so attribution patching's first-order term is 0 for every head
+and cannot rank them. The curvature can: at g = 1 the Hessian of D is exactly (1/n)·F, with F the
+Fisher information E_{y∼p_full}[∇ log p_g(y) ∇ log p_g(y)ᵀ] (the Gauss-Newton term is the whole
+Hessian where p_g = p_full), and streaming head h at row t is a step Δg_{h,t} = −1, so
+D ≈ ½ Σ_t F_{(h,t),(h,t)} / n. One backward of ℓ = Σ_t log p_g(y_t), y_t drawn from p_full(·|t) (the
+forward's own distribution: g = 1 is full attention), gives ∂ℓ/∂g_{h,t}, whose square has expectation
+F_{(h,t),(h,t)} (the rows' draws are independent and each score has mean 0). The score is
+½ · mean_t (∂ℓ/∂g_{h,t})², in nats like ``kl``. Per-row gates matter: the square of one gate per
+head is unbiased too, but it is one draw (its relative spread is √2); per row, n draws average.
+What per-row gates leave out: the cross terms between rows (streaming h at row t changes row t' > t
+through later layers' attention).
+
+Measured on SmolLM2-135M-Instruct (2,048 tokens of ``pydoc_data.topics``, S = 64, W = 256, 1,727 rows
+scored, 90 K/V heads; the README gives the command and the CPU): Spearman rank correlation with
+``kl`` — fisher 0.978 (19 of kl's top 22 heads); with the text's own next tokens as y (the empirical
+Fisher) 0.979; per-row |∂ℓ/∂g| 0.96; one gate per head: attribution patching's signed gradient of the
+text's cross-entropy 0.21, its absolute value 0.66, the one-draw Fisher 0.66. ½·F/n is 0.82× the
+exact KL (median over heads): the second-order term has the KL's scale.
 """
 
 from __future__ import annotations
@@ -71,6 +103,13 @@ class Reference:
     inputs: list[torch.Tensor] | None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
+    """``a`` is ``b`` computed again up to rounding: within 8 · eps · √n · max(1, max |b|), n the length
+    of the sums behind a value (the bound of tests/tolerance.py)."""
+    eps = torch.finfo(b.dtype).eps
+    return bool(((a - b).abs() <= 8 * eps * n**0.5 * max(1.0, float(b.abs().max()))).all())
+
+
 @contextlib.contextmanager
 def _layers_from(model: Any, layer: int) -> Iterator[nn.Module]:
     """The decoder with its layers ``layer`` … L−1 only (its ``layers`` list swapped, restored after)."""
@@ -122,7 +161,7 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
     hidden = seen["h"]  # [B, N, d]
     with torch.no_grad():
         mine = logits_of(model, hidden[:, -1])  # [B, V]
-    if not torch.allclose(mine, end, rtol=1e-4, atol=1e-4 * float(end.abs().max())):
+    if not _same(mine, end, hidden.shape[-1]):
         raise ShapeError(f"kl scores read the logits as the output embedding of the final hidden states (and Gemma's "
                          f"soft cap); {type(model).__name__} computes them otherwise (max difference "
                          f"{float((mine - end).abs().max()):.3g}).")
@@ -132,7 +171,7 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
     if ref.inputs is not None:  # a run from the middle must give the full run's states, else run whole
         with torch.no_grad():
             again = final_hidden(model, ids, ref, L // 2)
-        if not torch.allclose(again, hidden, rtol=1e-5, atol=1e-5 * float(hidden.abs().max())):
+        if not _same(again, hidden, hidden.shape[-1] * L):
             ref.inputs = None
     return ref
 
