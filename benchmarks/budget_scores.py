@@ -134,7 +134,8 @@ def part_learn(a: argparse.Namespace, model, tok) -> dict:
                       progress=lambda i, r: print(f"step {i}: distill {r['distill']:.4g}, mean gate "
                                                   f"{r['mean gate']:.3f}, {r['seconds']:.1f} s", flush=True))
     secs = [r["seconds"] for r in run.history]
-    out = {"length": a.length, "schedule": a.schedule or a.steps, "step": run.step, "gates": run.gates.tolist(),
+    out = {"length": a.length, "schedule": a.schedule or a.steps, "resumed_from": done, "step": run.step,
+           "gates": run.gates.tolist(),
            "history": run.history, "seconds_per_step_median": statistics.median(secs) if secs else None}
     path = RESULTS / f"budget-scores-{a.tag}.json"
     if path.exists() and "rank" in json.loads(path.read_text()).get("runs", {}):
@@ -162,7 +163,8 @@ def main() -> None:
 
     model, tok = pretrained("smollm2-135m")
     data = part_rank(a, model, tok) if a.part == "rank" else part_learn(a, model, tok)
-    print("wrote", merge(a.tag, a.part, data))
+    part = a.part if a.part == "rank" or not data["resumed_from"] else f"learn from step {data['resumed_from']}"
+    print("wrote", merge(a.tag, part, data))
 
 
 if __name__ == "__main__":
