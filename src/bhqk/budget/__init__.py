@@ -1,6 +1,8 @@
 """Head-wise KV budgets (docs/design.md §2, "Per-head masks and budgets"; §9): a :class:`Plan` says
 which K/V heads of each layer keep every key (full) and which keep a sink and a recent window
-(streaming); :func:`find` chooses it from bhqk's head statistics; ``plan.cache()`` is a transformers
+(streaming); :func:`find` chooses it from bhqk's head statistics or from how much streaming a head
+changes the output (:mod:`bhqk.budget.scores`: ``kl``, ``fisher``; :mod:`bhqk.budget.learn`: ``learned``,
+through the gates of :mod:`bhqk.budget.gate`); ``plan.cache()`` is a transformers
 ``Cache`` that holds only what the plan keeps (:mod:`bhqk.budget.cache`, imported on first use:
 it imports transformers)."""
 

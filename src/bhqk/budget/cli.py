@@ -1,15 +1,23 @@
 """``bhqk budget --model PATH_OR_NAME --full 0.5 [--sink 64 --window 256 --score retrieval] [--save plan.json]``:
 score every layer × K/V head of a causal LM, keep the top fraction full, print the plan and the bytes
-of keys and values it holds at ``--length`` tokens against a full cache."""
+of keys and values it holds at ``--length`` tokens against a full cache.
+
+The causal scores read text: ``kl`` and ``fisher`` ``--probe-length`` tokens (default 2,048) of
+``--text FILE`` (default Python's own documentation, ``pydoc_data.topics``); ``learned`` trains
+``--steps`` steps on pass-key prompts of ``--probe-length`` tokens (default 1,024), writing
+``--checkpoint FILE`` as it goes; ``--resume FILE`` continues such a run (and writes back to it)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 from ..errors import LoadError
 from .find import SCORES, find
 from .plan import model_shape
+from .scores import CAUSAL
 
 
 def load_model(source: str):
@@ -30,10 +38,21 @@ def _mib(n: int) -> str:
 
 def cmd_budget(a: argparse.Namespace) -> str:
     t0 = time.perf_counter()
+    learned = {k: getattr(a, k) for k in ("steps", "checkpoint", "resume") if getattr(a, k) is not None}
+    if learned and a.score != "learned":
+        raise ValueError(f"--{' --'.join(learned)} belong to --score learned (got --score {a.score}).")
+    options: dict = dict(learned)
+    if a.score in CAUSAL:
+        options["progress"] = lambda line: print(line, file=sys.stderr, flush=True)
+    texts = None
+    if a.text is not None:
+        texts = [Path(a.text).read_text()]
+        if a.score not in ("distant", "kl", "fisher"):
+            raise ValueError(f"--text is the text of --score distant, kl and fisher (got --score {a.score}).")
     model, tokenizer = load_model(a.model)
     t1 = time.perf_counter()
     plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed,
-                ties=a.ties.replace("-", " "))
+                ties=a.ties.replace("-", " "), length=a.probe_length, texts=texts, **options)
     t2 = time.perf_counter()
     held, own = plan.nbytes(a.length, model)
     lines = [str(plan), "",
@@ -71,6 +90,17 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
                    help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval)")
     b.add_argument("--length", type=int_at_least(1), default=8192, help="tokens at which bytes are counted (default 8192)")
     b.add_argument("--seed", type=int, default=0, help="seed of the probe sequences (default 0)")
+    b.add_argument("--probe-length", type=int_at_least(1), default=None, metavar="N",
+                   help="tokens of the text or prompts the score reads (default per score: kl and fisher 2048, "
+                        "learned 1024)")
+    b.add_argument("--text", default=None, metavar="FILE",
+                   help="text read by --score distant, kl and fisher (default: Python's pydoc_data.topics)")
+    b.add_argument("--steps", type=int_at_least(0), default=None,
+                   help="training steps of --score learned (default 100)")
+    b.add_argument("--checkpoint", default=None, metavar="FILE", help="--score learned: write the gates and the "
+                   "optimizer's state here every 10 steps and at the end")
+    b.add_argument("--resume", default=None, metavar="FILE", help="--score learned: continue the run saved in FILE "
+                   "(same settings; written back to FILE unless --checkpoint names another)")
     b.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan as JSON")
     b.set_defaults(func=cmd_budget)
     return b

@@ -15,6 +15,12 @@ far):
 - ``distant``: on real text (``pydoc_data.topics``, or ``texts``), the attention mass outside the
   window and off key 0: ``1 − local − sink`` (needs a tokenizer).
 
+Causal scores (:mod:`bhqk.budget.scores`, :mod:`bhqk.budget.learn`), per K/V head directly (its query
+heads share the K/V head's value): ``kl``, the divergence of the next-token distributions when that
+head alone streams (one forward per K/V head); ``fisher``, its second-order estimate from one forward
+and one backward through gates mixing each head's full and streaming outputs; ``learned``,
+DuoAttention's gates trained on pass-key prompts (``steps=``, ``checkpoint=``, ``resume=``).
+
 Ties. ``find`` ranks K/V heads by a list of keys (:func:`score_keys`), first to last, then by index
 (layer · Hkv + head, lower first: earlier layers stay full). ``retrieval`` ties often: its top-1 key
 lands on the needle for few heads (on SmolLM2-135M, 7 of its 90 K/V heads), so the tie order decides
@@ -40,8 +46,9 @@ from torch import nn
 from ..inspect.capture import capture
 from ..inspect.heads import head_table
 from .plan import Plan, attention_modules, model_shape
+from .scores import CAUSAL, text_ids
 
-SCORES = ("induction", "retrieval", "distant")
+SCORES = ("induction", "retrieval", "distant", *CAUSAL)
 
 
 @contextlib.contextmanager
@@ -131,26 +138,10 @@ def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16)
     return torch.stack(hits).float(), torch.stack(mass).float()  # [L, H], [L, H]
 
 
-def _text_ids(tokenizer, texts: Sequence[str] | None, length: int, batch: int) -> torch.Tensor:
-    if texts is None:
-        from pydoc_data.topics import topics
-
-        texts = [topics[k] for k in sorted(topics)]
-    joined = "\n\n".join(texts)
-    ids = tokenizer(joined, return_tensors="pt")["input_ids"][0]  # [T]
-    need = length * batch
-    if ids.numel() < need:
-        from ..errors import ShapeError
-
-        raise ShapeError(f"find(score='distant'): the texts give {ids.numel()} tokens but {batch} × {length} are needed; "
-                         f"pass longer texts or a smaller length.")
-    return ids[:need].reshape(batch, length)  # [B, N]
-
-
 def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
     if tokenizer is None:
         raise ValueError("find(score='distant') reads real text: pass tokenizer= (and optionally texts=).")
-    x = _text_ids(tokenizer, texts, length, batch)
+    x = text_ids(tokenizer, texts, length, batch)
     with torch.no_grad(), capture(what=("sink",), window=window, model=model) as cap:
         model(input_ids=x.to(_device(model)))
     table = cap.head_table()
@@ -163,10 +154,12 @@ TIE_ORDERS = ("index", "copy mass")
 
 def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
                texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-               batch: int = 4, ties: str = "index") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+               batch: int | None = None, ties: str = "index", sink: int = 64,
+               **options: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The keys ``find`` ranks by, first to last: (name, per K/V head [L, Hkv] = max over its query
     heads, per query head [L, H]) — ``score``, then, with ``ties="copy mass"``, its second key
-    (:data:`TIES`) where it has one."""
+    (:data:`TIES`) where it has one. A causal score (:data:`CAUSAL`) is per K/V head; its per query
+    head table repeats it. ``options``: the causal scores' own (:func:`bhqk.budget.scores.causal_scores`)."""
     if score not in SCORES:
         raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
     if ties not in TIE_ORDERS:
@@ -174,6 +167,8 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
     if ties == "copy mass" and score not in TIES:
         raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={score!r} has no "
                          f"second key (use ties='index').")
+    if options and score not in CAUSAL:
+        raise ValueError(f"find: {sorted(options)} are options of the causal scores {CAUSAL}, not of score={score!r}.")
     shape = model_shape(model)
     L, H, Hkv = shape.layers, shape.heads, shape.kv_heads
     was = model.training
@@ -181,11 +176,17 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
     try:
         with _on_bhqk(model):
             if score == "induction":
-                per_q = [_induction(model, length or 64, batch, seed)]
+                per_q = [_induction(model, length or 64, batch or 4, seed)]
             elif score == "retrieval":
-                per_q = list(_retrieval(model, length or max(256, 4 * window), batch, seed))
+                per_q = list(_retrieval(model, length or max(256, 4 * window), batch or 4, seed))
+            elif score == "distant":
+                per_q = [_distant(model, tokenizer, texts, length or max(512, 4 * window), batch or 4, window)]
             else:
-                per_q = [_distant(model, tokenizer, texts, length or max(512, 4 * window), batch, window)]
+                from .scores import causal_scores
+
+                kv = causal_scores(model, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
+                                   length=length, batch=batch, **options)  # [L, Hkv]
+                per_q = [kv.float().repeat_interleave(H // Hkv, dim=1)]  # [L, Hkv] -> [L, H]
     finally:
         model.train(was)
     out = []
@@ -220,7 +221,7 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "retrieval", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-         batch: int = 4, ties: str = "index") -> Plan:
+         batch: int | None = None, ties: str = "index", **options: Any) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of the K/V
     heads whose choice matters by ``score`` full and streams the rest with ``sink`` + ``window``.
     The choice matters for a head whose layer lets a query see more than ``window`` + 1 keys (every
@@ -228,14 +229,16 @@ def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256,
     head whose layer's own window fits the streaming window keeps and sees the same keys either way,
     so it is kept full outside the fraction (``Plan.free``). ``ties``: ``"index"`` (earlier layers
     first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``, ``batch``:
-    the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``."""
+    the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``, ``kl``,
+    ``fisher`` and ``learned``; ``options``: the causal scores' own (``steps=``, ``checkpoint=``,
+    ``resume=`` of ``learned``; :func:`bhqk.budget.scores.causal_scores`)."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
     shape = model_shape(model)
     L, Hkv = shape.layers, shape.kv_heads
     free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
     keys = score_keys(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
-                      length=length, batch=batch, ties=ties)
+                      length=length, batch=batch, ties=ties, sink=sink, **options)
     n = round(full * int((~free).sum()))
     order = rank([kv for _, kv, _ in keys])  # [L·Hkv] flat indices = layer·Hkv + head, best first
     mask = free.clone()  # [L·Hkv]

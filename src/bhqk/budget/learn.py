@@ -1,0 +1,239 @@
+"""The learned head score (DuoAttention's objective, Xiao et al. 2024): one gate per K/V head mixing
+full and streaming attention (:func:`~bhqk.budget.gate.gated`), trained so that the model's final
+hidden states on synthetic pass-key prompts stay those of full attention, with an L1 pull of the
+gates towards 0 (streaming). Heads whose gate stays high are the ones the prompts need in full.
+
+One step (:func:`train_gates`): a prompt drawn from ``(seed, step)``; full attention's final hidden
+states at the answer rows (no gradients); the gated model's, with gradients to the gates;
+``loss = mean over answer rows of mean over d of (h_gated − h_full)² + reg · mean |g|``; AdamW
+(lr 0.02, no weight decay), DuoAttention's schedule (a linear warm-up over the first fifth of the
+steps from 0.1×, a linear decay over the last fifth to 0.1×); the gates clamped to [0, 1] after each
+update. The gates start at 1 (the model as it is).
+
+The prompts (:func:`passkey_prompt`): filler from ``pydoc_data.topics`` (a random stretch), ``keys``
+needles "The {first} pass key is {words}. Remember it." at sorted random depths in [0.05, 0.95],
+then every question "What is the {first} pass key? The {first} pass key is {words}." — the answer
+rows are every token of that last part (DuoAttention's labels). Words are NATO-alphabet words,
+``words`` of them per key. Everything is drawn from ``random.Random`` seeded by (seed, step): a step's
+prompt does not depend on the steps before it, so a resumed run sees the same prompts.
+
+Resuming: ``checkpoint=`` writes the gates, the optimizer's state and the step count every ``every``
+steps and at the end (:data:`FORMAT`, ``torch.save``); ``resume=`` reads such a file, checks it was
+made with the same settings, and continues from its step: the gates after n steps are those of an
+uninterrupted run of n steps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import LoadError, ShapeError
+from .gate import gated
+from .plan import model_shape
+
+FORMAT = "bhqk.budget.gates/1"
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
+         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
+         "xray", "yankee", "zulu")
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+INTRO = "Below is a long text with pass keys hidden in it. Remember them.\n\n"
+NEEDLE = "\n\nThe {nth} pass key is {words}. Remember it.\n\n"
+QUESTION = "\n\nWhat is the {nth} pass key? The {nth} pass key is {words}."
+
+_FILLER: dict[int, tuple[Any, list[int]]] = {}  # id(tokenizer) -> (tokenizer, ids of pydoc_data.topics)
+
+
+def _encode(tok, text: str) -> list[int]:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+
+
+def _filler(tok) -> list[int]:
+    got = _FILLER.get(id(tok))
+    if got is None or got[0] is not tok:
+        from pydoc_data.topics import topics
+
+        got = _FILLER[id(tok)] = (tok, _encode(tok, "\n\n".join(topics[k].strip() for k in sorted(topics))))
+    return got[1]
+
+
+def passkey_prompt(tok, length: int, seed: int = 0, index: int = 0, keys: int = 2, words: int = 8,
+                   ) -> tuple[torch.Tensor, int]:
+    """(ids [length], the first answer row): the prompt of step ``index`` (module doc), exactly
+    ``length`` tokens, drawn from ``random.Random`` seeded by (seed, index)."""
+    if not 1 <= keys <= len(ORDINALS):
+        raise ValueError(f"passkey_prompt: keys must be in 1 … {len(ORDINALS)}, got {keys}.")
+    rng = random.Random(f"passkey:{seed}:{index}")
+    said = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(keys)]
+    needles = [_encode(tok, NEEDLE.format(nth=ORDINALS[i], words=w)) for i, w in enumerate(said)]
+    qa = [t for i, w in enumerate(said) for t in _encode(tok, QUESTION.format(nth=ORDINALS[i], words=w))]
+    intro = _encode(tok, INTRO)
+    n = length - len(intro) - sum(map(len, needles)) - len(qa)  # filler tokens
+    hay = _filler(tok)
+    if n < keys:
+        raise ShapeError(f"passkey_prompt: length={length} is too short for {keys} keys of {words} words: the intro, "
+                         f"needles and questions take {length - n} tokens.")
+    if n > len(hay):
+        raise ShapeError(f"passkey_prompt: length={length} needs {n} filler tokens; the filler has {len(hay)}.")
+    start = rng.randrange(len(hay) - n + 1)
+    hay = hay[start:start + n]
+    at = sorted(round(rng.uniform(0.05, 0.95) * n) for _ in range(keys))
+    ids, last = list(intro), 0
+    for a, nd in zip(at, needles):
+        ids += hay[last:a] + nd
+        last = a
+    ids += hay[last:]
+    first = len(ids)
+    ids += qa
+    return torch.tensor(ids), first
+
+
+@dataclass
+class Settings:
+    """What a run of :func:`train_gates` depends on (a resumed run must match): the streaming heads'
+    ``sink`` and ``window``, the prompts (``length``: tokens, or (min, max) drawn per step; ``keys``,
+    ``words``, ``seed``), ``lr``, ``reg`` (the L1 weight) and ``steps`` (the schedule's length)."""
+
+    sink: int
+    window: int
+    steps: int
+    length: int | tuple[int, int] = 1024
+    keys: int = 2
+    words: int = 8
+    seed: int = 0
+    lr: float = 0.02
+    reg: float = 0.05
+
+    def prompt_length(self, step: int) -> int:
+        if isinstance(self.length, int):
+            return self.length
+        lo, hi = self.length
+        return random.Random(f"passkey-length:{self.seed}:{step}").randint(lo, hi)
+
+    def schedule(self, step: int) -> float:
+        """DuoAttention's learning-rate factor at ``step``."""
+        w = max(1, self.steps // 5)
+        return min(max((step + 1) / w, 0.1), max((self.steps - step) / w, 0.1))
+
+
+@dataclass
+class Training:
+    """A run of :func:`train_gates`: the ``gates`` [L, Hkv] (in [0, 1]), the ``step`` reached, and per
+    step the distillation loss, the mean gate and the seconds it took (``history``)."""
+
+    gates: torch.Tensor
+    step: int
+    settings: Settings
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _distill(model, ids: torch.Tensor, first: int, want: torch.Tensor) -> torch.Tensor:
+    h = model.get_decoder()(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:]  # [n, d]
+    return (h.float() - want).pow(2).mean(-1).mean()
+
+
+def _save(path: Path, gates: torch.Tensor, opt: torch.optim.Optimizer, step: int, s: Settings, shape) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": FORMAT, "gates": gates.detach().clone(), "optimizer": opt.state_dict(), "step": step,
+                "settings": asdict(s), "shape": list(shape)}, tmp)
+    tmp.replace(path)  # atomic: an interrupted save leaves the previous checkpoint
+
+
+def _load(path: Path, s: Settings, shape) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises its own types for a damaged or foreign file
+        raise LoadError(f"{path}: not a gates checkpoint ({type(e).__name__}: {e}).") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise LoadError(f"{path}: not a gates checkpoint (expected \"format\": {FORMAT!r}).")
+    got = dict(state["settings"])
+    if isinstance(got.get("length"), list):
+        got["length"] = tuple(got["length"])
+    if state["shape"] != list(shape):
+        raise LoadError(f"{path}: gates for [layers, Hkv] = {state['shape']}, but the model has {list(shape)}.")
+    if got != asdict(s):
+        diff = {k: (got.get(k), v) for k, v in asdict(s).items() if got.get(k) != v}
+        raise LoadError(f"{path}: made with other settings (checkpoint, now): {diff}; resume with the same ones.")
+    return state
+
+
+def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length: int | tuple[int, int] = 1024,
+                keys: int = 2, words: int = 8, seed: int = 0, lr: float = 0.02, reg: float = 0.05,
+                checkpoint: str | Path | None = None, resume: str | Path | None = None, every: int = 10,
+                until: int | None = None, progress: Callable[[int, dict[str, float]], None] | None = None
+                ) -> Training:
+    """Train one gate per K/V head of ``model`` (a Hugging Face causal LM) for ``steps`` steps (module
+    doc); ``checkpoint``: written every ``every`` steps and at the end; ``resume``: a checkpoint to
+    continue from (same settings; its step ≤ ``steps``); ``until``: stop after that step (the schedule
+    still spans ``steps``: a long run in parts). ``progress(step, record)`` after each step."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"train_gates: steps must be an int >= 0, got {steps!r}.")
+    if tokenizer is None:
+        raise ValueError("train_gates: the pass-key prompts are text; pass tokenizer=.")
+    s = Settings(sink, window, steps, tuple(length) if isinstance(length, list) else length, keys, words, seed,
+                 float(lr), float(reg))
+    shape = model_shape(model)
+    L, Hkv = shape.layers, shape.kv_heads
+    dev = next(model.parameters()).device
+    gates = torch.ones(L, Hkv, device=dev, requires_grad=True)
+    opt = torch.optim.AdamW([gates], lr=s.lr, weight_decay=0.0)
+    step = 0
+    if resume is not None:
+        state = _load(Path(resume), s, (L, Hkv))
+        with torch.no_grad():
+            gates.copy_(state["gates"])
+        opt.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        if step > steps:
+            raise ValueError(f"train_gates: {resume} is at step {step}, beyond steps={steps}.")
+    stop = steps if until is None else min(until, steps)
+    out = Path(checkpoint) if checkpoint is not None else Path(resume) if resume is not None else None
+    run = Training(gates.detach(), step, s)
+    was = model.training
+    model.eval()
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        while step < stop:
+            t0 = time.perf_counter()
+            ids, first = passkey_prompt(tokenizer, s.prompt_length(step), s.seed, step, s.keys, s.words)
+            ids = ids.to(dev)
+            with torch.no_grad():
+                want = model.get_decoder()(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:].float()
+            for group in opt.param_groups:
+                group["lr"] = s.lr * s.schedule(step)
+            with gated(model, gates, sink, window):
+                distill = _distill(model, ids, first, want)
+            loss = distill + s.reg * gates.abs().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                gates.clamp_(0.0, 1.0)
+            step += 1
+            rec = {"step": step, "distill": float(distill.detach()), "mean gate": float(gates.detach().mean()),
+                   "seconds": time.perf_counter() - t0, "tokens": int(ids.numel())}
+            run.history.append(rec)
+            if out is not None and (step % every == 0 or step == stop):
+                _save(out, gates, opt, step, s, (L, Hkv))
+            if progress is not None:
+                progress(step, rec)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(was)
+    if out is not None and not out.exists():  # nothing trained now (resumed at its end, or steps=0)
+        _save(out, gates, opt, step, s, (L, Hkv))
+    run.gates, run.step = gates.detach().clone().cpu(), step
+    return run
+
+
+__all__ = ["train_gates", "passkey_prompt", "Training", "Settings", "FORMAT"]
