@@ -524,7 +524,8 @@ def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path,
     from bhqk.models import real
 
     model = _llama()
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": (model, None))
+    tokenizer = object()  # never asked: the plan is refused first
+    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": (model, tokenizer))
     Plan(torch.zeros(32, 2, dtype=torch.bool)).save(tmp_path / "plan32.json")
     model.generate = lambda *a, **k: pytest.fail("generated with a plan for another model")
     code = main(["needle", "--model", "smollm2-135m", "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path),

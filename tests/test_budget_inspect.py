@@ -23,6 +23,8 @@ from test_budget_layers import WIN, _mixed, _model
 from test_stats_cli import llama_folder  # noqa: F401  (a pytest fixture: a tiny random Llama with a tokenizer)
 from tolerance import assert_models_close, assert_paths_close
 
+pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
+
 KW = dict(what=("weights", "lse", "head_outputs", "entropy", "distance", "sink", "received", "max"),
           offsets=(0, 1, 3), window=3, topk=3)  # every statistic of rowstats.STATISTICS, and the matrices
 WIDTH = 96  # the widest matmul of the tiny models (intermediate_size)

@@ -18,6 +18,8 @@ from bhqk.integrations.transformers import register
 from handmade import INDUCTION, CharTokenizer, induction_llama
 from tolerance import assert_close, assert_models_close
 
+pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
+
 register()
 V = 100
 S, W = 4, 16  # the hand-built model's streaming heads: a sink of 4 and a window of 16

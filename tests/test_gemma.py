@@ -22,6 +22,8 @@ from test_cli import run
 from test_pretrained import prose_ids
 from tolerance import assert_models_close
 
+pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
+
 # ---- the model and its config ---------------------------------------------------------------------------
 
 

@@ -17,6 +17,8 @@ from bhqk.models import real
 from test_cli import run
 from tolerance import bound
 
+pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
+
 # ---- intervals on known counts -------------------------------------------------------------------
 
 

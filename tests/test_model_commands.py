@@ -20,6 +20,8 @@ from bhqk.inspect import needle
 from bhqk.models import real
 from test_cli import run
 
+pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
