@@ -48,10 +48,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCORE_CONFIGS = ["full", "induction", "retrieval", "retrieval-copy", "distant", "random0", "random1", "streaming"]
 
 
-def load():
+def load(name: str = "smollm2-135m"):
     from bhqk.models import pretrained
 
-    return pretrained("smollm2-135m")
+    return pretrained(name)
 
 
 def default_score() -> str:
@@ -80,22 +80,49 @@ def merge(tag: str, part: str, data: dict) -> Path:
     return path
 
 
+STORED = RESULTS / "budget-scores-2026-12-04.json"  # benchmarks/budget_scores.py's run: kl, fisher, learned per head
+
+
+def stored_scores(name: str, sink: int, window: int) -> torch.Tensor:
+    """Per K/V head [L, Hkv] scores of SmolLM2-135M-Instruct kept by benchmarks/budget_scores.py (``STORED``):
+    ``kl`` (exact), ``fisher`` (seed 0), ``learned`` (the gates of its run): for the curve, without
+    computing them again (kl alone is 90 forwards)."""
+    runs = json.loads(STORED.read_text())["runs"]
+    rank = runs["rank"]
+    if (rank["sink"], rank["window"]) != (sink, window):
+        raise SystemExit(f"{STORED.name} scored sink {rank['sink']}, window {rank['window']}; asked {sink}, {window}")
+    if name == "kl":
+        return torch.tensor(rank["kl"])
+    if name == "fisher":
+        return torch.tensor(rank["scores"]["fisher seed 0"])
+    return torch.tensor(runs["learn"]["gates"])
+
+
 def make_plan(model, tok, name: str, full: float, sink: int, window: int):
-    """The plan of configuration ``name`` (``full`` and ``streaming`` are all-True / all-False)."""
+    """The plan of configuration ``name`` (``full`` and ``streaming`` are all-True / all-False; ``random<seed>``
+    a draw of the heads whose choice matters; ``kl-stored``, ``fisher-stored``, ``learned-stored``: the top
+    heads by :func:`stored_scores`)."""
     from bhqk.budget import Plan, find
     from bhqk.budget.plan import model_shape
 
     shape = model_shape(model)
     L, Hkv = shape.layers, shape.kv_heads
     if name == "full":
-        return Plan(torch.ones(L, Hkv, dtype=torch.bool), sink, window)
+        return Plan(torch.ones(L, Hkv, dtype=torch.bool), sink, window, model=shape)
     if name == "streaming":
-        return Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window)
-    if name.startswith("random"):
-        g = torch.Generator().manual_seed(int(name[len("random"):]))
-        mask = torch.zeros(L * Hkv, dtype=torch.bool)
-        mask[torch.randperm(L * Hkv, generator=g)[: round(full * L * Hkv)]] = True
-        return Plan(mask.reshape(L, Hkv), sink, window, score=name)
+        return Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape)
+    free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
+    n = round(full * int((~free).sum()))
+    if name.startswith("random") or name.endswith("-stored"):
+        if name.startswith("random"):
+            g = torch.Generator().manual_seed(int(name[len("random"):]))
+            order = torch.randperm(L * Hkv, generator=g)  # [L·Hkv]
+        else:
+            kind = name[: -len("-stored")]
+            order = torch.argsort(stored_scores(kind, sink, window).flatten().double(), descending=True, stable=True)
+        mask = free.clone()  # [L·Hkv]
+        mask[order[~free[order]][:n]] = True
+        return Plan(mask.reshape(L, Hkv), sink, window, score=name, model=shape)  # [L·Hkv] -> [L, Hkv]
     if name == "retrieval-copy":  # retrieval, its ties by copy mass (find's default: by index, earlier layers first)
         return find(model, full=full, sink=sink, window=window, score="retrieval", tokenizer=tok, ties="copy mass")
     return find(model, full=full, sink=sink, window=window, score=name, tokenizer=tok)
@@ -107,7 +134,7 @@ def make_plan(model, tok, name: str, full: float, sink: int, window: int):
 def part_scores(a) -> None:
     from bhqk.inspect import needle
 
-    model, tok = load()
+    model, tok = load(a.model)
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [0.0, 0.25, 0.5, 0.75, 1.0]
     out: dict = {"lengths": lengths, "depths": depths, "sink": a.sink, "window": a.window, "full": a.full,
@@ -164,7 +191,7 @@ def child(a) -> None:
     from bhqk.budget import Plan
     from bhqk.inspect import needle
 
-    model, tok = load()
+    model, tok = load(a.model)
     ids = torch.tensor([needle.filler(tok)[0][: a.n]])  # [1, N]
     plan = Plan.load(a.plan_file) if a.plan_file else None
     cache = plan.cache(model) if plan is not None else DynamicCache(config=model.config)
@@ -211,14 +238,15 @@ def child(a) -> None:
 
 
 def part_cost(a) -> None:
-    model, tok = load()
+    model, tok = load(a.model)
     configs = {"full": None, "plan@0.5": a.full, "plan@0.25": 0.25, "full@512": None}
     default = default_score()
     out: dict = {"n": a.n, "steps": a.steps, "score": default, "sink": a.sink, "window": a.window, "configs": {}}
     tmp = Path(tempfile.mkdtemp(prefix="budget-bench-"))
     for name in a.configs.split(",") if a.configs != ",".join(SCORE_CONFIGS) else configs:
         frac = configs[name]
-        cmd = [sys.executable, __file__, "--child", "--n", str(512 if name == "full@512" else a.n), "--steps", str(a.steps)]
+        cmd = [sys.executable, __file__, "--child", "--model", a.model, "--n", str(512 if name == "full@512" else a.n),
+               "--steps", str(a.steps)]
         if frac is not None:
             plan = make_plan(model, tok, default, frac, a.sink, a.window)
             f = tmp / f"{name}.json"
@@ -267,6 +295,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["scores", "cost", "ppl"])
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    p.add_argument("--model", default="smollm2-135m", help="a bhqk.models.pretrained name (default smollm2-135m)")
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--configs", default=",".join(SCORE_CONFIGS))
     p.add_argument("--full", type=float, default=0.5)

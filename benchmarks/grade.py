@@ -84,7 +84,7 @@ def part_tasks(a) -> None:
     from bhqk.inspect import grade, tasks
     from bhqk.models import pretrained
 
-    model, tok = pretrained("smollm2-135m")
+    model, tok = pretrained(a.model)
     names = a.configs.split(",")
     plans = plans_of(model, tok, names, a.sink, a.window)
     data = load_results(a.tag)
@@ -167,7 +167,7 @@ def part_kl(a) -> None:
     from bhqk.inspect import grade
     from bhqk.models import pretrained
 
-    model, tok = pretrained("smollm2-135m")
+    model, tok = pretrained(a.model)
     names = a.configs.split(",")
     plans = plans_of(model, tok, names, a.sink, a.window)
     data = load_results(a.tag)
@@ -198,7 +198,7 @@ def part_cost(a) -> None:
     from bhqk.inspect import grade, tasks
     from bhqk.models import pretrained
 
-    model, tok = pretrained("smollm2-135m")
+    model, tok = pretrained(a.model)
     data = load_results(a.tag)
     out: dict = {"meta": meta(), "rows": {}}
     for L in [int(x) for x in a.lengths.split(",")]:
@@ -231,6 +231,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["tasks", "kl", "cost", "table"], required=True)
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    p.add_argument("--model", default="smollm2-135m", help="a bhqk.models.pretrained name (default smollm2-135m)")
     p.add_argument("--tasks", default="needle,multikey,multivalue")
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--trials", type=int, default=20)

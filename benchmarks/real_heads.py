@@ -189,13 +189,14 @@ def report(info: dict) -> str:
                      f"{', '.join(map(str, layers)) or '-'}) |")
     if "text sink" in info["columns"]:
         v = torch.tensor(info["columns"]["text sink"])  # [L, H]
-        lines += ["", "mean sink per layer (P on key 0, mean of the 9 heads): " + ", ".join(
+        lines += ["", f"mean sink per layer (P on key 0, mean of the {v.shape[1]} heads): " + ", ".join(
             f"{li}: {x:.2f}" for li, x in enumerate(v.mean(1).tolist()))]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a bhqk.models.pretrained name (default smollm2-135m)")
     ap.add_argument("--N", type=int, default=8192, help="tokens of pydoc prose for the statistics")
     ap.add_argument("--induction-length", type=int, default=256, help="L of the repeated random sequence")
     ap.add_argument("--induction-batch", type=int, default=2)
@@ -219,7 +220,7 @@ def main() -> None:
     info: dict = {"benchmark": "real_heads", "machine": machine.describe(), "settings": vars(a) | {
         "out": str(a.out), "pictures": str(a.pictures)}, "columns": {}, "top": {}}
     t0 = time.perf_counter()
-    model, tok = load_model()
+    model, tok = load_model(a.model)
     info["load_s"] = round(time.perf_counter() - t0, 1)
     print(f"model loaded in {info['load_s']} s; {machine.one_line(info['machine'])}", flush=True)
 
