@@ -81,12 +81,20 @@ def merge(tag: str, part: str, data: dict) -> Path:
 
 
 STORED = RESULTS / "budget-scores-2026-12-04.json"  # benchmarks/budget_scores.py's run: kl, fisher, learned per head
+# learned20: the same gates trained on to the end of their 20-step schedule (--part learn --resume, another tag)
+LEARNED = {"learned": STORED, "learned20": RESULTS / "budget-scores-learn20-2026-12-05.json"}
 
 
 def stored_scores(name: str, sink: int, window: int) -> torch.Tensor:
     """Per K/V head [L, Hkv] scores of SmolLM2-135M-Instruct kept by benchmarks/budget_scores.py (``STORED``):
-    ``kl`` (exact), ``fisher`` (seed 0), ``learned`` (the gates of its run): for the curve, without
-    computing them again (kl alone is 90 forwards)."""
+    ``kl`` (exact), ``fisher`` (seed 0), ``learned`` (the gates of its run, 10 steps of a 20-step schedule),
+    ``learned20`` (the same run to step 20): for the curve, without computing them again (kl alone is 90
+    forwards)."""
+    if name in LEARNED:
+        learn = json.loads(LEARNED[name].read_text())["runs"]["learn"]
+        if (sink, window) != (64, 256):  # benchmarks/budget_scores.py trains with S = 64, W = 256
+            raise SystemExit(f"{LEARNED[name].name} trained sink 64, window 256; asked {sink}, {window}")
+        return torch.tensor(learn["gates"])
     runs = json.loads(STORED.read_text())["runs"]
     rank = runs["rank"]
     if (rank["sink"], rank["window"]) != (sink, window):
@@ -95,7 +103,7 @@ def stored_scores(name: str, sink: int, window: int) -> torch.Tensor:
         return torch.tensor(rank["kl"])
     if name == "fisher":
         return torch.tensor(rank["scores"]["fisher seed 0"])
-    return torch.tensor(runs["learn"]["gates"])
+    raise SystemExit(f"no stored score {name!r}: kl, fisher, {', '.join(LEARNED)}")
 
 
 def make_plan(model, tok, name: str, full: float, sink: int, window: int):

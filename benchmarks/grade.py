@@ -14,7 +14,9 @@ Every configuration answers the same prompts (seeded: ``--seed``), so difference
 
 Results merge into ``benchmarks/results/grade-<tag>.json`` (CPU model and flags, versions, load average,
 the plans' full heads). ``tasks`` writes after each (task, length) group and skips the groups already
-there, so an interrupted run resumes. ``cost`` times whole trials of full attention (prefill + the
+there, so an interrupted run resumes; configurations added to a tag's run grade only themselves, on the
+same prompts (``tasks``) and chunks (``kl``, merged against the stored reference), so they pair with the rest.
+``cost`` times whole trials of full attention (prefill + the
 reply's decoding, median of ``--repeats``) with nothing else of this script running.
 """
 
@@ -89,14 +91,30 @@ def part_tasks(a) -> None:
     plans = plans_of(model, tok, names, a.sink, a.window)
     data = load_results(a.tag)
     run = data.setdefault("tasks", {"groups": {}})
-    run.update({"configs": names, "sink": a.sink, "window": a.window, "seed": a.seed, "plans": describe_plans(plans)})
+    if run.get("configs") and (run["sink"], run["window"], run["seed"]) != (a.sink, a.window, a.seed):
+        raise SystemExit(f"{path_of(a.tag).name} was graded with sink, window, seed {run['sink']}, {run['window']}, "
+                         f"{run['seed']}: use another --tag")
+    run.update({"configs": list(dict.fromkeys(run.get("configs", []) + names)), "sink": a.sink, "window": a.window,
+                "seed": a.seed, "plans": {**run.get("plans", {}), **describe_plans(plans)}})
     run.setdefault("meta", []).append(meta())
     for task in a.tasks.split(","):
         for L in [int(x) for x in a.lengths.split(",")]:
             key = f"{task}@{L}"
             old = run["groups"].get(key)
-            if old and not set(names) <= set(old["entries"]):
-                old = None  # graded with other configurations: grade it again
+            new = [n for n in names if old and n not in old["entries"]]
+            if new:  # configurations added to a graded group: the same prompts (seeded), these configurations only
+                assert old is not None
+                prompts = [tasks.make(tok, task, L, i, a.seed) for i in range(old["trials"])]
+                if [p.to_json() for p in prompts] != old["prompts"]:
+                    raise SystemExit(f"{key}: the stored prompts are not those the seed makes now: use another --tag")
+                t0 = time.perf_counter()
+                g = grade.grade(model, tok, prompts, {n: plans[n] for n in new}, progress=False)
+                old["entries"].update({n: g.entries[n] for n in new})
+                old.setdefault("added", []).append({"configs": new, "meta": meta(),
+                                                    "seconds": time.perf_counter() - t0})
+                save_results(a.tag, data)
+                print(f"== {key}: added {', '.join(new)} on its {old['trials']} trials "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
             done = old["trials"] if old else 0
             if done >= a.trials:
                 print(f"== {key}: already graded ({done} trials)", flush=True)
@@ -174,9 +192,22 @@ def part_kl(a) -> None:
     chunks = [int(x) for x in a.chunks.split(",")]
     for L, C in zip([int(x) for x in a.lengths.split(",")], chunks * 8):
         t0 = time.perf_counter()
-        d = grade.divergence(model, tok, plans, L, C, seed=a.seed, progress=False)
-        data.setdefault("kl", {})[str(L)] = {**d.to_json(), "meta": meta(), "seconds": time.perf_counter() - t0,
-                                             "loadavg_end": os.getloadavg(), "plans": describe_plans(plans)}
+        old = data.get("kl", {}).get(str(L))
+        if old and (len(old["reference_nll"]), old["seed"]) == (C, a.seed) and not set(names) <= set(old["kl"]):
+            # configurations added to a stored run: only these, on the same chunks, merged against its reference
+            new = {n: p for n, p in plans.items() if n not in old["kl"]}
+            d = grade.divergence(model, tok, new, L, C, seed=a.seed, progress=False)
+            if d.start != old["start"]:
+                raise SystemExit(f"KL at {L}: the added plans start at {d.start}, the stored run at {old['start']}")
+            d = grade.Divergence(L, old["start"], {**old["kl"], **d.kl}, {**old["nll"], **d.nll},
+                                 old["reference_nll"], old["draws"], a.seed)
+            added = old.get("added", []) + [{"configs": list(new), "meta": meta(), "seconds": time.perf_counter() - t0}]
+            data["kl"][str(L)] = {**old, **d.to_json(), "added": added,
+                                  "plans": {**old["plans"], **describe_plans(new)}}
+        else:
+            d = grade.divergence(model, tok, plans, L, C, seed=a.seed, progress=False)
+            data.setdefault("kl", {})[str(L)] = {**d.to_json(), "meta": meta(), "seconds": time.perf_counter() - t0,
+                                                 "loadavg_end": os.getloadavg(), "plans": describe_plans(plans)}
         save_results(a.tag, data)
         print(f"== KL at {L} ({time.perf_counter() - t0:.0f} s)\n{d.table()}", flush=True)
 
