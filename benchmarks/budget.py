@@ -91,7 +91,8 @@ def stored_scores(name: str, sink: int, window: int) -> torch.Tensor:
     ``learned20`` (the same run to step 20): for the curve, without computing them again (kl alone is 90
     forwards)."""
     if name in LEARNED:
-        learn = json.loads(LEARNED[name].read_text())["runs"]["learn"]
+        runs = json.loads(LEARNED[name].read_text())["runs"]  # "learn", or "learn from step N" for a resumed run
+        learn = max((r for k, r in runs.items() if k.startswith("learn")), key=lambda r: r["step"])
         if (sink, window) != (64, 256):  # benchmarks/budget_scores.py trains with S = 64, W = 256
             raise SystemExit(f"{LEARNED[name].name} trained sink 64, window 256; asked {sink}, {window}")
         return torch.tensor(learn["gates"])
@@ -248,7 +249,7 @@ def child(a) -> None:
 def part_cost(a) -> None:
     model, tok = load(a.model)
     configs = {"full": None, "plan@0.5": a.full, "plan@0.25": 0.25, "full@512": None}
-    default = default_score()
+    default = a.score or default_score()
     out: dict = {"n": a.n, "steps": a.steps, "score": default, "sink": a.sink, "window": a.window, "configs": {}}
     tmp = Path(tempfile.mkdtemp(prefix="budget-bench-"))
     for name in a.configs.split(",") if a.configs != ",".join(SCORE_CONFIGS) else configs:
@@ -307,6 +308,7 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--configs", default=",".join(SCORE_CONFIGS))
     p.add_argument("--full", type=float, default=0.5)
+    p.add_argument("--score", default=None, help="cost: the score of the plan@ rows (default: find's default)")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--n", type=int, default=8192)
