@@ -262,7 +262,7 @@ def test_find_breaks_ties_of_the_retrieval_score_by_index_or_by_copy_mass():
     (first, k1, _), (second, k2, _) = score_keys(model, "retrieval", length=32, batch=2, ties="copy mass")
     assert (first, second) == ("retrieval", "copy mass")
     assert [name for name, _, _ in score_keys(model, "retrieval", length=32, batch=2)] == ["retrieval"]
-    plan = find(model, full=0.5, length=32, batch=2, ties="copy mass")
+    plan = find(model, full=0.5, score="retrieval", length=32, batch=2, ties="copy mass")
     n = int(plan.full.sum())
     a, b = k1.flatten().tolist(), k2.flatten().tolist()
     want = sorted(range(len(a)), key=lambda i: (-a[i], -b[i], i))[:n]  # the first key, then the second, then index
@@ -273,11 +273,11 @@ def test_find_breaks_ties_of_the_retrieval_score_by_index_or_by_copy_mass():
     assert plan.tie_score == "copy mass" and "ties by copy mass" in str(plan)
     verdicts = [v for row in plan.decided() for v in row]
     assert "copy mass" in verdicts and set(verdicts) <= {"retrieval", "copy mass"}
-    default = find(model, full=0.5, length=32, batch=2)  # ties by index: the earlier layers full
+    default = find(model, full=0.5, score="retrieval", length=32, batch=2)  # ties by index: the earlier layers full
     assert sorted(default.full.flatten().nonzero().flatten().tolist()) == sorted(by_index)
     assert default.tie_score is None and set(v for row in default.decided() for v in row) <= {"retrieval", "index"}
     with pytest.raises(ValueError, match="ties must be one of"):
-        find(model, full=0.5, length=32, batch=2, ties="layer")
+        find(model, full=0.5, score="retrieval", length=32, batch=2, ties="layer")
 
 
 def test_rank_and_decided_follow_the_keys_in_order():
@@ -297,10 +297,12 @@ def test_rank_and_decided_follow_the_keys_in_order():
 def test_find_on_a_model_loaded_with_another_attention_restores_it():
     model = _llama()
     model.set_attn_implementation("sdpa")
-    plan = find(model, full=0.25, length=16, batch=1)
+    plan = find(model, full=0.25, score="retrieval", length=16, batch=1)
     assert int(plan.full.sum()) == 1 and model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="tokenizer"):
         find(model, score="distant")
+    with pytest.raises(ValueError, match=r"score='learned'\) reads pass-key prompts: pass tokenizer=.*'retrieval' reads"):
+        find(model)  # the default score trains gates on pass-key prompts
     with pytest.raises(ValueError, match="full"):
         find(model, full=1.5)
 
@@ -320,7 +322,8 @@ def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys)
 
     folder = tmp_path / "tiny"
     _llama().save_pretrained(folder)
-    argv = ["budget", "--model", str(folder), "--full", "0.5", "--sink", "4", "--window", "8", "--length", "1024",
+    argv = ["budget", "--model", str(folder), "--full", "0.5", "--sink", "4", "--window", "8", "--score", "retrieval",
+            "--length", "1024",
             "--save", str(tmp_path / "plan.json")]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -453,7 +456,7 @@ def test_a_plan_records_what_it_was_made_for_and_its_file_keeps_it(tmp_path):
     from bhqk.budget.plan import ModelShape, model_shape
 
     model = _llama()
-    plan = find(model, full=0.5, sink=S, window=W, length=16, batch=1)
+    plan = find(model, full=0.5, sink=S, window=W, score="retrieval", length=16, batch=1)
     shape = model_shape(model)
     assert plan.model == shape == ModelShape(2, 8, 2, 8, ("full_attention",) * 2, (None, None), None, "llama")
     back = Plan.load(plan.save(tmp_path / "plan.json"))
@@ -475,7 +478,7 @@ def test_every_entry_point_refuses_a_plan_for_another_model_before_any_forward()
     from bhqk.inspect import needle
 
     model, other = _llama(), _llama(H=4, Hkv=2)  # d = 64 / 8 = 8 and 64 / 4 = 16
-    plan = find(model, full=0.5, sink=S, window=W, length=16, batch=1)
+    plan = find(model, full=0.5, sink=S, window=W, score="retrieval", length=16, batch=1)
     both = r"the plan is \[layers=2, Hkv=2\] made for \[layers=2, H=8, Hkv=2, d=8.*is \[layers=2, H=4, Hkv=2, d=16"
     forwards = []
     other.register_forward_pre_hook(lambda *a: forwards.append(1))

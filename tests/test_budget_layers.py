@@ -177,21 +177,21 @@ def test_find_chooses_among_the_heads_whose_window_reaches_beyond_the_streaming_
     of layer 1 sees what a full one sees, so layer 1 is kept full outside the fraction and half of
     layer 0 is chosen; with window=5 every head counts."""
     model = _model("qwen2")
-    plan = find(model, full=0.5, sink=S, window=WIN - 1, length=32, batch=2)
+    plan = find(model, full=0.5, sink=S, window=WIN - 1, score="retrieval", length=32, batch=2)
     assert plan.full[1].all() and int(plan.full[0].sum()) == 1
     assert plan.free().tolist() == [[False, False], [True, True]]
     assert plan.decided()[1] == ["model window", "model window"] and "index" in plan.decided()[0] + ["retrieval"]
     assert "2 of them within their layer's own window" in plan.summary()
     assert plan.model == model_shape(model) and plan.nbytes(64, model)[0] < plan.nbytes(64, model)[1]
-    wide = find(model, full=0.5, sink=S, window=WIN - 2, length=32, batch=2)
+    wide = find(model, full=0.5, sink=S, window=WIN - 2, score="retrieval", length=32, batch=2)
     assert int(wide.full.sum()) == 2 and not wide.free().any()
-    every = find(model, full=1.0, sink=S, window=WIN - 1, length=32, batch=2)
+    every = find(model, full=1.0, sink=S, window=WIN - 1, score="retrieval", length=32, batch=2)
     assert every.full.all() and every.nbytes(64, model)[0] == every.nbytes(64, model)[1]
 
 
 def test_a_plan_for_other_layer_types_is_refused_naming_both():
     gemma, mistral = _model("gemma2"), _model("mistral")  # both 2 layers of Hkv=2 K/V heads, other layer types
-    plan = find(gemma, full=0.5, sink=S, window=W, length=32, batch=2)
+    plan = find(gemma, full=0.5, sink=S, window=W, score="retrieval", length=32, batch=2)
     with pytest.raises(ShapeError, match=r"sliding_attention \(window 7\) \+ 1 full_attention\].*"
                                          r"is \[layers=2, H=4, Hkv=2, d=16; 2 sliding_attention"):
         plan.cache(mistral)

@@ -245,7 +245,7 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
 
 CAUSAL = ("kl", "fisher", "learned")
 DEFAULT_LENGTH = {"kl": 2048, "fisher": 2048, "learned": 1024}
-DEFAULT_STEPS = 100
+DEFAULT_STEPS = 20  # the schedule the curve measured (docs/benchmarks.md)
 
 
 def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=None, texts=None, seed: int = 0,
@@ -261,7 +261,8 @@ def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=N
         raise ValueError(f"causal_scores: score must be one of {CAUSAL}, got {score!r}.")
     if tokenizer is None:
         what = "pass-key prompts" if score == "learned" else "real text"
-        raise ValueError(f"find(score={score!r}) reads {what}: pass tokenizer= (and optionally texts=).")
+        raise ValueError(f"find(score={score!r}) reads {what}: pass tokenizer= (and optionally texts=); "
+                         f"score='retrieval' reads none.")
     if score == "learned":
         from .learn import train_gates
 
