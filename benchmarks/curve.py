@@ -6,8 +6,8 @@ configurations ``full``, ``streaming`` and ``<score>@<fraction>``).
 
 Accuracy is every task and length pooled, with its Wilson 95 % interval; perplexity is × full attention's
 with the run's bootstrap 95 % interval. ``full`` is fraction 1 and ``streaming`` fraction 0 of every score.
-Prints the markdown table of the picture and, per fraction, the best score against each random draw
-(paired difference [Newcombe 95 %], McNemar's p).
+Prints the markdown table of the picture, then per fraction each score against each random draw and against
+full attention, and each pair of scores (paired difference [Newcombe 95 %], McNemar's p).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade as grade_bench  # benchmarks/grade.py: load_results, grades_of  # noqa: E402
 
 LABELS = {"retrieval": "retrieval", "kl-stored": "kl (exact)", "fisher-stored": "fisher (first-order)",
-          "learned-stored": "learned (10 steps)", "random0": "random, draw 0", "random1": "random, draw 1"}
+          "learned-stored": "learned (10 of 20 steps)", "learned20-stored": "learned (20 steps)",
+          "random0": "random, draw 0", "random1": "random, draw 1"}
+SCORES = ("retrieval", "kl-stored", "fisher-stored", "learned-stored", "learned20-stored")  # the scores, not the controls
 
 
 def points(data: dict) -> tuple[dict, dict]:
@@ -83,7 +85,7 @@ def against_random(data: dict) -> str:
     lines = ["| fraction | score | − random, draw 0 | − random, draw 1 | − full |", "|---|---|---|---|---|"]
     fracs = sorted({n.partition("@")[2] for n in g.names if "@" in n}, key=float)
     for f in fracs:
-        for score in ("retrieval", "kl-stored", "fisher-stored", "learned-stored"):
+        for score in SCORES:
             name = f"{score}@{f}"
             if name not in g.names:
                 continue
@@ -95,6 +97,21 @@ def against_random(data: dict) -> str:
                 d = g.difference(name, ref, None)
                 cells.append(f"{d.diff:+.2f} [{d.lo:+.2f}, {d.hi:+.2f}], p={d.p:.2g}")
             lines.append(f"| {f} | {LABELS[score]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def between_scores(data: dict) -> str:
+    """Per fraction: each pair of scores, paired on the same prompts (all tasks pooled)."""
+    g = grade_bench.grades_of(data)
+    lines = ["| fraction | x | y | x − y [Newcombe 95 %] | only x : only y | McNemar p |", "|---|---|---|---|---|---|"]
+    fracs = sorted({n.partition("@")[2] for n in g.names if "@" in n}, key=float)
+    for f in fracs:
+        here = [s for s in SCORES if f"{s}@{f}" in g.names]
+        for i, x in enumerate(here):
+            for y in here[i + 1:]:
+                d = g.difference(f"{x}@{f}", f"{y}@{f}", None)
+                lines.append(f"| {f} | {LABELS[x]} | {LABELS[y]} | {d.diff:+.2f} [{d.lo:+.2f}, {d.hi:+.2f}] | "
+                             f"{d.x_only} : {d.y_only} | {d.p:.2g} |")
     return "\n".join(lines)
 
 
@@ -140,6 +157,8 @@ def main() -> None:
     print(table(acc, ppl))
     print()
     print(against_random(data))
+    print()
+    print(between_scores(data))
     if a.out is not None:
         draw(acc, ppl, a.out, a.title)
         print("wrote", a.out)
