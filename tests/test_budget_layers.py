@@ -172,6 +172,30 @@ def test_emulate_refuses_a_cache_that_dropped_keys(name):
         _generate(model, ids, am)
 
 
+class _Chars:
+    """Characters as token ids inside the tiny models' vocabulary, for the scores that read text."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + ord(c) % (V - 1) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i - 1) for i in ids)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_causal_scores_run_on_every_layer_type(name):
+    """kl, fisher and learned (find's default) give one finite score per K/V head on every layer type,
+    Llama 4 included (its ForCausalLM's get_decoder() is the model itself); streaming changes something."""
+    model = _model(name)
+    shape = model_shape(model)
+    for score, kw in (("kl", dict(length=64)), ("fisher", dict(length=64)),
+                      ("learned", dict(steps=1, length=240, keys=1, words=2))):
+        plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=_Chars(), **kw)
+        assert plan.scores.shape == (shape.layers, shape.kv_heads) and torch.isfinite(plan.scores).all(), (score, plan)
+        assert plan.scores.max() > 0, (score, plan.scores)
+
+
 def test_find_chooses_among_the_heads_whose_window_reaches_beyond_the_streaming_window():
     """Qwen2 with layer 0 full attention and layer 1 a window of 7 keys: with window=6 a streaming head
     of layer 1 sees what a full one sees, so layer 1 is kept full outside the fraction and half of

@@ -97,6 +97,19 @@ def test_every_score_puts_the_one_long_range_head_first(handmade, score, kw):
     assert plan.full.flatten().tolist() == [False, False, False, True] and plan.score == score
 
 
+@pytest.mark.parametrize("score, kw", [("fisher", dict(length=200)), ("learned", dict(steps=1, **LEARN))])
+def test_the_gradient_scores_do_not_depend_on_the_callers_grad_mode(handmade, score, kw):
+    """find under torch.no_grad() (as a benchmark or an eval loop runs) gives the scores it gives with
+    gradients on; under torch.inference_mode() it says what to do instead of failing in backward."""
+    want = find(handmade, full=0.25, sink=S, window=W, score=score, tokenizer=CharTokenizer(), **kw).scores
+    with torch.no_grad():
+        got = find(handmade, full=0.25, sink=S, window=W, score=score, tokenizer=CharTokenizer(), **kw).scores
+        assert not torch.is_grad_enabled()  # the caller's mode is back
+    assert torch.equal(got, want)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"outside torch.inference_mode\(\)"):
+        find(handmade, full=0.25, sink=S, window=W, score=score, tokenizer=CharTokenizer(), **kw)
+
+
 def test_the_kl_score_is_the_divergence_of_the_logits_with_one_head_streamed():
     """Against the model's own logits with the plan that streams one K/V head (rows past sink + window)."""
     model, ids = _llama(), _ids(N=50)

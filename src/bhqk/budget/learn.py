@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError, ShapeError
+from ..integrations.hf_folder import decoder_stack
 from .gate import gated
 from .plan import model_shape
 
@@ -135,7 +136,7 @@ class Training:
 
 
 def _distill(model, ids: torch.Tensor, first: int, want: torch.Tensor) -> torch.Tensor:
-    h = model.get_decoder()(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:]  # [n, d]
+    h = decoder_stack(model)(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:]  # [n, d]
     return (h.float() - want).pow(2).mean(-1).mean()
 
 
@@ -207,7 +208,7 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
             ids, first = passkey_prompt(tokenizer, s.prompt_length(step), s.seed, step, s.keys, s.words)
             ids = ids.to(dev)
             with torch.no_grad():
-                want = model.get_decoder()(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:].float()
+                want = decoder_stack(model)(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:].float()
             for group in opt.param_groups:
                 group["lr"] = s.lr * s.schedule(step)
             with gated(model, gates, sink, window):

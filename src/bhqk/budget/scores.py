@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..errors import ShapeError
+from ..integrations.hf_folder import decoder_stack
 from .gate import gated
 from .plan import Plan, model_shape
 
@@ -113,7 +114,7 @@ def _same(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
 @contextlib.contextmanager
 def _layers_from(model: Any, layer: int) -> Iterator[nn.Module]:
     """The decoder with its layers ``layer`` … L−1 only (its ``layers`` list swapped, restored after)."""
-    dec = model.get_decoder()
+    dec = decoder_stack(model)
     layers = dec.layers
     dec.layers = nn.ModuleList(list(layers)[layer:])
     try:
@@ -126,7 +127,7 @@ def final_hidden(model: Any, ids: torch.Tensor, ref: Reference | None = None, la
     """The decoder's final hidden states [B, N, d] of ``ids`` [B, N]; from ``ref.inputs[layer]`` through
     the layers ``layer`` … L−1 only when ``ref`` holds the inputs (the layers before are unchanged)."""
     if ref is None or ref.inputs is None or layer == 0:
-        return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        return decoder_stack(model)(input_ids=ids, use_cache=False).last_hidden_state
     with _layers_from(model, layer) as dec:
         return dec(inputs_embeds=ref.inputs[layer], use_cache=False).last_hidden_state
 
@@ -140,7 +141,7 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
     if not 0 < start < N:
         raise ShapeError(f"kl scores: the text has N={N} tokens but the rows that streaming changes start at "
                          f"{start} (sink + window + 1); pass a longer length or a smaller sink + window.")
-    dec = model.get_decoder()
+    dec = decoder_stack(model)
     inputs: list[torch.Tensor] = []
     seen: dict[str, torch.Tensor] = {}
 
@@ -230,7 +231,7 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
     for b in range(B):  # one sequence at a time: its rows' gates are its own
         g = torch.ones(L, Hkv, N, device=ids.device, requires_grad=True)
         with gated(model, g, sink, window):
-            hidden = model.get_decoder()(input_ids=ids[b:b + 1], use_cache=False).last_hidden_state  # [1, N, d]
+            hidden = decoder_stack(model)(input_ids=ids[b:b + 1], use_cache=False).last_hidden_state  # [1, N, d]
         grad = torch.zeros_like(hidden)  # d log-likelihood / d hidden, [1, N, d]
         for a in range(start, N, chunk):
             h = hidden[:, a:a + chunk].detach().requires_grad_(True)  # [1, c, d]
@@ -263,17 +264,21 @@ def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=N
         what = "pass-key prompts" if score == "learned" else "real text"
         raise ValueError(f"find(score={score!r}) reads {what}: pass tokenizer= (and optionally texts=); "
                          f"score='retrieval' reads none.")
+    if score != "kl" and torch.is_inference_mode_enabled():
+        raise ValueError(f"find(score={score!r}) takes gradients of gates: call it outside torch.inference_mode() "
+                         f"(torch.no_grad() is fine).")
     if score == "learned":
         from .learn import train_gates
 
         if batch not in (None, 1):
             raise ValueError("find(score='learned') trains on one prompt per step (batch=1).")
         steps = DEFAULT_STEPS if steps is None else steps
-        run = train_gates(model, tokenizer, sink, window, steps, length=length or DEFAULT_LENGTH[score], seed=seed,
-                          checkpoint=checkpoint, resume=resume,
-                          progress=None if progress is None else lambda i, r: progress(
-                              f"learned: step {i}/{steps}: distillation {r['distill']:.4g}, mean gate "
-                              f"{r['mean gate']:.3f} ({r['seconds']:.1f} s)"), **learn)
+        with torch.enable_grad():  # the gates train whatever the caller's grad mode (a torch.no_grad() around find)
+            run = train_gates(model, tokenizer, sink, window, steps, length=length or DEFAULT_LENGTH[score], seed=seed,
+                              checkpoint=checkpoint, resume=resume,
+                              progress=None if progress is None else lambda i, r: progress(
+                                  f"learned: step {i}/{steps}: distillation {r['distill']:.4g}, mean gate "
+                                  f"{r['mean gate']:.3f} ({r['seconds']:.1f} s)"), **learn)
         return run.gates.double()
     extra = sorted(k for k, v in {"steps": steps, "checkpoint": checkpoint, "resume": resume, **learn}.items()
                    if v is not None)
@@ -282,7 +287,8 @@ def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=N
     ids = text_ids(tokenizer, texts, length or DEFAULT_LENGTH[score], batch or 1).to(next(model.parameters()).device)
     if score == "kl":
         return kl_scores(model, ids, sink, window, progress=progress)
-    return fisher_scores(model, ids, sink, window, seed)
+    with torch.enable_grad():  # one backward, whatever the caller's grad mode
+        return fisher_scores(model, ids, sink, window, seed)
 
 
 __all__ = ["causal_scores", "text_ids", "kl_scores", "fisher_scores", "next_token_kl", "reference", "Reference", "logits_of",

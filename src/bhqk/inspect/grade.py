@@ -323,9 +323,9 @@ def text_chunks(tok, length: int, chunks: int) -> torch.Tensor:
 
 def _hidden(model, ids: torch.Tensor, plan: Any) -> torch.Tensor:
     """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache)."""
-    from ..integrations.transformers import cache_keyword
+    from ..integrations.transformers import cache_keyword, decoder_stack
 
-    dec = model.get_decoder()
+    dec = decoder_stack(model)
     kw: dict[str, Any] = {"use_cache": False}
     if plan is not None:
         kw = {"use_cache": True, cache_keyword(dec): _cache(model, plan)}

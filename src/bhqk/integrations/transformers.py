@@ -43,9 +43,9 @@ its attention functions): :mod:`~bhqk.integrations.hf_mask` (the mask tensor and
 from __future__ import annotations
 
 from .hf_attention import IGNORED, attention_forward, check_implementation, names, register
-from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, encode, is_decoder_config, load_folder
+from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, decoder_stack, encode, is_decoder_config, load_folder
 from .hf_mask import ROW_BLOCK_ENTRIES, AllKeys, HFMask, build_mask
 
 __all__ = ["register", "names", "check_implementation",
            "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
-           "is_decoder_config", "cache_keyword", "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]
+           "is_decoder_config", "cache_keyword", "decoder_stack", "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]
