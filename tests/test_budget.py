@@ -301,8 +301,8 @@ def test_find_on_a_model_loaded_with_another_attention_restores_it():
     assert int(plan.full.sum()) == 1 and model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="tokenizer"):
         find(model, score="distant")
-    with pytest.raises(ValueError, match=r"score='learned'\) reads pass-key prompts: pass tokenizer=.*'retrieval' reads"):
-        find(model)  # the default score trains gates on pass-key prompts
+    with pytest.raises(ValueError, match=r"score='fisher'\) reads real text: pass tokenizer=.*'retrieval' reads"):
+        find(model)  # the default score reads the model's output on real text
     with pytest.raises(ValueError, match="full"):
         find(model, full=1.5)
 

@@ -85,8 +85,8 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
                         "further back than the streaming window (default 0.5)")
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
-    b.add_argument("--score", choices=SCORES, default="learned",
-                   help="how heads are ranked (default learned: DuoAttention's gates, --steps of training)")
+    b.add_argument("--score", choices=SCORES, default="fisher",
+                   help="how heads are ranked (default fisher: one forward and one backward on --text)")
     b.add_argument("--ties", choices=("index", "copy-mass"), default="index",
                    help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval)")
     b.add_argument("--length", type=int_at_least(1), default=8192, help="tokens at which bytes are counted (default 8192)")

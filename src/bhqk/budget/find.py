@@ -219,7 +219,7 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
     return order
 
 
-def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "learned", *,
+def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "fisher", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
          batch: int | None = None, ties: str = "index", **options: Any) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of the K/V
@@ -227,10 +227,10 @@ def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256,
     The choice matters for a head whose layer lets a query see more than ``window`` + 1 keys (every
     head of a full-attention layer; a sliding or chunked layer's heads when its window is wider): a
     head whose layer's own window fits the streaming window keeps and sees the same keys either way,
-    so it is kept full outside the fraction (``Plan.free``). ``score``: the default, ``learned``
-    (DuoAttention's gates, 20 steps on pass-key prompts: needs ``tokenizer``; minutes on a CPU), chose
-    best on SmolLM2-135M (docs/benchmarks.md, "The head-choice curve"); ``fisher`` is the fastest score
-    that reads the model's output, ``retrieval`` needs no tokenizer. ``ties``: ``"index"`` (earlier layers
+    so it is kept full outside the fraction (``Plan.free``). ``score``: the default, ``fisher`` (one
+    forward and one backward on real text: needs ``tokenizer``), chose best over SmolLM2-135M and Gemma 3
+    270M together; ``learned`` (DuoAttention's gates, 20 steps) was best on SmolLM2 alone and worst on
+    Gemma (docs/benchmarks.md, "The head-choice curve"); ``retrieval`` needs no tokenizer. ``ties``: ``"index"`` (earlier layers
     first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``, ``batch``:
     the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``, ``kl``,
     ``fisher`` and ``learned``; ``options``: the causal scores' own (``steps=``, ``checkpoint=``,
