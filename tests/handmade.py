@@ -112,10 +112,13 @@ def induction_llama(attn_implementation: str = "bhqk") -> transformers.LlamaForC
 
 
 class CharTokenizer:
-    """Characters as token ids 1 + ord(c) % (V − 1), for the scores that read text."""
+    """Characters as token ids 1 + ord(c) % (vocab − 1) (default V), for the scores that read text."""
+
+    def __init__(self, vocab: int = V):
+        self.vocab = vocab
 
     def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = [1 + ord(c) % (V - 1) for c in text]
+        ids = [1 + ord(c) % (self.vocab - 1) for c in text]
         return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
     def decode(self, ids) -> str:

@@ -16,6 +16,7 @@ from bhqk.budget import Plan, find
 from bhqk.budget.plan import kept_streaming, model_shape
 from bhqk.errors import ShapeError
 from bhqk.integrations.transformers import register
+from handmade import CharTokenizer  # characters as token ids
 from test_budget import V, _generate, _inputs  # ids [B, N] (row 1 left-padded), their mask; greedy (sequences, logits)
 from tolerance import assert_models_close
 
@@ -172,17 +173,6 @@ def test_emulate_refuses_a_cache_that_dropped_keys(name):
         _generate(model, ids, am)
 
 
-class _Chars:
-    """Characters as token ids inside the tiny models' vocabulary, for the scores that read text."""
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = [1 + ord(c) % (V - 1) for c in text]
-        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
-
-    def decode(self, ids) -> str:
-        return "".join(chr(i - 1) for i in ids)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_the_causal_scores_run_on_every_layer_type(name):
     """kl, fisher and learned (find's default) give one finite score per K/V head on every layer type,
@@ -191,7 +181,7 @@ def test_the_causal_scores_run_on_every_layer_type(name):
     shape = model_shape(model)
     for score, kw in (("kl", dict(length=64)), ("fisher", dict(length=64)),
                       ("learned", dict(steps=1, length=240, keys=1, words=2))):
-        plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=_Chars(), **kw)
+        plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=CharTokenizer(V), **kw)
         assert plan.scores.shape == (shape.layers, shape.kv_heads) and torch.isfinite(plan.scores).all(), (score, plan)
         assert plan.scores.max() > 0, (score, plan.scores)
 
