@@ -323,8 +323,7 @@ def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys)
     folder = tmp_path / "tiny"
     _llama().save_pretrained(folder)
     argv = ["budget", "--model", str(folder), "--full", "0.5", "--sink", "4", "--window", "8", "--score", "retrieval",
-            "--length", "1024",
-            "--save", str(tmp_path / "plan.json")]
+            "--length", "1024", "--save", str(tmp_path / "plan.json")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 of 4 K/V heads full" in out and "| 1     | model.layers.1.self_attn |" in out

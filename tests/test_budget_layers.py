@@ -175,15 +175,20 @@ def test_emulate_refuses_a_cache_that_dropped_keys(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_causal_scores_run_on_every_layer_type(name):
-    """kl, fisher and learned (find's default) give one finite score per K/V head on every layer type,
-    Llama 4 included (its ForCausalLM's get_decoder() is the model itself); streaming changes something."""
+    """kl, fisher (find's default) and learned give one finite score per K/V head on every layer type,
+    Llama 4 included (its ForCausalLM's get_decoder() is the model itself, which every score failed on);
+    kl and fisher are above 0 for some head (streaming it changes the output); learned's gates left 1 (a
+    training step ran; that they rank the right head is tested on the hand-built model)."""
     model = _model(name)
     shape = model_shape(model)
     for score, kw in (("kl", dict(length=64)), ("fisher", dict(length=64)),
                       ("learned", dict(steps=1, length=240, keys=1, words=2))):
         plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=CharTokenizer(V), **kw)
         assert plan.scores.shape == (shape.layers, shape.kv_heads) and torch.isfinite(plan.scores).all(), (score, plan)
-        assert plan.scores.max() > 0, (score, plan.scores)
+        if score == "learned":
+            assert (plan.scores < 1).all(), plan.scores
+        else:
+            assert plan.scores.max() > 0, (score, plan.scores)
 
 
 def test_find_chooses_among_the_heads_whose_window_reaches_beyond_the_streaming_window():
