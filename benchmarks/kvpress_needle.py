@@ -102,38 +102,46 @@ def cache_bytes(cache, model) -> tuple[int, int, int]:
     return stored, effective, tokens
 
 
-def run_trial(model, tok, needle, t, press, max_new_tokens: int) -> dict:
-    """Prefill the whole prompt under ``press``, then greedy decoding at the true positions."""
+def greedy(model, ids: list[int], press, max_new_tokens: int, stop: set[int]) -> dict:
+    """Prefill ``ids`` under ``press`` (None: no press), then greedy decoding at the true positions (N,
+    N+1, ...) until a token of ``stop`` or ``max_new_tokens`` new tokens: the new ids (no stop token),
+    the cache after the prefill (:func:`cache_bytes`) and the seconds of each part."""
     import contextlib
 
     import torch
     from transformers import DynamicCache
 
-    ids = torch.tensor([t.ids])  # [1, N]
-    n = ids.shape[1]
-    cache = DynamicCache()
+    x = torch.tensor([ids])  # [1, N]
+    n, cache, new = x.shape[1], DynamicCache(), []
     with torch.no_grad():
         t0 = time.perf_counter()
         with press(model) if press is not None else contextlib.nullcontext():
-            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=x, past_key_values=cache, logits_to_keep=1)
         t_prefill = time.perf_counter() - t0
         stored, effective, tokens = cache_bytes(cache, model)
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
-        got = [int(out.logits[0, -1].argmax())]
+        nxt = int(out.logits[0, -1].argmax())
         t0 = time.perf_counter()
-        for i in range(max_new_tokens - 1):
-            if got[-1] in eos:
+        while nxt not in stop:
+            new.append(nxt)
+            if len(new) == max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[got[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[n + i]]))  # [1, 1]: the true position, past evictions
-            got.append(int(out.logits[0, -1].argmax()))
+            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
+                        position_ids=torch.tensor([[n + len(new) - 1]]))  # [1, 1]: the true position, past evictions
+            nxt = int(out.logits[0, -1].argmax())
         t_decode = time.perf_counter() - t0
-    answer = tok.decode(got, skip_special_tokens=True).strip()
+    return {"new": new, "kv_bytes_stored": stored, "kv_bytes_effective": effective, "kv_tokens_stored": tokens,
+            "prefill_s": round(t_prefill, 3), "decode_s": round(t_decode, 3)}
+
+
+def run_trial(model, tok, needle, t, press, max_new_tokens: int) -> dict:
+    """One needle trial: :func:`greedy` on its prompt, the answer judged by the needle module."""
+    eos = model.generation_config.eos_token_id
+    g = greedy(model, t.ids, press, max_new_tokens, set(eos if isinstance(eos, list) else [eos]))
+    new = g.pop("new")
+    answer = tok.decode(new, skip_special_tokens=True).strip()
     return {"length": t.length, "depth": t.depth, "trial": t.trial, "key": t.key, "answer": answer,
             "found": needle.found_in(answer, t.key), "needle_at": t.needle_at, "prompt_sha": digest(t.ids),
-            "kv_bytes_stored": stored, "kv_bytes_effective": effective, "kv_tokens_stored": tokens,
-            "prefill_s": round(t_prefill, 3), "decode_s": round(t_decode, 3), "new_tokens": len(got)}
+            **g, "new_tokens": len(new)}
 
 
 def worker(args) -> None:

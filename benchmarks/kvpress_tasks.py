@@ -12,15 +12,14 @@ prompts stored with the curve (``benchmarks/results/grade-curve-2026-12-04.json`
 own environment, ``bash benchmarks/kvpress_env.sh``; it never imports bhqk) greedy-decodes each prompt's
 reply as ``bhqk.inspect.grade.reply`` does (the whole prompt prefilled under the press, then one token at
 a time at the true positions, up to the prompt's ``max_new_tokens`` or an end token) with
-``benchmarks/kvpress_needle.py``'s presses and model loading. ``--score`` scores the replies with
-``Prompt.score`` and writes ``benchmarks/results/kvpress-tasks-<tag>.json`` (CPU, versions, every reply)
-and a table with Wilson 95 % intervals.
+``benchmarks/kvpress_needle.py``'s presses, model loading and decoding loop (``greedy``). ``--score``
+scores the replies with ``Prompt.score`` and writes ``benchmarks/results/kvpress-tasks-<tag>.json``
+(CPU, versions, every reply) and a table with Wilson 95 % intervals.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -49,37 +48,21 @@ def dump(out: Path) -> None:
 
 
 def run(src: Path, model_dir: Path, presses: list[str], ratios: list[float], out: Path) -> None:
-    import torch
-    from transformers import DynamicCache
-
-    from kvpress_needle import cache_bytes, load_model, make_press, versions
+    from kvpress_needle import greedy, load_model, make_press, versions
 
     prompts = json.loads(src.read_text())["prompts"]
     model, tok = load_model(model_dir)
     eos = model.generation_config.eos_token_id
-    stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {tok.eos_token_id}
+    stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {tok.eos_token_id}  # as bhqk's grader stops
     configs = []
     for name in presses:
         for ratio in ([0.0] if name == "none" else ratios):
             press, t0, replies = make_press(name, ratio), time.perf_counter(), []
             for p in prompts:
-                ids = torch.tensor([p["ids"]])  # [1, N]
-                n, cache, new = ids.shape[1], DynamicCache(), []
-                with torch.no_grad():
-                    with press(model) if press is not None else contextlib.nullcontext():
-                        out_ = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-                    stored, effective, _ = cache_bytes(cache, model)
-                    nxt = int(out_.logits[0, -1].argmax())
-                    while nxt not in stop:
-                        new.append(nxt)
-                        if len(new) == p["max_new_tokens"]:
-                            break
-                        out_ = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
-                                     position_ids=torch.tensor([[n + len(new) - 1]]))  # [1, 1]: the true position
-                        nxt = int(out_.logits[0, -1].argmax())
-                text = tok.decode(new, skip_special_tokens=True).strip()
-                replies.append({"task": p["task"], "trial": p["trial"], "reply": text,
-                                "kv_bytes_stored": stored, "kv_bytes_effective": effective})
+                g = greedy(model, p["ids"], press, p["max_new_tokens"], stop)
+                replies.append({"task": p["task"], "trial": p["trial"],
+                                "reply": tok.decode(g["new"], skip_special_tokens=True).strip(),
+                                "kv_bytes_stored": g["kv_bytes_stored"], "kv_bytes_effective": g["kv_bytes_effective"]})
             configs.append({"press": name, "ratio": ratio, "seconds": time.perf_counter() - t0, "replies": replies})
             print(f"{name} {ratio}: {time.perf_counter() - t0:.0f} s", flush=True)
             out.write_text(json.dumps({"versions": versions(), "model": str(model_dir), "configs": configs}))
