@@ -112,9 +112,9 @@ def make_plan(model, tok, name: str, full: float, sink: int, window: int):
     a draw of the heads whose choice matters; ``kl-stored``, ``fisher-stored``, ``learned-stored``: the top
     heads by :func:`stored_scores`)."""
     from bhqk.budget import Plan, find
-    from bhqk.budget.plan import model_shape
+    from bhqk.budget.plan import model_map
 
-    shape = model_shape(model)
+    shape = model_map(model).shape
     L, Hkv = shape.layers, shape.kv_heads
     if name == "full":
         return Plan(torch.ones(L, Hkv, dtype=torch.bool), sink, window, model=shape)

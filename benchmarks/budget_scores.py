@@ -65,19 +65,19 @@ def text_gradients(model, ids: torch.Tensor) -> torch.Tensor:
     over the rows streaming changes (the candidates that read the text instead of a draw)."""
     from bhqk.budget import scores as sc
     from bhqk.budget.gate import gated
-    from bhqk.budget.plan import model_shape
+    from bhqk.budget.plan import model_map
 
-    shape = model_shape(model)
-    L, Hkv = shape.layers, shape.kv_heads
+    m = model_map(model)
+    L, Hkv = m.shape.layers, m.shape.kv_heads
     N, start = ids.shape[1], sc.first_row(S, W)
     g = torch.ones(L, Hkv, N, requires_grad=True)
-    with gated(model, g, S, W):
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [1, N, d]
+    with gated(m, g, S, W):
+        hidden = m.hidden(ids)  # [1, N, d]
     grad = torch.zeros_like(hidden)
     for a in range(start, N - 1, sc.CHUNK):
         b = min(a + sc.CHUNK, N - 1)
         h = hidden[:, a:b].detach().requires_grad_(True)
-        logp = torch.log_softmax(sc.logits_of(model, h).float(), -1)  # [1, c, V]
+        logp = torch.log_softmax(m.logits(h).float(), -1)  # [1, c, V]
         grad[:, a:b] = torch.autograd.grad(-logp.gather(-1, ids[:, a + 1:b + 1, None]).sum(), h)[0]
     hidden.backward(grad)
     assert g.grad is not None

@@ -452,11 +452,11 @@ def test_a_stream_shorter_than_the_sink_holds_every_position_and_crops():
 
 
 def test_a_plan_records_what_it_was_made_for_and_its_file_keeps_it(tmp_path):
-    from bhqk.budget.plan import ModelShape, model_shape
+    from bhqk.budget.plan import ModelShape, model_map
 
     model = _llama()
     plan = find(model, full=0.5, sink=S, window=W, score="retrieval", length=16, batch=1)
-    shape = model_shape(model)
+    shape = model_map(model).shape
     assert plan.model == shape == ModelShape(2, 8, 2, 8, ("full_attention",) * 2, (None, None), None, "llama")
     back = Plan.load(plan.save(tmp_path / "plan.json"))
     assert back.model == shape and "made for [layers=2, H=8, Hkv=2, d=8; 2 full_attention] (llama)" in str(back)
@@ -465,7 +465,7 @@ def test_a_plan_records_what_it_was_made_for_and_its_file_keeps_it(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     older = Plan.load(tmp_path / "old.json")
     assert older.model is None and torch.equal(older.full, plan.full)
-    assert older.check(model) == shape  # layers and K/V heads are all it can check
+    assert older.check(model).shape == shape  # layers and K/V heads are all it can check
     with pytest.raises(ShapeError, match=r"Hkv=2\] but the plan says it was made for \[layers=2, H=8, Hkv=3"):
         Plan(plan.full, model=ModelShape(2, 8, 3, 8, ("full_attention",) * 2, (None, None)))
 

@@ -15,7 +15,7 @@ import bhqk.budget.cache
 from bhqk import edits, masks
 from bhqk.bias import alibi
 from bhqk.budget import Plan
-from bhqk.budget.plan import attention_modules, model_shape
+from bhqk.budget.plan import model_map
 from bhqk.inspect.heads import layer_id
 from test_budget import S, W, _generate, _inputs, _llama
 from test_budget_kvcache import _gpt2
@@ -34,7 +34,7 @@ NEW = 4  # new tokens: the prefill of 20 (past S + W + 1 and the sliding windows
 def _whole_sliding_layer(model) -> Plan:
     """Gemma 3's first sliding layer all full (its own layer, read past its window), the second all
     streaming, the global layer mixed."""
-    shape = model_shape(model)
+    shape = model_map(model).shape
     full = torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool)
     full[0] = True
     full[-1, -1] = True
@@ -42,7 +42,7 @@ def _whole_sliding_layer(model) -> Plan:
 
 
 def _streaming(model) -> Plan:
-    shape = model_shape(model)
+    shape = model_map(model).shape
     return Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W)
 
 
@@ -65,7 +65,7 @@ CASES = {  # name: (model, plan)
 
 
 def _streaming_query_heads(plan: Plan, model, li: int) -> list[int]:
-    shape = model_shape(model)
+    shape = model_map(model).shape
     G = shape.heads // shape.kv_heads
     keeps = plan.full | plan.free(shape)  # [L, Hkv]
     return [g * G + j for g in range(shape.kv_heads) if not bool(keeps[li, g]) for j in range(G)]
@@ -93,7 +93,7 @@ def test_capture_over_generate_with_the_budget_cache_equals_capture_over_the_emu
     make, make_plan = CASES[name]
     model = make()
     plan = make_plan(model)
-    layers = model_shape(model).layers
+    layers = model_map(model).shape.layers
     ids, am = _inputs()
     with bhqk.capture(model=model, **KW) as cap:
         seq, logits = _generate(model, ids, am, n=NEW, cache=(cache := plan.cache(model)))
@@ -137,11 +137,11 @@ def test_edits_of_a_streaming_and_a_full_head_equal_them_on_the_emulated_run(nam
     make, make_plan = CASES[name]
     model = make()
     plan = make_plan(model)
-    layers = model_shape(model).layers
+    layers = model_map(model).shape.layers
     li = 0
-    path = attention_modules(model)[li]
+    path = model_map(model).paths[li]
     stream_q = _streaming_query_heads(plan, model, li)[0]
-    full_q = next(h for h in range(model_shape(model).heads) if h not in _streaming_query_heads(plan, model, li))
+    full_q = next(h for h in range(model_map(model).shape.heads) if h not in _streaming_query_heads(plan, model, li))
     seq, logits = _edited(model, plan, path, stream_q, full_q, plan.cache(model))
     with plan.emulate(model):
         ref_seq, ref = _edited(model, plan, path, stream_q, full_q, transformers.DynamicCache())
@@ -165,7 +165,7 @@ def test_capture_and_edit_over_bhqks_own_budget_kvcache_equal_the_emulated_run()
     assert torch.equal(seq, ref_seq)
     assert len(cap.records) == 2 * NEW and cap.records[-1].sizes["K"] == ids.shape[1] + NEW - 1
     _same_records(cap.records, ref.records, 2, "gpt2")
-    path = attention_modules(model)[0]
+    path = model_map(model).paths[0]
 
     def edited(cache):
         with bhqk.edit(path, heads=[1], model=model, mask=masks.key_span(1, 2)), \

@@ -248,11 +248,11 @@ def test_a_plan_for_another_model_is_refused_before_anything_is_stored():
     """A plan records the model it was made for (GPT-2 here: d = 8): ``kv_cache(other)`` names both shapes;
     a cache made without the model refuses the first keys of another head size in every layer, a layer
     whose heads are all full (a plain LayerCache) too, before storing them."""
-    from bhqk.budget.plan import model_shape
+    from bhqk.budget.plan import model_map
 
     model = _gpt2()
     other = GPT2(GPT2Config(vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=64)).eval()  # d = 16
-    shape = model_shape(model)
+    shape = model_map(model).shape
     assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.model_type) == (2, 4, 4, 8, "GPT2")
     ids, _ = _inputs(B=1)
     for full in (_mixed().full, torch.ones(2, 4, dtype=torch.bool)):

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from bhqk.budget import Plan, find
-from bhqk.budget.plan import kept_streaming, model_shape
+from bhqk.budget.plan import kept_streaming, model_map
 from bhqk.errors import ShapeError
 from bhqk.integrations.transformers import register
 from handmade import CharTokenizer  # characters as token ids
@@ -63,7 +63,7 @@ NAMES = list(KINDS)
 
 def _mixed(model) -> Plan:
     """Layer 0's K/V head 0 and the last layer's last head full, every other head streaming."""
-    shape = model_shape(model)
+    shape = model_map(model).shape
     full = torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool)
     full[0, 0] = full[-1, -1] = True
     return Plan(full, sink=S, window=W)
@@ -76,7 +76,7 @@ def _bytes(cache) -> int:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_model_shape_is_what_the_models_own_cache_is_made_of(name):
     model = _model(name)
-    shape = model_shape(model)
+    shape = model_map(model).shape
     assert list(shape.layer_types) == KINDS[name]
     own = transformers.DynamicCache(config=model.config)
     for layer, t, w in zip(own.layers, shape.layer_types, shape.windows):
@@ -91,7 +91,7 @@ def test_bytes_are_the_models_own_cache_and_the_plan_holds_what_it_says(name):
     ``nbytes(n)[1]`` in its tensors, the budget cache ``nbytes(n)[0]`` — each streaming head exactly the
     positions a later query may see under its layer's window and the streaming mask — never more."""
     model = _model(name)
-    shape = model_shape(model)
+    shape = model_map(model).shape
     ids, am = _inputs(B=2, N=22)
     plan, every = _mixed(model), Plan(torch.ones(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W)
     own, cache, all_full = transformers.DynamicCache(config=model.config), plan.cache(model), every.cache(model)
@@ -137,7 +137,7 @@ def test_generation_with_the_budget_cache_equals_the_emulated_plan(name):
 def test_an_all_full_plan_is_the_models_own_cache_tensor_for_tensor(name):
     model = _model(name)
     ids, am = _inputs()
-    shape = model_shape(model)
+    shape = model_map(model).shape
     plan = Plan(torch.ones(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W)
     cache, own = plan.cache(model), transformers.DynamicCache(config=model.config)
     seq, logits = _generate(model, ids, am, cache=cache)
@@ -180,7 +180,7 @@ def test_the_causal_scores_run_on_every_layer_type(name):
     kl and fisher are above 0 for some head (streaming it changes the output); learned's gates left 1 (a
     training step ran; that they rank the right head is tested on the hand-built model)."""
     model = _model(name)
-    shape = model_shape(model)
+    shape = model_map(model).shape
     for score, kw in (("kl", dict(length=64)), ("fisher", dict(length=64)),
                       ("learned", dict(steps=1, length=240, keys=1, words=2))):
         plan = find(model, full=0.5, sink=S, window=W, score=score, tokenizer=CharTokenizer(V), **kw)
@@ -201,7 +201,7 @@ def test_find_chooses_among_the_heads_whose_window_reaches_beyond_the_streaming_
     assert plan.free().tolist() == [[False, False], [True, True]]
     assert plan.decided()[1] == ["model window", "model window"] and "index" in plan.decided()[0] + ["retrieval"]
     assert "2 of them within their layer's own window" in plan.summary()
-    assert plan.model == model_shape(model) and plan.nbytes(64, model)[0] < plan.nbytes(64, model)[1]
+    assert plan.model == model_map(model).shape and plan.nbytes(64, model)[0] < plan.nbytes(64, model)[1]
     wide = find(model, full=0.5, sink=S, window=WIN - 2, score="retrieval", length=32, batch=2)
     assert int(wide.full.sum()) == 2 and not wide.free().any()
     every = find(model, full=1.0, sink=S, window=WIN - 1, score="retrieval", length=32, batch=2)
@@ -223,7 +223,7 @@ def test_the_models_own_layout_written_as_a_plan_is_the_models_own_cache():
     sliding heads see what the model lets them see, so the plan is the model's own cache, logits and
     tensors exactly (the streaming heads within their layer's window run as full heads)."""
     model = _model("gemma3")
-    shape = model_shape(model)
+    shape = model_map(model).shape
     full = torch.tensor([[t == "full_attention"] * shape.kv_heads for t in shape.layer_types])  # [L, Hkv]
     plan = Plan(full, sink=0, window=WIN - 1)
     assert plan.free(shape)[:2].all() and not plan.full[:2].any()

@@ -209,7 +209,7 @@ def named_plans(names: list[str], model, sink: int, window: int) -> dict:
             out[name] = None
         elif name == "streaming":
             plan = importlib.import_module("bhqk.budget.plan")
-            shape = plan.model_shape(model)
+            shape = plan.model_map(model).shape
             out[name] = plan.Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window,
                                   model=shape)
         else:

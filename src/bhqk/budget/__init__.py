@@ -12,7 +12,7 @@ from typing import Any
 
 from .find import SCORES, find, score_heads
 from .mask import streaming_mask
-from .plan import ModelShape, Plan, model_shape
+from .plan import ModelMap, ModelShape, Plan, model_map
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +24,4 @@ def __getattr__(name: str) -> Any:
 
 
 # BudgetCache, GroupedKV: bhqk.budget.cache
-__all__ = ["Plan", "ModelShape", "model_shape", "find", "score_heads", "SCORES", "streaming_mask"]
+__all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "find", "score_heads", "SCORES", "streaming_mask"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import LoadError
 from .find import SCORES, find
-from .plan import model_shape
+from .plan import model_map
 from .scores import CAUSAL
 
 
@@ -56,7 +56,7 @@ def cmd_budget(a: argparse.Namespace) -> str:
     t2 = time.perf_counter()
     held, own = plan.nbytes(a.length, model)
     lines = [str(plan), "",
-             f"model: {model_shape(model).describe()}; loaded in {t1 - t0:.1f} s, scored in {t2 - t1:.1f} s",
+             f"model: {model_map(model).shape.describe()}; loaded in {t1 - t0:.1f} s, scored in {t2 - t1:.1f} s",
              f"keys and values at {a.length:,} tokens (batch 1, {next(model.parameters()).dtype}): plan {_mib(held)}, "
              f"the model's own cache {_mib(own)} ({held / own:.3f}×; saves {_mib(own - held)})"]
     if a.save:

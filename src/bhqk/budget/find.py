@@ -45,7 +45,8 @@ from torch import nn
 
 from ..inspect.capture import capture
 from ..inspect.heads import head_table
-from .plan import Plan, attention_modules, model_shape
+from ..integrations.model_map import ModelMap, model_map
+from .plan import Plan
 from .scores import CAUSAL, text_ids
 
 SCORES = ("induction", "retrieval", "distant", *CAUSAL)
@@ -72,36 +73,25 @@ def _on_bhqk(model: Any) -> Iterator[None]:
         model.set_attn_implementation(impl)  # type: ignore[operator]
 
 
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _vocab(model: Any) -> int:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(text.vocab_size)
-
-
-def _induction(model: Any, length: int, batch: int, seed: int) -> torch.Tensor:
+def _induction(m: ModelMap, length: int, batch: int, seed: int) -> torch.Tensor:
     """Per query head [L, H]: P from each token of the second copy on the token after its match in the
     first copy (offset length − 1), on ``batch`` repeated random sequences (only those rows captured)."""
-    dev = _device(model)
-    vocab = _vocab(model)
+    dev, vocab = m.device, m.vocab_size
     low = min(100, vocab // 2)  # skip the first ids (special and byte tokens of real tokenizers)
     g = torch.Generator().manual_seed(seed)
     seg = torch.randint(low, vocab, (batch, length), generator=g)  # [B, L]
     x = torch.cat([seg, seg], 1)  # [B, 2L]
     with torch.no_grad(), capture(what=("sink",), offsets=(length - 1,), rows=range(length, 2 * length),
-                                  model=model) as cap:
-        model(input_ids=x.to(dev))
+                                  model=m.model) as cap:
+        m.model(input_ids=x.to(dev))
     return head_table(cap.records)[f"offset {length - 1}"]  # [L, H]
 
 
-def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def _retrieval(m: ModelMap, length: int, batch: int, seed: int, needle: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query head ([L, H] retrieval, [L, H] copy mass): the fraction of correctly copied needle
     tokens whose top-1 key is the token copied, and the mean weight on the token being copied over
     every step of the repeated needle (one forward)."""
-    dev = _device(model)
-    vocab = _vocab(model)
+    dev, vocab = m.device, m.vocab_size
     low = min(100, vocab // 2)
     g = torch.Generator().manual_seed(seed)
     hay = torch.randint(low, vocab, (batch, length), generator=g)  # [B, N]
@@ -118,8 +108,8 @@ def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16)
     # row start + j copies the token at src + 1 + j: an offset of start − src − 1, one per sequence
     offsets = [start - a - 1 for a in src]
     with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, offsets=sorted(set(offsets)),
-                                  model=model) as cap:
-        logits = model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
+                                  model=m.model) as cap:
+        logits = m.model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
     pred = logits[:, rows].argmax(-1).cpu()  # [B, m − 1]
     target = ndl[:, 1:]  # [B, m − 1]
     ok = (pred == target).double()  # [B, m − 1]: the steps where the model copies
@@ -138,12 +128,12 @@ def _retrieval(model: Any, length: int, batch: int, seed: int, needle: int = 16)
     return torch.stack(hits).float(), torch.stack(mass).float()  # [L, H], [L, H]
 
 
-def _distant(model: Any, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
+def _distant(m: ModelMap, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
     if tokenizer is None:
         raise ValueError("find(score='distant') reads real text: pass tokenizer= (and optionally texts=).")
     x = text_ids(tokenizer, texts, length, batch)
-    with torch.no_grad(), capture(what=("sink",), window=window, model=model) as cap:
-        model(input_ids=x.to(_device(model)))
+    with torch.no_grad(), capture(what=("sink",), window=window, model=m.model) as cap:
+        m.model(input_ids=x.to(m.device))
     table = cap.head_table()
     return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
 
@@ -152,7 +142,7 @@ TIES = {"retrieval": "copy mass"}  # a score's optional second key (ties="copy m
 TIE_ORDERS = ("index", "copy mass")
 
 
-def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256, tokenizer=None,
+def score_keys(model: nn.Module | ModelMap, score: str = "induction", *, window: int = 256, tokenizer=None,
                texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
                batch: int | None = None, ties: str = "index", sink: int = 64,
                **options: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -169,22 +159,23 @@ def score_keys(model: nn.Module, score: str = "induction", *, window: int = 256,
                          f"second key (use ties='index').")
     if options and score not in CAUSAL:
         raise ValueError(f"find: {sorted(options)} are options of the causal scores {CAUSAL}, not of score={score!r}.")
-    shape = model_shape(model)
-    L, H, Hkv = shape.layers, shape.heads, shape.kv_heads
+    m = model_map(model)
+    model = m.model
+    L, H, Hkv = m.shape.layers, m.shape.heads, m.shape.kv_heads
     was = model.training
     model.eval()
     try:
         with _on_bhqk(model):
             if score == "induction":
-                per_q = [_induction(model, length or 64, batch or 4, seed)]
+                per_q = [_induction(m, length or 64, batch or 4, seed)]
             elif score == "retrieval":
-                per_q = list(_retrieval(model, length or max(256, 4 * window), batch or 4, seed))
+                per_q = list(_retrieval(m, length or max(256, 4 * window), batch or 4, seed))
             elif score == "distant":
-                per_q = [_distant(model, tokenizer, texts, length or max(512, 4 * window), batch or 4, window)]
+                per_q = [_distant(m, tokenizer, texts, length or max(512, 4 * window), batch or 4, window)]
             else:
                 from .scores import causal_scores
 
-                kv = causal_scores(model, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
+                kv = causal_scores(m, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
                                    length=length, batch=batch, **options)  # [L, Hkv]
                 per_q = [kv.float().repeat_interleave(H // Hkv, dim=1)]  # [L, Hkv] -> [L, H]
     finally:
@@ -219,7 +210,7 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
     return order
 
 
-def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "fisher", *,
+def find(model: nn.Module | ModelMap, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "fisher", *,
          tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
          batch: int | None = None, ties: str = "index", **options: Any) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of the K/V
@@ -237,17 +228,18 @@ def find(model: nn.Module, full: float = 0.5, sink: int = 64, window: int = 256,
     ``resume=`` of ``learned``; :func:`bhqk.budget.scores.causal_scores`)."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
-    shape = model_shape(model)
+    m = model_map(model)
+    shape = m.shape
     L, Hkv = shape.layers, shape.kv_heads
     free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
-    keys = score_keys(model, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
+    keys = score_keys(m, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
                       length=length, batch=batch, ties=ties, sink=sink, **options)
     n = round(full * int((~free).sum()))
     order = rank([kv for _, kv, _ in keys])  # [L·Hkv] flat indices = layer·Hkv + head, best first
     mask = free.clone()  # [L·Hkv]
     mask[order[~free[order]][:n]] = True  # the best n of the heads whose choice matters
     tie = keys[1] if len(keys) > 1 else None
-    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, attention_modules(model) or None,  # [L·Hkv] -> [L, Hkv]
+    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, list(m.paths),  # [L·Hkv] -> [L, Hkv]
                 {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1],
                 None if tie is None else tie[0], shape)
 

@@ -28,9 +28,9 @@ from torch import nn
 
 from ..errors import MaskError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias, attention_forward
+from ..integrations.model_map import ModelMap, model_map
 from ..masks import Mask
 from .mask import streaming_mask
-from .plan import attention_modules, model_shape
 
 NAME = "bhqk-gates"
 
@@ -79,24 +79,22 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def gated(model: nn.Module, gates: torch.Tensor, sink: int, window: int) -> Iterator[None]:
+def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: int) -> Iterator[None]:
     """Inside the block each K/V head's query heads output ``gates·O_full + (1 − gates)·O_stream``
     (module doc); ``gates``: float [layers, Hkv] or [layers, Hkv, N] (may require gradients). The
     model must be a Hugging Face causal LM; it runs on bhqk's attention inside and on its own after."""
-    if not hasattr(model, "set_attn_implementation"):
+    if not hasattr(model.model if isinstance(model, ModelMap) else model, "set_attn_implementation"):
         raise TypeError(f"bhqk.budget.gated: mixes the heads of a Hugging Face causal LM; got {type(model).__name__}.")
-    shape, paths = model_shape(model), attention_modules(model)
-    L, Hkv = shape.layers, shape.kv_heads
+    m = model_map(model)
+    model = m.model
+    L, Hkv = m.shape.layers, m.shape.kv_heads
     if not isinstance(gates, torch.Tensor) or not gates.is_floating_point() or gates.dim() not in (2, 3) \
             or tuple(gates.shape[:2]) != (L, Hkv):
         got = f"{gates.dtype} {list(gates.shape)}" if isinstance(gates, torch.Tensor) else type(gates).__name__
         raise ShapeError(f"bhqk.budget.gated: gates must be a float tensor [layers={L}, Hkv={Hkv}] or [layers, Hkv, N], "
                          f"got {got}.")
-    if len(paths) != L:
-        raise ShapeError(f"bhqk.budget.gated: found {len(paths)} attention modules with a layer_idx in "
-                         f"{type(model).__name__} but its config has {L} layers.")
     stream = streaming_mask(sink, window)
-    table = {id(model.get_submodule(p)): (gates[li], stream) for li, p in enumerate(paths)}
+    table = {id(m.module(li)): (gates[li], stream) for li in range(L)}
     impl = getattr(model.config, "_attn_implementation", None)
     backend = impl.split(":", 1)[1] if isinstance(impl, str) and impl.startswith("bhqk:") else "auto"
     _register()

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 from ..errors import LoadError, ShapeError
-from ..integrations.hf_folder import decoder_stack
+from ..integrations.model_map import ModelMap, model_map
 from .gate import gated
-from .plan import model_shape
 
 FORMAT = "bhqk.budget.gates/1"
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
@@ -135,8 +134,8 @@ class Training:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def _distill(model, ids: torch.Tensor, first: int, want: torch.Tensor) -> torch.Tensor:
-    h = decoder_stack(model)(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:]  # [n, d]
+def _distill(m: ModelMap, ids: torch.Tensor, first: int, want: torch.Tensor) -> torch.Tensor:
+    h = m.hidden(ids[None])[0, first:]  # [n, d]
     return (h.float() - want).pow(2).mean(-1).mean()
 
 
@@ -180,9 +179,10 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
         raise ValueError("train_gates: the pass-key prompts are text; pass tokenizer=.")
     s = Settings(sink, window, steps, tuple(length) if isinstance(length, list) else length, keys, words, seed,
                  float(lr), float(reg))
-    shape = model_shape(model)
-    L, Hkv = shape.layers, shape.kv_heads
-    dev = next(model.parameters()).device
+    m = model_map(model)
+    model = m.model
+    L, Hkv = m.shape.layers, m.shape.kv_heads
+    dev = m.device
     gates = torch.ones(L, Hkv, device=dev, requires_grad=True)
     opt = torch.optim.AdamW([gates], lr=s.lr, weight_decay=0.0)
     step = 0
@@ -208,11 +208,11 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
             ids, first = passkey_prompt(tokenizer, s.prompt_length(step), s.seed, step, s.keys, s.words)
             ids = ids.to(dev)
             with torch.no_grad():
-                want = decoder_stack(model)(input_ids=ids[None], use_cache=False).last_hidden_state[0, first:].float()
+                want = m.hidden(ids[None])[0, first:].float()  # [n, d]
             for group in opt.param_groups:
                 group["lr"] = s.lr * s.schedule(step)
-            with gated(model, gates, sink, window):
-                distill = _distill(model, ids, first, want)
+            with gated(m, gates, sink, window):
+                distill = _distill(m, ids, first, want)
             loss = distill + s.reg * gates.abs().mean()
             opt.zero_grad()
             loss.backward()

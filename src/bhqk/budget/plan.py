@@ -23,111 +23,11 @@ from torch import nn
 
 from .. import masks
 from ..errors import LoadError, ShapeError
+from ..integrations.model_map import ModelMap, ModelShape, model_map
 from ..text import table
 from .mask import streaming_mask
 
 FORMAT = "bhqk.budget.Plan/1"
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a plan is made for: ``layers``, query heads ``heads`` (H), K/V heads ``kv_heads`` (Hkv),
-    ``head_dim`` (d), each layer's attention as the model masks it (``layer_types``: transformers'
-    ``full_attention``, ``sliding_attention`` or ``chunked_attention``; ``windows``: the keys a query
-    of the layer sees at most, itself included — the sliding window or the chunk size — or None for
-    every key) and the model's ``name`` and ``model_type`` where known."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...]
-    windows: tuple[int | None, ...]
-    name: str | None = None
-    model_type: str | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.layer_types) != self.layers or len(self.windows) != self.layers:
-            raise ShapeError(f"ModelShape: {len(self.layer_types)} layer types and {len(self.windows)} windows for "
-                             f"layers={self.layers}.")
-        for li, (t, w) in enumerate(zip(self.layer_types, self.windows)):
-            if t not in LAYER_TYPES:
-                raise ShapeError(f"ModelShape: layer {li} is {t!r}; a budget plan covers layers of keys and values "
-                                 f"({', '.join(LAYER_TYPES)}).")
-            if (t == "full_attention") != (w is None) or (w is not None and w < 1):
-                raise ShapeError(f"ModelShape: layer {li} is {t!r} with window {w!r} (a full-attention layer has none, "
-                                 f"a sliding or chunked one a window >= 1).")
-
-    def sizes(self) -> tuple[int, int, int, int]:
-        return self.layers, self.heads, self.kv_heads, self.head_dim
-
-    def describe(self) -> str:
-        """``[layers=18, H=4, Hkv=1, d=256; 15 sliding_attention (window 512) + 3 full_attention] (gemma3)``."""
-        kinds: dict[tuple[str, int | None], int] = {}
-        for t, w in zip(self.layer_types, self.windows):
-            kinds[(t, w)] = kinds.get((t, w), 0) + 1
-        types = " + ".join(f"{n} {t}" + ("" if w is None else f" (window {w})") for (t, w), n in kinds.items())
-        who = " / ".join(x for x in (self.name, self.model_type) if x)
-        return (f"[layers={self.layers}, H={self.heads}, Hkv={self.kv_heads}, d={self.head_dim}; {types}]"
-                + (f" ({who})" if who else ""))
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "model_type": self.model_type, "layers": self.layers, "heads": self.heads,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layer_types": list(self.layer_types),
-                "windows": list(self.windows)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelShape:
-        return cls(int(d["layers"]), int(d["heads"]), int(d["kv_heads"]), int(d["head_dim"]), tuple(d["layer_types"]),
-                   tuple(None if w is None else int(w) for w in d["windows"]), d.get("name"), d.get("model_type"))
-
-
-def model_shape(model: nn.Module) -> ModelShape:
-    """The :class:`ModelShape` of a Hugging Face decoder (its config; each layer's type and window as
-    transformers' ``DynamicCache(config=...)`` reads them) or of a bhqk model (its ``MultiHeadAttention``
-    modules, in order; every layer full attention)."""
-    from ..nn import MultiHeadAttention
-
-    own = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if own:
-        sizes = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in own}
-        if len(sizes) != 1:
-            raise ShapeError(f"{type(model).__name__}: its attention modules differ in (H, Hkv, d): {sorted(sizes)}; "
-                             f"a budget plan needs one K/V head count per layer.")
-        (H, Hkv, d), = sizes
-        L = len(own)
-        return ModelShape(L, H, Hkv, d, ("full_attention",) * L, (None,) * L, None, type(model).__name__)
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ShapeError(f"{type(model).__name__} has no .config; a budget plan needs a Hugging Face model "
-                         f"(layers, attention heads and K/V heads come from its config).")
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    L = int(text.num_hidden_layers)
-    H = int(text.num_attention_heads)
-    Hkv = int(getattr(text, "num_key_value_heads", None) or H)
-    d = int(getattr(text, "head_dim", None) or text.hidden_size // H)
-    types, kwargs = get_layer_types_and_kwargs(text)  # what the model's own DynamicCache(config=) is made of
-    windows = tuple(None if t == "full_attention" else kw.get("sliding_window") for t, kw in zip(types, kwargs))
-    name = getattr(config, "name_or_path", None) or None
-    return ModelShape(L, H, Hkv, d, tuple(types), windows, name, getattr(config, "model_type", None) or None)
-
-
-def attention_modules(model: nn.Module) -> list[str]:
-    """The module paths of the model's attention layers: its ``MultiHeadAttention`` modules in order
-    (bhqk), else the modules with a ``layer_idx``, by it (Hugging Face)."""
-    from ..nn import MultiHeadAttention
-
-    own = [n for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-    if own:
-        return own
-    found = [(m.layer_idx, n) for n, m in model.named_modules()
-             if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
-    return [n for _, n in sorted(found)]
 
 
 def kept_full(length: int, window: int | None) -> int:
@@ -213,11 +113,13 @@ class Plan:
         return f"[layers={self.num_layers}, Hkv={self.num_kv_heads}]" + (
             "" if self.model is None else f" made for {self.model.describe()}")
 
-    def check(self, model: nn.Module) -> ModelShape:
-        """The model's :class:`ModelShape`, or a ``ShapeError`` naming both shapes unless the plan fits
-        ``model`` (layers and K/V heads; and where the plan records what it was made for, query heads,
-        head size and each layer's attention type and window too)."""
-        return self.fits(model_shape(model), type(model).__name__)
+    def check(self, model: nn.Module | ModelMap) -> ModelMap:
+        """The model's :class:`~bhqk.integrations.model_map.ModelMap`, or a ``ShapeError`` naming both
+        shapes unless the plan fits ``model`` (layers and K/V heads; and where the plan records what it
+        was made for, query heads, head size and each layer's attention type and window too)."""
+        m = model_map(model)
+        self.fits(m.shape, type(m.model).__name__)
+        return m
 
     def fits(self, got: ModelShape, what: str = "the model") -> ModelShape:
         """``got``, or a ``ShapeError`` naming both shapes unless the plan fits it (:meth:`check`)."""
@@ -255,28 +157,30 @@ class Plan:
                       + (self.num_kv_heads - n_full) * kept_streaming(length, w, self.sink, self.window))
         return total
 
-    def nbytes(self, length: int, model: nn.Module, batch: int = 1, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    def nbytes(self, length: int, model: nn.Module | ModelMap, batch: int = 1,
+               dtype: torch.dtype | None = None) -> tuple[int, int]:
         """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
         transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
         layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
         sequences (``dtype``: the model's by default)."""
         _count("Plan.nbytes", "length", length)
         _count("Plan.nbytes", "batch", batch, 1)
-        shape = self.check(model)
-        dt = dtype or next(model.parameters()).dtype
+        m = self.check(model)
+        shape = m.shape
+        dt = dtype or next(m.model.parameters()).dtype
         per = 2 * shape.head_dim * torch.empty((), dtype=dt).element_size() * batch  # key + value of one position
         own = sum(shape.kv_heads * kept_full(length, w) for w in shape.windows)
         return self.held(length, shape) * per, own * per
 
     # ---- use ------------------------------------------------------------------------------------
-    def cache(self, model: nn.Module | None = None):
+    def cache(self, model: nn.Module | ModelMap | None = None):
         """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`),
         each layer as the model masks it. ``model``: checked against the plan first; without it, the
         cache checks the first keys the model writes (K/V heads, and the head size where the plan
         records it) before storing them, and a plan of more layers than the model at its next forward."""
         from .cache import BudgetCache
 
-        return BudgetCache(self, None if model is None else self.check(model))
+        return BudgetCache(self, None if model is None else self.check(model).shape)
 
     def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
         """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
@@ -290,7 +194,7 @@ class Plan:
         return KVCache(self.num_layers, capacity=capacity, plan=self)
 
     @contextlib.contextmanager
-    def emulate(self, model: nn.Module) -> Iterator[None]:
+    def emulate(self, model: nn.Module | ModelMap) -> Iterator[None]:
         """Inside the block, the model's streaming heads see only what the plan keeps, by
         ``bhqk.edit(mask=...)`` on their query heads (nothing is saved: the reference the budget
         cache must equal). The streaming mask counts keys by their position, so the model's cache
@@ -300,21 +204,17 @@ class Plan:
         call over such a cache is refused with a ``ValueError``."""
         from ..inspect import edit
 
-        shape = self.check(model)
-        paths = attention_modules(model)
-        if len(paths) != shape.layers:
-            raise ShapeError(f"Plan.emulate: found {len(paths)} attention modules in {type(model).__name__} but it "
-                             f"has {shape.layers} layers.")
+        m = self.check(model)
+        shape = m.shape
         G = shape.heads // shape.kv_heads
         keeps = self.full | self.free(shape)  # [L, Hkv] a head within its layer's own window sees what a full one does
         with contextlib.ExitStack() as stack:
-            for li, path in enumerate(paths):
+            for li, path in enumerate(m.paths):
                 heads = [g * G + j for g in range(shape.kv_heads) if not bool(keeps[li, g]) for j in range(G)]
                 if heads:
-                    module = model.get_submodule(path)
-                    hook = module.register_forward_pre_hook(_every_position(li), with_kwargs=True)
+                    hook = m.module(li).register_forward_pre_hook(_every_position(li), with_kwargs=True)
                     stack.callback(hook.remove)
-                    stack.enter_context(edit(path, heads, model=model, mask=self.mask()))
+                    stack.enter_context(edit(path, heads, model=m.model, mask=self.mask()))
             yield
 
     # ---- show -----------------------------------------------------------------------------------
@@ -485,4 +385,4 @@ def _num(t: torch.Tensor | None, li: int, g: int, digits: int = 3) -> str:
     return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}f}"
 
 
-__all__ = ["Plan", "ModelShape", "streaming_mask", "model_shape", "attention_modules", "kept_full", "kept_streaming"]
+__all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "streaming_mask", "kept_full", "kept_streaming"]

@@ -47,26 +47,11 @@ import torch
 from torch import nn
 
 from ..errors import ShapeError
-from ..integrations.hf_folder import decoder_stack
+from ..integrations.model_map import ModelMap, model_map
 from .gate import gated
-from .plan import Plan, model_shape
+from .plan import Plan
 
 CHUNK = 256  # rows of logits at a time: [B, 256, V] (SmolLM2: 48 MiB in fp32 per sequence)
-
-
-def _text_config(model: Any):
-    c = model.config
-    return c.get_text_config() if hasattr(c, "get_text_config") else c
-
-
-def logits_of(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The next-token logits of final hidden states [..., d] -> [..., V]: the output embedding, then
-    the final soft cap where the model has one (Gemma 2 and 3)."""
-    z = model.get_output_embeddings()(hidden)  # [..., V]
-    cap = getattr(_text_config(model), "final_logit_softcapping", None)
-    if cap:
-        z = cap * torch.tanh(z / cap)
-    return z
 
 
 def first_row(sink: int, window: int) -> int:
@@ -112,9 +97,9 @@ def _same(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
 
 
 @contextlib.contextmanager
-def _layers_from(model: Any, layer: int) -> Iterator[nn.Module]:
+def _layers_from(m: ModelMap, layer: int) -> Iterator[nn.Module]:
     """The decoder with its layers ``layer`` … L−1 only (its ``layers`` list swapped, restored after)."""
-    dec = decoder_stack(model)
+    dec = m.stack()
     layers = dec.layers
     dec.layers = nn.ModuleList(list(layers)[layer:])
     try:
@@ -123,12 +108,12 @@ def _layers_from(model: Any, layer: int) -> Iterator[nn.Module]:
         dec.layers = layers
 
 
-def final_hidden(model: Any, ids: torch.Tensor, ref: Reference | None = None, layer: int = 0) -> torch.Tensor:
+def final_hidden(m: ModelMap, ids: torch.Tensor, ref: Reference | None = None, layer: int = 0) -> torch.Tensor:
     """The decoder's final hidden states [B, N, d] of ``ids`` [B, N]; from ``ref.inputs[layer]`` through
     the layers ``layer`` … L−1 only when ``ref`` holds the inputs (the layers before are unchanged)."""
     if ref is None or ref.inputs is None or layer == 0:
-        return decoder_stack(model)(input_ids=ids, use_cache=False).last_hidden_state
-    with _layers_from(model, layer) as dec:
+        return m.hidden(ids)
+    with _layers_from(m, layer) as dec:
         return dec(inputs_embeds=ref.inputs[layer], use_cache=False).last_hidden_state
 
 
@@ -136,12 +121,13 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
     """Full attention's run on ``ids`` (no gradients): :class:`Reference`. Checks that the logits are
     the output embedding of the final hidden states (else a ShapeError: the scores cannot read them)
     and whether a run from a layer's input gives the same final states (else ``inputs`` is None)."""
-    L = model_shape(model).layers
+    m = model_map(model)
+    L = m.shape.layers
     N = ids.shape[1]
     if not 0 < start < N:
         raise ShapeError(f"kl scores: the text has N={N} tokens but the rows that streaming changes start at "
                          f"{start} (sink + window + 1); pass a longer length or a smaller sink + window.")
-    dec = decoder_stack(model)
+    dec = m.stack()
     inputs: list[torch.Tensor] = []
     seen: dict[str, torch.Tensor] = {}
 
@@ -155,34 +141,34 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
     hooks.append(dec.register_forward_hook(last))
     try:
         with torch.no_grad():
-            end = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits[:, -1]  # [B, V]
+            end = m.model(input_ids=ids, logits_to_keep=1, use_cache=False).logits[:, -1]  # [B, V]
     finally:
         for h in hooks:
             h.remove()
     hidden = seen["h"]  # [B, N, d]
     with torch.no_grad():
-        mine = logits_of(model, hidden[:, -1])  # [B, V]
+        mine = m.logits(hidden[:, -1])  # [B, V]
     if not _same(mine, end, hidden.shape[-1]):
         raise ShapeError(f"kl scores read the logits as the output embedding of the final hidden states (and Gemma's "
-                         f"soft cap); {type(model).__name__} computes them otherwise (max difference "
+                         f"soft cap); {type(m.model).__name__} computes them otherwise (max difference "
                          f"{float((mine - end).abs().max()):.3g}).")
-    logp = torch.cat([torch.log_softmax(logits_of(model, hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
+    logp = torch.cat([torch.log_softmax(m.logits(hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
                       for a in range(start, N, chunk)], dim=1)  # [B, n, V]
     ref = Reference(ids, start, logp, hidden, inputs if len(inputs) == L else None)
     if ref.inputs is not None:  # a run from the middle must give the full run's states, else run whole
         with torch.no_grad():
-            again = final_hidden(model, ids, ref, L // 2)
+            again = final_hidden(m, ids, ref, L // 2)
         if not _same(again, hidden, hidden.shape[-1] * L):
             ref.inputs = None
     return ref
 
 
-def next_token_kl(model: Any, hidden: torch.Tensor, ref: Reference, chunk: int = CHUNK) -> torch.Tensor:
+def next_token_kl(m: ModelMap, hidden: torch.Tensor, ref: Reference, chunk: int = CHUNK) -> torch.Tensor:
     """KL(full ‖ this run) of the next-token distributions, per sequence and row: [B, n] at rows
     ``ref.start`` … N−1, from this run's final hidden states [B, N, d], ``chunk`` rows of logits at a time."""
     out = []
     for a in range(ref.start, hidden.shape[1], chunk):
-        logp = torch.log_softmax(logits_of(model, hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
+        logp = torch.log_softmax(m.logits(hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
         r = ref.logp[:, a - ref.start:a - ref.start + logp.shape[1]]  # [B, c, V]
         out.append((r.exp() * (r - logp)).sum(-1))  # [B, c]
     return torch.cat(out, dim=1)  # [B, n]
@@ -193,18 +179,19 @@ def kl_scores(model: Any, ids: torch.Tensor, sink: int, window: int, chunk: int 
     """Per K/V head [L, Hkv]: the mean KL(full ‖ that head streamed) over the rows streaming changes
     (of every sequence of ``ids`` [B, N]), one forward per K/V head, from its layer on.
     ``progress``: a line after each head."""
-    shape = model_shape(model)
+    m = model_map(model)
+    shape = m.shape
     L, Hkv = shape.layers, shape.kv_heads
-    ref = reference(model, ids, first_row(sink, window), chunk)
+    ref = reference(m, ids, first_row(sink, window), chunk)
     out = torch.zeros(L, Hkv, dtype=torch.float64)
     for li in range(L):
         for j in range(Hkv):
             t0 = time.perf_counter()
             full = torch.ones(L, Hkv, dtype=torch.bool)
             full[li, j] = False
-            with Plan(full, sink, window, model=shape).emulate(model), torch.no_grad():
-                h = final_hidden(model, ids, ref, li)
-                out[li, j] = next_token_kl(model, h, ref, chunk).double().mean()
+            with Plan(full, sink, window, model=shape).emulate(m), torch.no_grad():
+                h = final_hidden(m, ids, ref, li)
+                out[li, j] = next_token_kl(m, h, ref, chunk).double().mean()
             if progress is not None:
                 progress(f"kl: layer {li} kv head {j}: {float(out[li, j]):.4g} ({time.perf_counter() - t0:.1f} s)")
     return out
@@ -219,8 +206,8 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
     the row gates, the curvature of the KL at full attention, so the score estimates the KL of
     streaming each head to second order (module doc). One forward (full and streaming attention in
     each layer) and one backward per sequence of ``ids`` [B, N]."""
-    shape = model_shape(model)
-    L, Hkv = shape.layers, shape.kv_heads
+    m = model_map(model)
+    L, Hkv = m.shape.layers, m.shape.kv_heads
     B, N = ids.shape
     start = first_row(sink, window)
     if not 0 < start < N:
@@ -230,12 +217,12 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
     total = torch.zeros(L, Hkv, dtype=torch.float64)
     for b in range(B):  # one sequence at a time: its rows' gates are its own
         g = torch.ones(L, Hkv, N, device=ids.device, requires_grad=True)
-        with gated(model, g, sink, window):
-            hidden = decoder_stack(model)(input_ids=ids[b:b + 1], use_cache=False).last_hidden_state  # [1, N, d]
+        with gated(m, g, sink, window):
+            hidden = m.hidden(ids[b:b + 1])  # [1, N, d]
         grad = torch.zeros_like(hidden)  # d log-likelihood / d hidden, [1, N, d]
         for a in range(start, N, chunk):
             h = hidden[:, a:a + chunk].detach().requires_grad_(True)  # [1, c, d]
-            logp = torch.log_softmax(logits_of(model, h).float(), -1)  # [1, c, V]
+            logp = torch.log_softmax(m.logits(h).float(), -1)  # [1, c, V]
             y = torch.multinomial(logp.detach()[0].exp().cpu(), 1, generator=gen).to(logp.device)  # [c, 1]
             grad[:, a:a + chunk] = torch.autograd.grad(logp[0].gather(-1, y).sum(), h)[0]
         hidden.backward(grad)
@@ -284,12 +271,12 @@ def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=N
                    if v is not None)
     if extra:
         raise ValueError(f"find(score={score!r}): {extra} are options of score='learned'.")
-    ids = text_ids(tokenizer, texts, length or DEFAULT_LENGTH[score], batch or 1).to(next(model.parameters()).device)
+    ids = text_ids(tokenizer, texts, length or DEFAULT_LENGTH[score], batch or 1).to(model_map(model).device)
     if score == "kl":
         return kl_scores(model, ids, sink, window, progress=progress)
     with torch.enable_grad():  # one backward, whatever the caller's grad mode
         return fisher_scores(model, ids, sink, window, seed)
 
 
-__all__ = ["causal_scores", "text_ids", "kl_scores", "fisher_scores", "next_token_kl", "reference", "Reference", "logits_of",
+__all__ = ["causal_scores", "text_ids", "kl_scores", "fisher_scores", "next_token_kl", "reference", "Reference",
            "first_row", "CAUSAL"]

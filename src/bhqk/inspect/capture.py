@@ -80,6 +80,7 @@ class Record:
     offsets: dict[int, torch.Tensor] | None = None
     window: int | None = None
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # name (of AXES) -> tensor, captured only
+    address: str | None = None  # the canonical address "layers.3.attn" (capture(model=...) of a mapped model)
 
     def __getattr__(self, name: str) -> torch.Tensor | None:
         """``rec.entropy``: the tensor named in :data:`AXES`, None when not captured."""
@@ -293,7 +294,8 @@ class Capture:
         p: Problem = data["problem"]
         heads = self.selection.heads_of(p.ext.H, name)
         rows = self.selection.rows_of(p.ext.Q, name)  # None: every row, no gather needed
-        rec = Record(index, name, data["backend"], dict(p.sizes.size), heads, rows, p.mask)
+        rec = Record(index, name, data["backend"], dict(p.sizes.size), heads, rows, p.mask,
+                     address=self.selection.addresses.get(name))
         with torch.no_grad():
             if {"scores", "weights", "lse"} & set(self.what):
                 S, P, lse = recompute(p, heads, rows, data.get("lse"))
@@ -415,7 +417,7 @@ def save_records(records: Iterable[Record], path: str | Path) -> Path:
     for r in records:
         d: dict[str, Any] = {"index": r.index, "name": r.name, "backend": r.backend, "sizes": dict(r.sizes),
                              "heads": list(r.heads), "rows": None if r.rows is None else list(r.rows),
-                             "mask": None if r.mask is None else repr(r.mask), "window": r.window,
+                             "mask": None if r.mask is None else repr(r.mask), "window": r.window, "address": r.address,
                              "offsets": None if r.offsets is None else {int(o): t.cpu() for o, t in r.offsets.items()}}
         d.update({n: r.values[n].cpu() if n in r.values else None for n in AXES})
         data.append(d)

@@ -323,9 +323,10 @@ def text_chunks(tok, length: int, chunks: int) -> torch.Tensor:
 
 def _hidden(model, ids: torch.Tensor, plan: Any) -> torch.Tensor:
     """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache)."""
-    from ..integrations.transformers import cache_keyword, decoder_stack
+    from ..integrations.model_map import model_map
+    from ..integrations.transformers import cache_keyword
 
-    dec = decoder_stack(model)
+    dec = model_map(model).stack()
     kw: dict[str, Any] = {"use_cache": False}
     if plan is not None:
         kw = {"use_cache": True, cache_keyword(dec): _cache(model, plan)}
@@ -334,12 +335,9 @@ def _hidden(model, ids: torch.Tensor, plan: Any) -> torch.Tensor:
 
 def _log_probs(model, h: torch.Tensor) -> torch.Tensor:
     """log softmax of the output head at hidden states h [n, D] → [n, V] float32 (Gemma's final soft cap applied)."""
-    logits = model.get_output_embeddings()(h).float()  # [n, V]
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(text, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return torch.log_softmax(logits, -1)
+    from ..integrations.model_map import model_map
+
+    return torch.log_softmax(model_map(model).logits(h).float(), -1)
 
 
 def start_of(plans: Iterable[Any]) -> int:

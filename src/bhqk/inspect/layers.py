@@ -1,6 +1,7 @@
 """What a ``capture`` or an ``edit`` block selects: which attention calls (call indices, their order
-inside the block, and/or module-path globs matched against ``model.named_modules()``), and the
-selected query heads and rows of a call's tensors and of the call itself."""
+inside the block, and/or module-path globs matched against ``model.named_modules()``, or canonical
+addresses ``"layers.3.attn"`` of the model's map), and the selected query heads and rows of a call's
+tensors and of the call itself."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from ..bias import Bias
 from ..errors import ShapeError
 from ..functional.problem import Problem
+from ..integrations.model_map import ModelMap, model_map
 from ..masks import Mask
 from ..shapes import Sizes, as_4d, per_query_head
 
@@ -62,8 +64,9 @@ def attention_names(model: nn.Module, limit: int = 6) -> list[str]:
 
 class Selection:
     """What one ``capture`` or ``edit`` block selects (``who`` names it in errors): the calls (``layers``:
-    call indices and module-path globs, names matched against ``model.named_modules()``), the query
-    heads and (capture only) the query rows. One set of checks for both: when built (a name without
+    call indices and module-path globs, names matched against ``model.named_modules()``; a canonical
+    address or glob of them, ``"layers.3.attn"``, ``"layers.*.attn"``, stands for its module paths),
+    the query heads and (capture only) the query rows. One set of checks for both: when built (a name without
     ``model=``, a name that matches no module, a bad index), at each call (a head out of range) and at
     the end of the block (:meth:`finish`: a selector that selected no call, or no call on bhqk at all)."""
 
@@ -74,17 +77,27 @@ class Selection:
         self.rows = indices(rows, "rows", who)
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self.map = _map_of(model)
+        self.addresses = {} if self.map is None else {p: self.map.address_of(p) for p in self.map.paths}
+        if self.layers is not None and self.map is not None:  # canonical addresses -> the model's module paths
+            self.layers = [p for sel in self.layers for p in (
+                self.map.paths_matching(sel) or [sel] if isinstance(sel, str) and not self._names(sel) else [sel])]
         for sel in self.layers or []:
             if not isinstance(sel, str):
                 continue
             if model is None:
                 raise ValueError(f"{who}: layer {sel!r} is a module path; pass model= so names can be matched.")
-            if not any(fnmatch.fnmatchcase(n, sel) for n in self.names.values()):
+            if not self._names(sel):
+                by = "" if self.map is None else f" or by address layers.0.attn … layers.{len(self.map.paths) - 1}.attn"
                 raise ValueError(f"{who}: layer {sel!r} matches no module of the model; attention modules are named "
-                                 f"like {attention_names(model)}.")
+                                 f"like {attention_names(model)}{by}.")
         self.calls = 0  # attention calls seen inside the block, selected or not
         self.seen: dict[str, None] = {}  # the names of the calls seen, in order
         self.hits = 0  # calls selected
+
+    def _names(self, glob: str) -> bool:
+        """Some module of the model is named by ``glob``."""
+        return any(fnmatch.fnmatchcase(n, glob) for n in self.names.values())
 
     def call(self, module: object) -> tuple[int, str, bool]:
         """Count one attention call: (its index in the block, its name, whether it is selected)."""
@@ -135,6 +148,17 @@ class Selection:
                 raise ValueError(f"{self.who}: layer {sel!r} matched no attention call (nothing was {done}); "
                                  f"the attention calls ran under "
                                  f"{seen}{hint}.")
+
+
+def _map_of(model: nn.Module | None) -> ModelMap | None:
+    """The model's map where it has one (a causal LM, a bhqk model), else None: canonical addresses
+    then match nothing."""
+    if model is None:
+        return None
+    try:
+        return model_map(model)
+    except (ShapeError, TypeError, AttributeError, ValueError, ImportError):
+        return None
 
 
 def heads_rows(t: torch.Tensor, heads: list[int], rows: list[int] | None = None) -> torch.Tensor:

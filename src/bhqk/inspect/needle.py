@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..integrations.model_map import address
 from .edit import edit as bhqk_edit
 
 INTRO = "Below is some text with a pass key hidden in it. Find the pass key."
@@ -135,9 +136,9 @@ def found_in(answer: str, key: str) -> bool:
 # ---- edits -------------------------------------------------------------------------------------
 
 
-def zero_heads(model, heads: Iterable[tuple[int, int]], pattern: str = "model.layers.{layer}.self_attn"):
+def zero_heads(model, heads: Iterable[tuple[int, int]]):
     """A factory of one context manager that zeroes the outputs of the (layer, query head) pairs
-    ``heads`` (``bhqk.edit(..., zero=True)`` per layer; ``pattern`` names a layer's attention module)."""
+    ``heads`` (``bhqk.edit("layers.{layer}.attn", zero=True)`` per layer, by canonical address)."""
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
         by_layer.setdefault(int(layer), []).append(int(head))
@@ -146,7 +147,7 @@ def zero_heads(model, heads: Iterable[tuple[int, int]], pattern: str = "model.la
     def run():
         with contextlib.ExitStack() as stack:
             for layer, hs in sorted(by_layer.items()):
-                stack.enter_context(bhqk_edit(pattern.format(layer=layer), heads=sorted(set(hs)), model=model, zero=True))
+                stack.enter_context(bhqk_edit(address(layer), heads=sorted(set(hs)), model=model, zero=True))
             yield
 
     return run

@@ -71,19 +71,6 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def decoder_stack(model: Any) -> Any:
-    """A causal LM's decoder (the module whose output has ``last_hidden_state`` and which holds
-    ``layers``): ``model.get_decoder()``, or ``model.model`` where ``get_decoder()`` gives the causal LM
-    itself (transformers 5.x's ``Llama4ForCausalLM``)."""
-    dec = model.get_decoder()
-    if dec is model:
-        dec = getattr(model, "model", None)
-        if dec is None or dec is model:
-            raise TypeError(f"{type(model).__name__}: its get_decoder() is the model itself and it has no .model: "
-                            f"the decoder stack behind the output layer is not found.")
-    return dec
-
-
 def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
     """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens."""
     if loaded.tokenizer is None:

@@ -37,15 +37,18 @@ Names: ``"bhqk"`` (backend ``auto``) and ``"bhqk:<backend>"`` for every backend 
 The code lives in three files, one concern each (as transformers keeps ``masking_utils`` apart from
 its attention functions): :mod:`~bhqk.integrations.hf_mask` (the mask tensor and its structure),
 :mod:`~bhqk.integrations.hf_attention` (the attention function and :func:`register`) and
-:mod:`~bhqk.integrations.hf_folder` (local model folders). This module is their public face.
+:mod:`~bhqk.integrations.hf_folder` (local model folders), plus :mod:`~bhqk.integrations.model_map` (one
+map of a model's layers). This module is their public face.
 """
 
 from __future__ import annotations
 
 from .hf_attention import IGNORED, attention_forward, check_implementation, names, register
-from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, decoder_stack, encode, is_decoder_config, load_folder
+from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, encode, is_decoder_config, load_folder
 from .hf_mask import ROW_BLOCK_ENTRIES, AllKeys, HFMask, build_mask
+from .model_map import ModelMap, ModelShape, address, decoder_stack, model_map
 
 __all__ = ["register", "names", "check_implementation",
            "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
-           "is_decoder_config", "cache_keyword", "decoder_stack", "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]
+           "is_decoder_config", "cache_keyword", "decoder_stack", "model_map", "ModelMap", "ModelShape", "address",
+           "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]
