@@ -1,4 +1,4 @@
-"""Head-wise KV budgets on bhqk's own models: ``KVCache(plan=...)`` / ``plan.kv_cache(model)`` holds
+"""Head-wise KV budgets on bhqk's own models: ``plan.kv_cache(model)`` (``KVCache(layers=...)``) holds
 what the plan keeps (full heads every position, streaming heads a sink and a ring of window + 1), and
 GPT-2 with it equals GPT-2 with an ordinary cache and the streaming heads restricted by
 ``bhqk.edit(mask=...)`` (``plan.emulate``); an all-full plan is the ordinary cache exactly."""
@@ -10,10 +10,10 @@ import torch
 
 from bhqk import masks
 from bhqk.budget import Plan
+from bhqk.budget.ring import BudgetLayerCache
 from bhqk.errors import MaskError, ShapeError
 from bhqk.models.gpt2 import GPT2, GPT2Config
 from bhqk.nn import KVCache, MultiHeadAttention
-from bhqk.nn.cache import BudgetLayerCache
 from test_budget import V, _inputs  # ids [B, N] (row 1 left-padded) and their attention mask
 from tolerance import assert_close, assert_models_close
 
@@ -173,9 +173,9 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ShapeError, match=r"layers=3, Hkv=4\].*GPT2 is \[layers=2, H=4, Hkv=4, d=8"):
         Plan(torch.ones(3, 4, dtype=torch.bool)).kv_cache(model)
     with pytest.raises(ShapeError, match="num_layers=2"):
-        KVCache(2, plan=Plan(torch.zeros(3, 4, dtype=torch.bool)))
-    with pytest.raises(ValueError, match="window= or plan="):
-        KVCache(2, window=4, plan=_mixed())
+        KVCache(2, layers=Plan(torch.zeros(3, 4, dtype=torch.bool)).kv_cache().layers)
+    with pytest.raises(ValueError, match="window= or layers="):
+        KVCache(2, window=4, layers=_mixed().kv_cache().layers)
     ids, _ = _inputs(B=1)
     with pytest.raises(ShapeError, match="Hkv=2"):  # a cache made without the model: refused at the first write
         model(ids, cache=Plan(torch.zeros(2, 2, dtype=torch.bool)).kv_cache())
@@ -223,7 +223,7 @@ def test_a_refused_crop_or_call_changes_nothing_and_an_emptied_cache_takes_new_s
     with plan.emulate(model):
         assert torch.equal(got, model.generate(ids2, 4, attention_mask=am2))
     with pytest.raises(ValueError, match="cache= has 1 layers but this GPT-2 has 2"):
-        model(ids[:, :4], cache=KVCache(1, plan=Plan(torch.ones(1, 4, dtype=torch.bool), sink=S, window=W)))
+        model(ids[:, :4], cache=Plan(torch.ones(1, 4, dtype=torch.bool), sink=S, window=W).kv_cache())
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ which K/V heads of each layer keep every key (full) and which keep a sink and a 
 changes the output (:mod:`bhqk.budget.scores`: ``kl``, ``fisher``; :mod:`bhqk.budget.learn`: ``learned``,
 through the gates of :mod:`bhqk.budget.gate`); ``plan.cache()`` is a transformers
 ``Cache`` that holds only what the plan keeps (:mod:`bhqk.budget.cache`, imported on first use:
-it imports transformers)."""
+it imports transformers); ``plan.kv_cache()`` is bhqk's own models' (:mod:`bhqk.budget.ring`)."""
 
 from __future__ import annotations
 

@@ -49,9 +49,9 @@ from .. import masks, observe
 from ..errors import BackendError, ShapeError
 from ..integrations.hf_attention import model_mask
 from ..integrations.hf_mask import AllKeys
-from ..nn.cache import one_call_mask, own, spread, take_heads
 from ..shapes import as_4d
-from .mask import streaming_mask
+from .mask import at_columns, held_mask, one_call_mask, streaming_mask
+from .ring import fits_plan, own, spread, take_heads
 
 
 @dataclass
@@ -158,7 +158,7 @@ class GroupedKV(torch.Tensor):
         dev = query.device
         m, bias = _at_positions(m, bias, o, B, H, Q, K, dev)
         stream_kv = [kv for g in self.groups if g.streaming for kv in g.kv]
-        mask = one_call_mask(m, streaming_mask(self.sink, self.window), stream_kv, H, Hkv)
+        mask = one_call_mask(m, self.sink, self.window, stream_kv, H, Hkv)
         frame = torch.arange(o, N, device=dev)  # [K] the positions of the frame's columns
         held = [frame if g.columns is None else g.columns.to(dev) + o for g in self.groups]  # [K'] per group
         keys = spread([(g.kv, g.keys, pos) for g, pos in zip(self.groups, held)], Hkv, N)  # [B, Hkv, N, d]
@@ -175,14 +175,9 @@ class GroupedKV(torch.Tensor):
             return stream if m is None else m & stream
         dev = g.keys.device
         cols = (torch.arange(K) if g.columns is None else g.columns).to(dev)  # [K']
-        row = torch.arange(K - Q, K, device=dev)[:, None]  # [Q, 1] each query's own column
-        allowed = (cols <= row) & ((cols < sink) | (cols >= row - self.window))  # [Q, K']
-        allowed = allowed[None, None]  # [1, 1, Q, K']
+        allowed = held_mask(cols, torch.arange(K - Q, K, device=dev), sink, self.window)  # [1, 1, Q, K']
         if m is not None:
-            blk = m.block(masks.Extent(B, 1, Q, K), 0, Q, 0, K, dev)  # [.., Q, K]
-            while blk.dim() < 4:
-                blk = blk[None]
-            allowed = allowed & blk.index_select(3, cols)  # [#B, #H, Q, K']
+            allowed = allowed & at_columns(m, B, Q, K, cols, dev)  # [#B, #H, Q, K']
         if bias is not None:  # an additive mask: its values at the columns held, forbidden entries lowest
             b = bias.index_select(-1, cols.to(bias.device))  # [.., Q, K']
             return torch.where(allowed.to(b.device), b, torch.finfo(b.dtype).min)
@@ -267,13 +262,8 @@ class BudgetLayer(CacheLayerMixin):
 
     def check_keys(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A ``ShapeError`` naming both shapes unless the keys [B, Hkv, Q, d] fit the plan."""
-        Hkv = len(self.full) + len(self.stream)
-        want_d = None if self.expect is None else self.expect[1]
-        if (key_states.dim() != 4 or key_states.shape[1] != Hkv or value_states.shape[1] != Hkv
-                or (want_d is not None and key_states.shape[-1] != want_d)):
-            d = "" if want_d is None else f", d={want_d}"
-            raise ShapeError(f"budget cache layer {self.index}: the plan has Hkv={Hkv} K/V heads{d} but the model "
-                             f"wrote keys of shape {list(key_states.shape)} ([B, Hkv, Q, d]).")
+        fits_plan(key_states, value_states, len(self.full) + len(self.stream), None if self.expect is None else self.expect[1],
+                  f"budget cache layer {self.index}")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write Q new positions (key_states [B, Hkv, Q, d], value_states [B, Hkv, Q, dv]); return what

@@ -186,12 +186,15 @@ class Plan:
         """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
         per layer the full K/V heads keep every position, the streaming heads ``sink`` + a ring of
         ``window`` + 1; ``model``: checked against the plan first (without it, the first keys written
-        are); ``capacity``: the full heads' buffers."""
+        are); ``capacity``: the full heads' buffers (:mod:`bhqk.budget.ring`)."""
         from ..nn import KVCache
+        from .ring import layer_cache
 
         if model is not None:
             self.check(model)
-        return KVCache(self.num_layers, capacity=capacity, plan=self)
+        d = None if self.model is None else self.model.head_dim
+        return KVCache(layers=[layer_cache(self.full[li], self.sink, self.window, capacity, li, d)
+                               for li in range(self.num_layers)])
 
     @contextlib.contextmanager
     def emulate(self, model: nn.Module | ModelMap) -> Iterator[None]:

@@ -111,11 +111,10 @@ class GPT2(nn.Module):
         load_gpt2(model, folder)
         return model.eval()
 
-    def new_cache(self, capacity: int | None = None, plan=None) -> KVCache:
-        """An empty KV cache with one layer per block, room for ``capacity`` positions; ``plan``: a
-        head-wise KV budget (``bhqk.budget.Plan``, [n_layer, n_head]) whose streaming heads keep a
-        sink and a window."""
-        return KVCache(len(self.blocks), capacity=capacity, plan=plan)
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache with one layer per block, room for ``capacity`` positions (a head-wise KV
+        budget's: ``plan.kv_cache(model)``)."""
+        return KVCache(len(self.blocks), capacity=capacity)
 
     def forward(
         self,

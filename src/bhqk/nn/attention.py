@@ -15,7 +15,7 @@ from .. import observe
 from ..errors import ShapeError, warn_misuse
 from ..functional import attention, attention_weights
 from ..shapes import Sizes
-from .cache import BudgetLayerCache, KVCache
+from .cache import AttendingLayer, KVCache
 from .heads import merge_heads, split_heads
 
 
@@ -161,9 +161,9 @@ class MultiHeadAttention(nn.Module):
         v = split_heads(self.v_proj(value), self.num_kv_heads, "v_proj(value)")  # [B, Hkv, K, dv]
         if isinstance(cache, KVCache) and len(cache) == 1:
             cache = cache[0]
-        if isinstance(cache, BudgetLayerCache):  # a head-wise budget: the layer attends per group of heads
-            result = self._attend_budget(q, k, v, cache, mask=mask, bias=bias, return_weights=return_weights,
-                                         backend=backend)
+        if getattr(cache, "attention", None) is not None:  # an AttendingLayer (a head-wise budget's) attends itself
+            result = self._attend_in(cache, q, k, v, mask=mask, bias=bias, return_weights=return_weights,
+                                     backend=backend)
         else:
             if cache is not None:
                 k, v = cache.update(k, v)  # [B, Hkv, K_past + Q, d], [B, Hkv, K_past + Q, dv]
@@ -184,8 +184,8 @@ class MultiHeadAttention(nn.Module):
             return out, attention_weights(q, k, mask, bias=bias, sinks=self.sinks)  # [B, H, Q, K]
         return out
 
-    def _attend_budget(self, q, k, v, cache: BudgetLayerCache, *, mask, bias, return_weights, backend):
-        """As :meth:`attend`, the budget layer storing k, v and attending each group of heads over what it holds."""
+    def _attend_in(self, cache: AttendingLayer, q, k, v, *, mask, bias, return_weights, backend):
+        """As :meth:`attend`, the cache layer storing k, v and attending over what it holds (``nn.cache.AttendingLayer``)."""
         dropout_p = self.dropout if self.training else 0.0
         backend = self.backend if backend is None else backend
         with observe.scope(self):
