@@ -519,15 +519,14 @@ def test_negative_lengths_are_refused_naming_the_argument():
     assert plan.nbytes(0, model) == (0, 0)
 
 
-def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path, monkeypatch, capsys):
+def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path, serve, capsys):
     """``bhqk needle --plan`` with a plan of 32 layers on a 2-layer model: an error naming both shapes
     (it printed "found 0 of 1"), and no generation ran."""
     from bhqk.cli import main
-    from bhqk.models import real
 
     model = _llama()
     tokenizer = object()  # never asked: the plan is refused first
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": (model, tokenizer))
+    serve((model, tokenizer))
     Plan(torch.zeros(32, 2, dtype=torch.bool)).save(tmp_path / "plan32.json")
     model.generate = lambda *a, **k: pytest.fail("generated with a plan for another model")
     code = main(["needle", "--model", "smollm2-135m", "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path),

@@ -17,7 +17,7 @@ import torch
 
 from bhqk.errors import BackendError, LoadError
 from bhqk.inspect import needle
-from bhqk.models import real
+from bhqk.models import gguf, real
 from test_cli import run
 
 pytestmark = pytest.mark.protocol  # transformers through bhqk (make test-newest, make test-lowest)
@@ -32,11 +32,9 @@ def nothing_loads(monkeypatch):
     def no(*args, **kwargs):
         raise AssertionError("a model was loaded (or its file hashed) before the mistake was refused")
 
-    for name in ("load_for_cli", "sha256_of", "convert", "_load_hf"):
-        monkeypatch.setattr(real, name, no)
-    import bhqk.integrations.hf_folder as hf_folder
-
-    monkeypatch.setattr(hf_folder, "read_config", no)
+    for name in ("sha256_of", "check_parts", "convert"):
+        monkeypatch.setattr(gguf, name, no)
+    monkeypatch.setattr(real, "read_config", no)  # a folder's config.json is read before its weights
 
 
 # ---- a bad attention implementation is named, with the choices, before anything loads -----------------
@@ -54,9 +52,7 @@ def test_an_unknown_implementation_lists_bhqks_and_transformers(nothing_loads, t
     with pytest.raises(BackendError, match=r"'nosuch'.*bhqk:tiled.*eager.*sdpa"):
         real.pretrained("smollm2-135m", attn_implementation="nosuch")
     with pytest.raises(BackendError, match=r"'bhqk:nosuch'"):  # a local folder: the same check, before config.json
-        from bhqk.integrations.transformers import load_folder
-
-        load_folder(tmp_path, "bhqk:nosuch")
+        real.load_model(tmp_path, "bhqk:nosuch")
 
 
 def test_show_and_trace_refuse_an_unknown_backend_when_parsed():

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import MaskError, ShapeError
-from ..integrations.hf_attention import _mask_and_bias, attention_forward
+from ..integrations.hf_attention import _mask_and_bias, attention_forward, parse_implementation
 from ..masks import Mask
 from .mask import streaming_mask
 from .plan import attention_modules, model_shape
@@ -98,7 +98,7 @@ def gated(model: nn.Module, gates: torch.Tensor, sink: int, window: int) -> Iter
     stream = streaming_mask(sink, window)
     table = {id(model.get_submodule(p)): (gates[li], stream) for li, p in enumerate(paths)}
     impl = getattr(model.config, "_attn_implementation", None)
-    backend = impl.split(":", 1)[1] if isinstance(impl, str) and impl.startswith("bhqk:") else "auto"
+    backend = parse_implementation(impl) or "auto"
     _register()
     token = _GATES.set((table, backend))
     model.set_attn_implementation(NAME)  # type: ignore[operator]
