@@ -146,19 +146,33 @@ def smollm2():
 
 
 @pytest.fixture
-def cli_model(smollm2, monkeypatch):
-    """The commands (``--model smollm2-135m``) load the session's SmolLM2 instead of a second copy; the
-    list of (source, backend) they asked for."""
+def serve(monkeypatch):
+    """``serve((model, tokenizer))``: the one loader (``bhqk.models.real.load_model``) hands every command
+    this causal LM instead of loading one; returns the list of (source, backend) the commands asked for."""
+    from pathlib import Path
+
+    from bhqk.integrations.transformers import parse_implementation
     from bhqk.models import real
 
-    seen = []
+    seen: list = []
 
-    def load(source, backend="auto"):
-        seen.append((str(source), backend))
-        return smollm2
+    def patch(pair):
+        def load(source, attn_implementation="bhqk", **kwargs):
+            seen.append((str(source), parse_implementation(attn_implementation)))
+            model, tok = pair
+            return real.Loaded(model, tok, True, Path(str(source)), real.model_name(source))
 
-    monkeypatch.setattr(real, "load_for_cli", load)
-    return seen
+        monkeypatch.setattr(real, "load_model", load)
+        return seen
+
+    return patch
+
+
+@pytest.fixture
+def cli_model(smollm2, serve):
+    """The commands (``--model smollm2-135m``) load the session's SmolLM2 instead of a second copy; the
+    list of (source, backend) they asked for."""
+    return serve(smollm2)
 
 
 @pytest.fixture(scope="session")

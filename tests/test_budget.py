@@ -323,12 +323,12 @@ def test_cli_budget_prints_the_plan_and_the_bytes_and_saves_it(tmp_path, capsys)
     folder = tmp_path / "tiny"
     _llama().save_pretrained(folder)
     argv = ["budget", "--model", str(folder), "--full", "0.5", "--sink", "4", "--window", "8", "--score", "retrieval",
-            "--length", "1024", "--save", str(tmp_path / "plan.json")]
+            "--length", "256", "--save", str(tmp_path / "plan.json")]  # the model's context: 256 positions
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 of 4 K/V heads full" in out and "| 1     | model.layers.1.self_attn |" in out
-    # 2 full heads × 1024 + 2 streaming × 12 positions, of 4 × 1024; d = 8, fp32, key + value
-    assert f"plan {(2 * 1024 + 2 * 12) * 64 / 2**20:,.1f} MiB" in out and "the model's own cache 0.2 MiB" in out
+    # 2 full heads × 256 + 2 streaming × 12 positions, of 4 × 256; d = 8, fp32, key + value
+    assert f"({(2 * 256 + 2 * 12) / (4 * 256):.3f}×" in out and "the model's own cache 0.1 MiB" in out
     assert Plan.load(tmp_path / "plan.json").full.sum() == 2
     assert main(["budget", "--model", str(tmp_path / "nothing")]) == 2
     assert "not a known name" in capsys.readouterr().err  # the names of every command (bhqk.models.real.resolve)
@@ -519,15 +519,14 @@ def test_negative_lengths_are_refused_naming_the_argument():
     assert plan.nbytes(0, model) == (0, 0)
 
 
-def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path, monkeypatch, capsys):
+def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path, serve, capsys):
     """``bhqk needle --plan`` with a plan of 32 layers on a 2-layer model: an error naming both shapes
     (it printed "found 0 of 1"), and no generation ran."""
     from bhqk.cli import main
-    from bhqk.models import real
 
     model = _llama()
     tokenizer = object()  # never asked: the plan is refused first
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": (model, tokenizer))
+    serve((model, tokenizer))
     Plan(torch.zeros(32, 2, dtype=torch.bool)).save(tmp_path / "plan32.json")
     model.generate = lambda *a, **k: pytest.fail("generated with a plan for another model")
     code = main(["needle", "--model", "smollm2-135m", "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path),

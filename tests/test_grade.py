@@ -13,7 +13,6 @@ import torch
 
 from bhqk.inspect import grade, tasks
 from bhqk.inspect.grade import Z95, mcnemar, paired, wilson
-from bhqk.models import real
 from test_cli import run
 from tolerance import bound
 
@@ -208,9 +207,9 @@ def test_reply_is_generates_greedy_answer(smollm2):
 
 
 @pytest.fixture
-def cli_model(smollm2, monkeypatch):
+def cli_model(smollm2, serve):
     """The command loads the session's model instead of a second copy."""
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": smollm2)
+    serve(smollm2)
 
 
 def test_streaming_every_head_grades_below_full_attention(cli_model, smollm2, tmp_path):

@@ -15,7 +15,8 @@ import bhqk
 from bhqk import masks
 from bhqk.errors import LoadError, MaskError
 from bhqk.functional import flex
-from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, encode, load_folder, names, register
+from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, names, register
+from bhqk.models.real import encode, load_model
 from tolerance import assert_close, assert_models_close, assert_paths_close, bound
 
 pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
@@ -439,7 +440,7 @@ def test_minilm_automodel_equals_bhqk_encoder():
     from bhqk.models.bert import BertEncoder, bundled_model_dir
 
     folder = bundled_model_dir()
-    loaded = load_folder(folder)
+    loaded = load_model(folder)
     assert not loaded.decoder and loaded.tokenizer is not None
     assert loaded.model.config._attn_implementation == "bhqk"
     enc = loaded.tokenizer(["A man is playing a guitar.", "Hi"], padding=True, return_tensors="pt")
@@ -453,7 +454,7 @@ def test_capture_a_local_folder_by_text():
     """What ``bhqk show --model DIR "text"`` needs: folder → model + tokenizer → capture by module path."""
     from bhqk.models.bert import bundled_model_dir
 
-    loaded = load_folder(bundled_model_dir())
+    loaded = load_model(bundled_model_dir())
     inputs, tokens = encode(loaded, "The cat sat on the mat.")
     assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and len(tokens) == inputs["input_ids"].shape[1]
     with torch.no_grad(), bhqk.capture(model=loaded.model, layers=["encoder.layer.*"], heads=[0, 3]) as cap:
@@ -466,7 +467,7 @@ def test_capture_a_local_folder_by_text():
 
 def test_load_folder_finds_decoders(tmp_path):
     _model(_gpt2).save_pretrained(tmp_path)
-    loaded = load_folder(tmp_path, "bhqk:tiled")
+    loaded = load_model(tmp_path, "bhqk:tiled")
     assert loaded.decoder and loaded.tokenizer is None
     assert loaded.model.config._attn_implementation == "bhqk:tiled"
 
@@ -627,7 +628,7 @@ def test_a_two_d_attention_mask_is_key_padding_whatever_its_dtype(dtype):
 def test_load_folder_names_a_broken_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(LoadError, match="config.json"):
-        load_folder(tmp_path)
+        load_model(tmp_path)
 
 
 # ---- the command line on any local folder -------------------------------------------------------

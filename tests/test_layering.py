@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "bhqk"
 LAYERS = {
     "errors": 0, "dims": 0, "text": 0, "observe": 0, "explain": 0, "shortcuts": 0,
     "shapes": 1, "masks": 1, "bias": 1,
-    "functional": 2,
+    "functional": 2, "console": 2,  # console: argparse types and progress of every command (reads the backend names)
     "nn": 3,
     "models": 4, "distributed": 4, "integrations": 4,
     "inspect": 5, "viz": 5,

@@ -97,7 +97,7 @@ def test_cli_needle_writes_the_grid_and_edits_heads(cli_model, smollm2, tmp_path
 
 
 def test_depths_progression_on_the_command_line():
-    from bhqk.cli import fraction_list
+    from bhqk.console import fraction_list
 
     assert fraction_list("0,0.1,...,1") == [round(0.1 * i, 10) for i in range(11)]
     assert fraction_list("0,0.5,1") == [0.0, 0.5, 1.0]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from bhqk.errors import LoadError
-from bhqk.models import real
-from bhqk.models.real import NAMES, Wheel, cache_folder, cache_root, is_pretrained, pretrained, sha256_of, wheel_file
+from bhqk.models import gguf
+from bhqk.models.gguf import NAMES, Wheel, cache_folder, cache_root, sha256_of, wheel_file
+from bhqk.models.real import is_decoder, pretrained
 from conftest import attn_implementation
 from tolerance import assert_models_close
 
@@ -105,7 +106,7 @@ def test_second_load_reads_the_cache_without_converting(smollm2, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("the GGUF file was dequantized again")
 
-    monkeypatch.setattr(real, "convert", no_conversion)
+    monkeypatch.setattr(gguf, "convert", no_conversion)
     again, tok = pretrained("smollm2-135m")
     path, record = wheel_file(NAMES["smollm2-135m"])
     folder = cache_folder(path, record or "")
@@ -125,17 +126,16 @@ def test_cache_root_argument_then_env_then_xdg(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "xdg" / "bhqk"
 
 
-def test_is_pretrained_tells_names_gguf_and_folders(tmp_path):
-    assert is_pretrained("smollm2-135m") and not is_pretrained("no-such-model")
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert is_pretrained(tmp_path / "m.gguf") and is_pretrained(tmp_path)
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    assert not is_pretrained(gpt2) and is_pretrained(llama)
+def test_one_decoder_test_reads_config_json():
+    assert is_decoder({"architectures": ["LlamaForCausalLM"]}) and is_decoder({"architectures": ["GPT2LMHeadModel"]})
+    assert is_decoder({"is_decoder": True}) and not is_decoder({"architectures": ["BertModel"]}) and not is_decoder({})
+
+
+def test_pretrained_refuses_an_encoder_folder():
+    from bhqk.models.bert import bundled_model_dir
+
+    with pytest.raises(LoadError, match="not a causal language model"):
+        pretrained(bundled_model_dir())
 
 
 # ---- every way it fails: a LoadError that says what to do ---------------------------------------
@@ -157,7 +157,7 @@ def test_missing_file_of_an_installed_wheel_says_reinstall(monkeypatch):
 
 def test_damaged_wheel_file_is_named_by_its_record(monkeypatch):
     path, _ = wheel_file(NAMES["smollm2-135m"])
-    monkeypatch.setattr(real, "wheel_file", lambda w: (path, "0" * 64))  # RECORD disagrees with the bytes
+    monkeypatch.setattr(gguf, "wheel_file", lambda w: (path, "0" * 64))  # RECORD disagrees with the bytes
     with pytest.raises(LoadError, match=r"damaged.*RECORD.*--force-reinstall"):
         pretrained("smollm2-135m")
 
@@ -188,7 +188,7 @@ def test_cache_folder_of_another_file_says_delete_it(tmp_path):
     path, record = wheel_file(NAMES["smollm2-135m"])
     folder = cache_folder(path, record or "", tmp_path)
     folder.mkdir(parents=True)
-    (folder / "source.json").write_text(json.dumps({"format": real.FORMAT, "gguf": "other.gguf", "sha256": "ab" * 32}))
+    (folder / "source.json").write_text(json.dumps({"format": gguf.FORMAT, "gguf": "other.gguf", "sha256": "ab" * 32}))
     with pytest.raises(LoadError, match=r"not a conversion of.*other\.gguf.*rm -r"):
         pretrained("smollm2-135m", cache_dir=tmp_path)
 
@@ -203,14 +203,12 @@ def test_damaged_cache_folder_says_delete_it(smollm2, tmp_path):
         pretrained("smollm2-135m", cache_dir=tmp_path)
 
 
-def test_bhqk_stats_takes_the_model_name(smollm2, monkeypatch, tmp_path):
+def test_bhqk_stats_takes_the_model_name(smollm2, serve, tmp_path):
     """``bhqk stats --model smollm2-135m`` finds the real model by its name (the session's copy here, so
     the test does not load it twice) and reports its 30 layers × 9 heads."""
-    import bhqk.models.real as real
     from bhqk.viz import stats_cli
 
-    asked = []
-    monkeypatch.setattr(real, "load_for_cli", lambda source, backend="auto": asked.append((source, backend)) or smollm2)
+    asked = serve(smollm2)
     from pydoc_data import topics
 
     text = " ".join(topics.topics["assert"].split()[:200])

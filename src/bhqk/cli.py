@@ -15,9 +15,18 @@ from typing import NoReturn
 import torch
 
 from . import masks
-from .errors import LoadError
+from .console import (
+    BACKEND_HELP,
+    attention_progress,
+    backend_name,
+    fraction_list,
+    int_at_least,
+    int_list,
+    lines_off_terminal,
+    progress_enabled,
+    stage,
+)
 from .explain import explain
-from .models.cli import BACKEND_HELP, attention_progress, backend_name, int_at_least, int_list
 
 USER_ERRORS = (ValueError, OSError, ImportError)  # a bad value, a file that cannot be read or written, a missing extra
 MAX_DRAW_CELLS = 2**18  # bhqk mask draws one character per (batch, query, key): at most 512 × 512
@@ -153,26 +162,6 @@ def with_attention_progress(func, desc: str):
 # --- bhqk needle --------------------------------------------------------------------------------
 
 
-def fraction_list(text: str) -> list[float]:
-    """An argparse type: comma-separated numbers in [0, 1]; ``a,b,...,z`` is the progression a, b, … up to z."""
-    parts = [x.strip() for x in text.replace(" ", ",").split(",") if x.strip()]
-    try:
-        if len(parts) == 4 and parts[2] == "...":
-            a, b, z = float(parts[0]), float(parts[1]), float(parts[3])
-            if not b > a:
-                raise argparse.ArgumentTypeError(f"a progression a,b,...,z needs b > a, got {text!r}")
-            n = int(round((z - a) / (b - a)))
-            values = [round(a + i * (b - a), 10) for i in range(n + 1)]
-        else:
-            values = [float(x) for x in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0,0.5,1 or 0,0.1,...,1, "
-                                         f"got {text!r}") from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"every depth must be a number in [0, 1], got {text!r}")
-    return values
-
-
 def task_list(text: str) -> list[str]:
     """An argparse type: comma-separated task names of bhqk.inspect.tasks."""
     from .inspect.tasks import TASKS
@@ -185,15 +174,10 @@ def task_list(text: str) -> list[str]:
 
 
 def load_plan(path: str):
-    """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``; bhqk.budget is imported only here)."""
-    import importlib
+    """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``): ``--plan`` of needle, stats and generate."""
+    from .budget import Plan
 
-    try:
-        budget = importlib.import_module("bhqk.budget")
-    except ModuleNotFoundError:
-        raise ImportError("--plan needs bhqk.budget (head-wise KV budgets), which this version of bhqk does not have; "
-                          "run without --plan, or update bhqk.") from None
-    return budget.Plan.load(path)
+    return Plan.load(path)
 
 
 def named_plans(names: list[str], model, sink: int, window: int) -> dict:
@@ -217,26 +201,23 @@ def named_plans(names: list[str], model, sink: int, window: int) -> dict:
     return out
 
 
-def causal_lm(a: argparse.Namespace) -> tuple:
-    """``bhqk needle``'s ``--model`` (with ``--backend``): (model, tokenizer) of a causal language model,
-    else one LoadError."""
-    from .models.cli import load_model
-    from .models.real import open_model
+def causal_lm(a: argparse.Namespace, what: str) -> tuple:
+    """(model, tokenizer) of the causal LM ``--model`` names, on ``--backend`` (the one loader), else one LoadError."""
+    from .integrations.hf_attention import implementation
+    from .models.real import load_model
 
-    loaded = load_model(lambda: open_model(a.model, a.backend), str(a.model), a.model)
-    if loaded.tokenizer is None or not loaded.decoder:
-        raise LoadError(f"--model {a.model}: bhqk needle asks a causal language model with its tokenizer; "
-                        f"{loaded.folder} is not one or has no tokenizer files.")
-    return loaded.model, loaded.tokenizer
+    with stage(f"loading {a.model}"):
+        loaded = load_model(a.model, implementation(a.backend))
+    return loaded.causal(what)
 
 
 def cmd_grade(a: argparse.Namespace) -> str:
-    """``bhqk needle --task/--compare/--kl-lengths``: the graded set (bhqk.inspect.grade)."""
+    """``bhqk needle --task/--compare/--kl-lengths``: the graded set (bhqk.inspect.grade); off a terminal a
+    line per reply or forward on stderr."""
     import json
     from pathlib import Path
 
     from .inspect import grade, tasks
-    from .models.cli import progress_enabled
 
     if a.edit is not None or a.depths is not None:
         raise ValueError("--edit and --depths belong to the grid; the graded set (--task, --compare, --kl-lengths) "
@@ -247,7 +228,7 @@ def cmd_grade(a: argparse.Namespace) -> str:
     for name in names:  # a bad plan fails before the model loads
         if name not in ("full", "streaming"):
             load_plan(name)
-    model, tok = causal_lm(a)
+    model, tok = causal_lm(a, "bhqk needle")
     plans = named_plans(names, model, a.sink, a.window)
     lengths = a.lengths or list(grade.LENGTHS)
     what = a.task or (["needle"] if not a.kl_lengths else [])
@@ -256,13 +237,13 @@ def cmd_grade(a: argparse.Namespace) -> str:
                   "sink": a.sink, "window": a.window}
     if what:
         prompts = tasks.make_set(tok, what, lengths, a.trials, a.seed)
-        g = grade.grade(model, tok, prompts, plans, progress=progress_enabled())
+        g = grade.grade(model, tok, prompts, plans)  # a bar on a terminal, else lines (lines_off_terminal)
         cost = ", ".join(f"{L}: prefill {c['prefill_s']:.2f} s + reply {c['decode_s']:.2f} s"
                          for L, c in g.cost().items())
         lines += [f"{a.trials} trial(s) per task and length", g.table(), f"median seconds per reply: {cost}"]
         data["tasks"] = g.to_json()
     for L in a.kl_lengths or []:
-        d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed, progress=progress_enabled())
+        d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed)
         lines += ["", d.table()]
         data.setdefault("divergence", []).append(d.to_json())
     out = Path(a.out)
@@ -272,16 +253,21 @@ def cmd_grade(a: argparse.Namespace) -> str:
 
 
 def cmd_needle(a: argparse.Namespace) -> str:
-    from .inspect import needle
-    from .models.cli import progress_enabled
+    with lines_off_terminal():
+        if a.task is not None or a.compare is not None or a.kl_lengths is not None:
+            return cmd_grade(a)
+        return cmd_grid(a)
 
-    if a.task is not None or a.compare is not None or a.kl_lengths is not None:
-        return cmd_grade(a)
+
+def cmd_grid(a: argparse.Namespace) -> str:
+    """``bhqk needle``'s grid (bhqk.inspect.needle); off a terminal a line per prompt on stderr."""
+    from .inspect import needle
+
     a.lengths = a.lengths or [1024, 2048, 4096, 8192]
     a.depths = a.depths if a.depths is not None else fraction_list("0,0.1,...,1")
     pairs = needle.parse_edit(a.edit) if a.edit is not None else None
     plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
-    model, tok = causal_lm(a)
+    model, tok = causal_lm(a, "bhqk needle")
     bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
     result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
                          edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
@@ -403,7 +389,7 @@ def parser() -> Parser:
     from .viz.cli import add_show_parser, add_trace_parser
 
     add_embed_parser(sub)
-    add_generate_parser(sub)
+    add_generate_parser(sub).set_defaults(load_plan=load_plan)  # --plan: bhqk.budget sits above models
     s = add_show_parser(sub)
     s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
     add_trace_parser(sub)

@@ -14,29 +14,38 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import LoadError
-from .find import SCORES, find
+from ..console import int_at_least, lines_off_terminal, plain, say, stage
+from .find import SCORES, TIE_ORDERS, find
 from .plan import model_map
 from .scores import CAUSAL
 
-
-def load_model(source: str):
-    """(model, tokenizer) for a model name, a ``.gguf`` file or a local Hugging Face folder, running
-    bhqk's attention (a folder may lack tokenizer files: the induction score needs none); the names of
-    every command (:func:`bhqk.models.real.open_model`)."""
-    from ..models.real import open_model
-
-    loaded = open_model(source)
-    if not loaded.decoder:
-        raise LoadError(f"--model {source}: not a causal language model (a budget plan is for decoders).")
-    return loaded.model, loaded.tokenizer
+LENGTH = 8192  # --length's default
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def tie_order(text: str) -> str:
+    """An argparse type: how ties are ordered, ``index`` or ``copy-mass`` (``find``'s ``ties="copy mass"``;
+    either spelling, with a space, a hyphen or an underscore, means the same)."""
+    value = " ".join(text.replace("-", " ").replace("_", " ").split())
+    if value not in TIE_ORDERS:
+        raise argparse.ArgumentTypeError(f"expected index or copy-mass, got {text!r}")
+    return value
+
+
 def cmd_budget(a: argparse.Namespace) -> str:
+    with lines_off_terminal():
+        return budget(a)
+
+
+def budget(a: argparse.Namespace) -> str:
+    """``bhqk budget``; off a terminal a line per stage on stderr. A length beyond the model's context is
+    refused before any head is scored."""
+    from ..integrations.hf_attention import implementation
+    from ..models.real import context_length, load_model
+
     t0 = time.perf_counter()
     learned = {k: getattr(a, k) for k in ("steps", "checkpoint", "resume") if getattr(a, k) is not None}
     if learned and a.score != "learned":
@@ -49,15 +58,24 @@ def cmd_budget(a: argparse.Namespace) -> str:
         texts = [Path(a.text).read_text()]
         if a.score not in ("distant", "kl", "fisher"):
             raise ValueError(f"--text is the text of --score distant, kl and fisher (got --score {a.score}).")
-    model, tokenizer = load_model(a.model)
+    with stage(f"loading {a.model}"):
+        loaded = load_model(a.model, implementation("auto"))
+    model, tokenizer = loaded.causal("a budget plan (it is for decoders)", tokenizer=False)
+    limit = context_length(model)
+    for flag, n in (("--length", a.length), ("--probe-length", a.probe_length)):
+        if limit is not None and n is not None and n > limit:
+            raise ValueError(f"{flag} {n:,} is beyond the context of {loaded.name}: it reads at most {limit:,} positions "
+                             f"(max_position_embeddings); give {flag} {limit:,} or less.")
+    length = a.length if a.length is not None else min(LENGTH, limit or LENGTH)
     t1 = time.perf_counter()
+    say(f"budget: scoring every K/V head by {a.score} …")
     plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed,
-                ties=a.ties.replace("-", " "), length=a.probe_length, texts=texts, **options)
+                ties=a.ties, length=a.probe_length, texts=texts, **options)
     t2 = time.perf_counter()
-    held, own = plan.nbytes(a.length, model)
+    held, own = plan.nbytes(length, model)
     lines = [str(plan), "",
              f"model: {model_map(model).shape.describe()}; loaded in {t1 - t0:.1f} s, scored in {t2 - t1:.1f} s",
-             f"keys and values at {a.length:,} tokens (batch 1, {next(model.parameters()).dtype}): plan {_mib(held)}, "
+             f"keys and values at {length:,} tokens (batch 1, {next(model.parameters()).dtype}): plan {_mib(held)}, "
              f"the model's own cache {_mib(own)} ({held / own:.3f}×; saves {_mib(own - held)})"]
     if a.save:
         lines.append(f"saved {plan.save(a.save)}")
@@ -65,8 +83,6 @@ def cmd_budget(a: argparse.Namespace) -> str:
 
 
 def add_budget_parser(sub) -> argparse.ArgumentParser:
-    from ..models.cli import int_at_least
-
     def fraction(s: str) -> float:
         try:
             v = float(s)
@@ -77,7 +93,7 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
         return v
 
     b = sub.add_parser("budget", help="choose which K/V heads keep every key (the rest keep a sink and a window)",
-                       description=__doc__)
+                       description=plain(__doc__))
     b.add_argument("--model", required=True,
                    help="a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder")
     b.add_argument("--full", type=fraction, default=0.5,
@@ -87,9 +103,12 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
     b.add_argument("--score", choices=SCORES, default="fisher",
                    help="how heads are ranked (default fisher: one forward and one backward on --text)")
-    b.add_argument("--ties", choices=("index", "copy-mass"), default="index",
-                   help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval)")
-    b.add_argument("--length", type=int_at_least(1), default=8192, help="tokens at which bytes are counted (default 8192)")
+    b.add_argument("--ties", type=tie_order, default="index", metavar="{index,copy-mass}",
+                   help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval; "
+                        "in Python ties=\"copy mass\", also accepted here)")
+    b.add_argument("--length", type=int_at_least(1), default=None,
+                   help=f"tokens at which bytes are counted, at most the model's context (default {LENGTH}, or the "
+                        f"context where it is shorter)")
     b.add_argument("--seed", type=int, default=0, help="seed of the probe sequences (default 0)")
     b.add_argument("--probe-length", type=int_at_least(1), default=None, metavar="N",
                    help="tokens of the text or prompts the score reads (default per score: kl and fisher 2048, "
@@ -107,4 +126,4 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
     return b
 
 
-__all__ = ["add_budget_parser", "cmd_budget", "load_model"]
+__all__ = ["add_budget_parser", "cmd_budget", "tie_order"]

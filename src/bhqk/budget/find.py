@@ -45,6 +45,7 @@ from torch import nn
 
 from ..inspect.capture import capture
 from ..inspect.heads import head_table
+from ..integrations.hf_attention import parse_implementation
 from ..integrations.model_map import ModelMap, model_map
 from .plan import Plan
 from .scores import CAUSAL, text_ids
@@ -60,7 +61,7 @@ def _on_bhqk(model: Any) -> Iterator[None]:
                         f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
                         f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
     impl = getattr(model.config, "_attn_implementation", None)
-    if isinstance(impl, str) and impl.startswith("bhqk"):
+    if parse_implementation(impl) is not None:
         yield
         return
     from ..integrations.transformers import register

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import MaskError, ShapeError
-from ..integrations.hf_attention import _mask_and_bias, attention_forward
+from ..integrations.hf_attention import _mask_and_bias, attention_forward, parse_implementation
 from ..integrations.model_map import ModelMap, model_map
 from ..masks import Mask
 from .mask import streaming_mask
@@ -96,7 +96,7 @@ def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: i
     stream = streaming_mask(sink, window)
     table = {id(m.module(li)): (gates[li], stream) for li in range(L)}
     impl = getattr(model.config, "_attn_implementation", None)
-    backend = impl.split(":", 1)[1] if isinstance(impl, str) and impl.startswith("bhqk:") else "auto"
+    backend = parse_implementation(impl) or "auto"
     _register()
     token = _GATES.set((table, backend))
     model.set_attn_implementation(NAME)  # type: ignore[operator]

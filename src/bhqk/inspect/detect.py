@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .. import observe
-from ..models.cli import _Ticker, attention_progress
+from ..console import Ticker, attention_progress
 from .capture import Capture
 from .heads import HeadTable, head_table
 
@@ -103,7 +103,7 @@ def calls_bar(desc: str, total: int | None = None) -> Iterator[None]:
     from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the venv)
 
     with tqdm(total=total, desc=desc, unit=" attention call", leave=False, dynamic_ncols=True) as bar, \
-            observe.observing(_Ticker(bar)):
+            observe.observing(Ticker(bar)):
         yield
 
 

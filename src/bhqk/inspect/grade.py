@@ -288,7 +288,7 @@ class Grades:
 def grade(model, tok, prompts: Sequence[Prompt], plans: dict[str, Any], *, progress: bool = True) -> Grades:
     """Every configuration of ``plans`` (name → None or a plan) replies to every prompt, prompt by
     prompt (so an interrupted run leaves complete pairs): a :class:`Grades`."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk needle)
 
     _check(model, plans)
     prompts = list(prompts)
@@ -413,7 +413,7 @@ def divergence(model, tok, plans: dict[str, Any], length: int = 4096, chunks: in
     length − 2 (default :func:`start_of` the plans: where streaming changes anything). One forward per
     chunk and configuration, the model's own (no plan) first; the log-probabilities are taken from the
     final hidden states ``block`` positions at a time (never [length, vocabulary] at once)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk needle)
 
     _check(model, plans)
     x = text_chunks(tok, length, chunks)  # [C, N]

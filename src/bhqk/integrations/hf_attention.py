@@ -22,6 +22,24 @@ def _backends() -> list[str]:
     return ["auto", *(b for b in backend_names() if b != "auto")]
 
 
+def parse_implementation(name: object) -> str | None:
+    """bhqk's backend that a transformers ``attn_implementation`` names: ``"bhqk"`` → ``"auto"``,
+    ``"bhqk:tiled"`` → ``"tiled"``; None for any other implementation (``"eager"``, ``"sdpa"``, …).
+    The one reader of the ``"bhqk:<backend>"`` string; :func:`implementation` writes it."""
+    if not isinstance(name, str):
+        return None
+    head, colon, backend = name.partition(":")
+    if head != "bhqk":
+        return None
+    return backend if colon else "auto"
+
+
+def implementation(backend: str = "auto") -> str:
+    """transformers' ``attn_implementation`` for bhqk's ``backend``: ``"bhqk"`` for ``auto``, else
+    ``"bhqk:<backend>"`` (the inverse of :func:`parse_implementation`)."""
+    return "bhqk" if backend == "auto" else f"bhqk:{backend}"
+
+
 def names(name: str = "bhqk") -> list[str]:
     """The implementation names ``register(name)`` adds: ``name`` (auto) and ``name:<backend>`` for
     every backend registered now."""
@@ -224,10 +242,10 @@ def check_implementation(name: str) -> None:
     """A BackendError naming ``name`` and the choices when it is not an attention implementation that
     loads: ``"bhqk"`` / ``"bhqk:<backend>"`` for a backend of :func:`bhqk.functional.names`, or one of
     transformers' own (``eager`` and its ``AttentionInterface``; hub kernels, ``org/name``, pass)."""
-    if name.split(":")[0] == "bhqk":
+    backend = parse_implementation(name)
+    if backend is not None:
         if name in names():
             return
-        backend = name.partition(":")[2]
         raise BackendError(f"attn_implementation={name!r}: bhqk has no backend {backend!r}; choose one of "
                            f"{', '.join(names())} (the backends of bhqk.functional.names()).")
     try:

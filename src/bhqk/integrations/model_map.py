@@ -176,6 +176,19 @@ def decoder_stack(model: Any) -> Any:
     return dec
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword a transformers model's ``forward`` and ``generate`` take a ``Cache`` by: ``"cache"``
+    where its forward has that parameter (transformers 5.24 renamed ``past_key_values`` to it and warns
+    about the old name), else ``"past_key_values"`` (older 5.x)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def model_map(model: nn.Module | ModelMap) -> ModelMap:
     """The :class:`ModelMap` of a Hugging Face causal LM (its config: sizes, each layer's type and window
     as transformers' ``DynamicCache(config=...)`` reads them; its attention modules: the modules with a
@@ -223,4 +236,5 @@ def model_map(model: nn.Module | ModelMap) -> ModelMap:
     return ModelMap(model, shape, tuple(n for _, n in found), dec, text)
 
 
-__all__ = ["ModelMap", "ModelShape", "model_map", "address", "decoder_stack", "text_config", "LAYER_TYPES"]
+__all__ = ["ModelMap", "ModelShape", "model_map", "address", "decoder_stack", "cache_keyword", "text_config",
+           "LAYER_TYPES"]

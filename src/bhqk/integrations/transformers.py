@@ -32,23 +32,22 @@ tensor and is used as one (bool: True = attend; float: additive). Every keyword 
 transformers passes is either honoured or refused with a ``TypeError`` naming it.
 
 Names: ``"bhqk"`` (backend ``auto``) and ``"bhqk:<backend>"`` for every backend in bhqk's registry
-(:func:`bhqk.functional.names`).
+(:func:`bhqk.functional.names`); :func:`parse_implementation` reads such a name, :func:`implementation`
+writes it.
 
 The code lives in three files, one concern each (as transformers keeps ``masking_utils`` apart from
 its attention functions): :mod:`~bhqk.integrations.hf_mask` (the mask tensor and its structure),
 :mod:`~bhqk.integrations.hf_attention` (the attention function and :func:`register`) and
-:mod:`~bhqk.integrations.hf_folder` (local model folders), plus :mod:`~bhqk.integrations.model_map` (one
-map of a model's layers). This module is their public face.
+:mod:`~bhqk.integrations.model_map` (one map of a model's layers). This module is their public face;
+models load through :func:`bhqk.models.real.load_model`.
 """
 
 from __future__ import annotations
 
-from .hf_attention import IGNORED, attention_forward, check_implementation, names, register
-from .hf_folder import TOKENIZER_FILES, Loaded, cache_keyword, encode, is_decoder_config, load_folder
+from .hf_attention import IGNORED, attention_forward, check_implementation, implementation, names, parse_implementation, register
 from .hf_mask import ROW_BLOCK_ENTRIES, AllKeys, HFMask, build_mask
-from .model_map import ModelMap, ModelShape, address, decoder_stack, model_map
+from .model_map import ModelMap, ModelShape, address, cache_keyword, decoder_stack, model_map
 
-__all__ = ["register", "names", "check_implementation",
-           "build_mask", "attention_forward", "AllKeys", "HFMask", "load_folder", "Loaded", "encode",
-           "is_decoder_config", "cache_keyword", "decoder_stack", "model_map", "ModelMap", "ModelShape", "address",
-           "TOKENIZER_FILES", "IGNORED", "ROW_BLOCK_ENTRIES"]
+__all__ = ["register", "names", "check_implementation", "parse_implementation", "implementation",
+           "build_mask", "attention_forward", "AllKeys", "HFMask", "cache_keyword", "decoder_stack", "model_map",
+           "ModelMap", "ModelShape", "address", "IGNORED", "ROW_BLOCK_ENTRIES"]

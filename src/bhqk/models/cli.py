@@ -1,175 +1,39 @@
-"""The ``bhqk embed`` and ``bhqk generate`` subcommands, the argument types every subcommand checks
-its options with, and the progress bars of long work. Each ``add_*_parser(sub)`` registers one
-subcommand whose ``func(args)`` returns the text to print (the convention of ``bhqk.cli``).
-
-Options are validated when they are parsed (an argparse ``type`` per kind of value), so a bad value
-is one ``bhqk CMD: error: argument --x: ...`` line and exit status 2 before any work starts."""
+"""The ``bhqk embed`` and ``bhqk generate`` subcommands. Each ``add_*_parser(sub)`` registers one
+subcommand whose ``func(args)`` returns the text to print (the convention of ``bhqk.cli``); the
+argument types and progress bars every command shares are :mod:`bhqk.console`'s."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..console import (
+    BACKEND_HELP,
+    attention_progress,
+    backend_name,
+    finite_float_at_least,
+    int_at_least,
+    int_list,
+    output_file,
+    progress,
+    sentence,
+    stage,
+    text,
+)
 from ..errors import LoadError
 
-# --- argument types: each turns a bad value into one argparse error -----------------------------
 
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def finite_float_at_least(low: float) -> Callable[[str], float]:
-    """An argparse type: a finite number >= ``low`` (``nan`` and ``inf`` are refused)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {value:g}")
-        return value
-
-    parse.__name__ = f"number >= {low:g}"
-    return parse
-
-
-def int_list(low: int | None = None) -> Callable[[str], list[int]]:
-    """An argparse type: comma- (or space-) separated integers, at least one, each >= ``low``."""
-
-    def parse(text: str) -> list[int]:
-        parts = [x for x in text.replace(" ", ",").split(",") if x.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,5, got {text!r}")
-        try:
-            values = [int(x) for x in parts]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,5, got {text!r}") from None
-        if low is not None and any(v < low for v in values):
-            raise argparse.ArgumentTypeError(f"every value must be >= {low}, got {text!r}")
-        return values
-
-    parse.__name__ = "list of integers"
-    return parse
-
-
-def backend_name(text: str) -> str:
-    """An argparse type: the name of a registered attention backend."""
-    from ..functional import names
-
-    if text not in names():
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {', '.join(names())}")
-    return text
-
-
-def sentence(text: str) -> str:
-    """An argparse type: a sentence with at least one non-space character."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"a sentence is empty ({text!r}); give every sentence some text")
-    return text
-
-
-def text(value: str) -> str:
-    """An argparse type: a text with at least one non-space character (``bhqk show``, ``trace``, ``generate``)."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError(f"the text is empty ({value!r}); give some words to read")
-    return value
-
-
-def output_file(*suffixes: str) -> Callable[[str], Path]:
-    """An argparse type: a path whose suffix says the format (one of ``suffixes``)."""
-
-    def parse(text: str) -> Path:
-        path = Path(text)
-        if path.suffix.lower() not in suffixes:
-            raise argparse.ArgumentTypeError(f"{text!r}: the suffix says the format; use one of {', '.join(suffixes)}")
-        return path
-
-    parse.__name__ = "output file"
-    return parse
-
-
-BACKEND_HELP = "attention backend: auto (default), reference, torch, tiled, or another registered name"
-
-# --- progress on a terminal ---------------------------------------------------------------------
-
-
-def progress_enabled() -> bool:
-    """Progress bars only when both stdout and stderr are terminals (quiet when piped or captured)."""
-    try:
-        return sys.stderr.isatty() and sys.stdout.isatty()
-    except (AttributeError, ValueError):  # closed or replaced streams
-        return False
-
-
-def progress(iterable: Any = None, **kwargs: Any):
-    """A tqdm bar on stderr, disabled unless :func:`progress_enabled`."""
-    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the venv)
-
-    return tqdm(iterable, disable=not progress_enabled(), leave=False, dynamic_ncols=True, **kwargs)
-
-
-@contextlib.contextmanager
-def step(desc: str) -> Iterator[None]:
-    """A one-step bar for work that reports nothing while it runs (e.g. loading a model)."""
-    with progress(total=1, desc=desc, bar_format="{desc} … {elapsed}") as bar:
-        yield
-        bar.update(1)
-
-
-class _Ticker:
-    """An observer that advances a bar by one every ``per`` attention calls."""
-
-    def __init__(self, bar, per: int = 1) -> None:
-        self.bar, self.per, self.calls = bar, max(1, per), 0
-
-    def on_event(self, event: str, data: dict[str, Any]) -> None:
-        if event == "attention":
-            self.calls += 1
-            if self.calls % self.per == 0:
-                self.bar.update(1)
-
-
-@contextlib.contextmanager
-def attention_progress(desc: str, total: int | None = None, per: int = 1, unit: str = " attention call") -> Iterator[None]:
-    """A bar that advances as attention calls run (one tick per ``per`` calls)."""
-    from ..observe import observing
-
-    with progress(total=total, desc=desc, unit=unit) as bar:
-        if bar.disable:
-            yield
-            return
-        with observing(_Ticker(bar, per)):
-            yield
-
-
-def load_model(load: Callable[[], Any], what: str, folder: str | Path | None) -> Any:
-    """``load()`` with a progress step; a failure that is not already a bhqk error (a truncated or
-    corrupted weights file read by a third-party library) becomes a LoadError naming the folder."""
-    with step(f"loading {what}"):
+def own_model(load: Callable[[], Any], what: str, folder: str | Path | None) -> Any:
+    """``load()`` of one of bhqk's own models (BERT, GPT-2: key tables) with a progress step; a failure that
+    is not already a bhqk error (a truncated or corrupted weights file read by a third-party library)
+    becomes a LoadError naming the folder. (transformers' models load through :func:`real.load_model`.)"""
+    with stage(f"loading {what}"):
         try:
             return load()
         except (ValueError, ImportError, FileNotFoundError):
@@ -224,7 +88,7 @@ def cmd_embed(a: argparse.Namespace) -> str:
 
     sentences = read_sentences(a)
     name = str(a.model) if a.model else "bundled all-MiniLM-L6-v2"
-    enc = load_model(lambda: SentenceEncoder.from_pretrained(a.model, backend=a.backend), name, a.model)
+    enc = own_model(lambda: SentenceEncoder.from_pretrained(a.model, backend=a.backend), name, a.model)
     parts = []
     with progress(total=len(sentences), desc="embedding", unit=" sentence") as bar:
         for i in range(0, len(sentences), enc.batch_size):
@@ -257,18 +121,33 @@ def add_embed_parser(sub) -> argparse.ArgumentParser:
 # --- bhqk generate ------------------------------------------------------------------------------
 
 
-def generate_pretrained(a: argparse.Namespace) -> str:
-    """``bhqk generate --model smollm2-135m "prompt"``: transformers' model on bhqk's attention, the
-    prompt asked through the chat template (``--ids``: raw token ids, no template), the new tokens
-    streamed to stdout as they are decoded."""
+def generate_hf(a: argparse.Namespace, plan: Any = None) -> str:
+    """``bhqk generate --model smollm2-135m "prompt"``: transformers' causal LM on bhqk's attention (the one
+    loader, :func:`bhqk.models.real.load_model`); the prompt asked through the tokenizer's chat template
+    where it has one (``--raw``: the text as it is; ``--ids``: raw token ids), the new tokens streamed to
+    stdout as they are decoded; ``plan``: a KV budget plan whose cache the generation runs with."""
     from transformers import TextStreamer
 
-    from .real import context_length, load_for_cli
+    from ..integrations.hf_attention import implementation
+    from ..integrations.model_map import cache_keyword
+    from .real import context_length, load_model
 
-    model, tok = load_model(lambda: load_for_cli(a.model, a.backend), str(a.model), a.model)
+    with stage(f"loading {a.model}"):
+        loaded = load_model(a.model, implementation(a.backend))
+    model, tok = loaded.model, loaded.tokenizer
+    if not loaded.decoder:
+        raise LoadError(f"--model {a.model}: not a causal language model (config.json names no …ForCausalLM "
+                        f"architecture); bhqk generate continues text with a decoder.")
+    chat = False
     if a.prompt is not None:
-        ids = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]  # [1, n]
+        if tok is None:
+            raise LoadError(f"{loaded.folder} has no tokenizer files; pass token ids with --ids 1,2,3 instead of a prompt.")
+        chat = not a.raw and bool(getattr(tok, "chat_template", None))
+        if chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]  # [1, n]
+        else:
+            ids = tok(a.prompt, return_tensors="pt")["input_ids"]  # [1, n]
     else:
         ids = torch.tensor([a.ids])  # [1, n]
     vocab = model.config.vocab_size
@@ -276,9 +155,13 @@ def generate_pretrained(a: argparse.Namespace) -> str:
         raise ValueError(f"token ids must be in [0, {vocab}) for this model, got {ids[0].tolist()}.")
     limit = context_length(model)
     if limit is not None and ids.shape[1] + a.max_new_tokens > limit:
-        raise ValueError(f"the prompt is {ids.shape[1]:,} tokens{' (chat template included)' if a.prompt is not None else ''}"
+        raise ValueError(f"the prompt is {ids.shape[1]:,} tokens{' (chat template included)' if chat else ''}"
                          f" and --max-new-tokens asks for {a.max_new_tokens:,} more: {a.model} reads at most {limit:,} "
                          f"positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens.")
+    cache = {}
+    if plan is not None:
+        plan.check(model)  # a plan made for another model fails here, before any token
+        cache = {cache_keyword(model): plan.cache(model)}
     if a.seed is not None:
         torch.manual_seed(a.seed)
     sample = a.temperature > 0
@@ -286,23 +169,38 @@ def generate_pretrained(a: argparse.Namespace) -> str:
     eos = a.eos_id if a.eos_id is not None else model.generation_config.eos_token_id  # an id or a list (Gemma 3: 1, 106)
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
-    streamer = None if a.show_ids else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    streamer = None if a.show_ids or tok is None else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens, do_sample=sample,
-                             eos_token_id=eos, pad_token_id=pad, streamer=streamer, **extra)  # [1, n + new]
-    return ",".join(map(str, out[0].tolist())) if a.show_ids else ""
+                             eos_token_id=eos, pad_token_id=pad, streamer=streamer, **cache, **extra)  # [1, n + new]
+    return ",".join(map(str, out[0].tolist())) if a.show_ids or tok is None else ""
+
+
+def _own_gpt2(found: str | Path) -> bool:
+    """``--model`` is a GPT-2 folder (config.json's model_type): bhqk's own :class:`~bhqk.models.GPT2` runs it."""
+    from .loading import read_config
+
+    cfg = Path(found) / "config.json"
+    return cfg.is_file() and read_config(found).get("model_type") == "gpt2"
 
 
 def cmd_generate(a: argparse.Namespace) -> str:
     from .bert import load_tokenizer
     from .gpt2 import GPT2
-    from .real import is_pretrained, resolve
+    from .real import resolve
 
-    if (a.prompt is None) == (a.ids is None):
-        raise ValueError("give either a prompt (needs tokenizer.json in the model folder) or --ids, not both.")
-    if is_pretrained(resolve(a.model)):
-        return generate_pretrained(a)
-    model = load_model(lambda: GPT2.from_pretrained(a.model, backend=a.backend), "GPT-2", a.model)
+    if a.prompt is not None and a.ids is not None:
+        raise ValueError("give a prompt or --ids, not both.")
+    if a.prompt is None and a.ids is None:
+        raise ValueError("the prompt is missing: give the text to continue or the question to ask (bhqk generate "
+                         "--model M \"What is …?\"), or its token ids with --ids 1,2,3.")
+    plan = None if getattr(a, "plan", None) is None else a.load_plan(a.plan)  # before the model: a bad plan fails at once
+    if not _own_gpt2(resolve(a.model)):
+        return generate_hf(a, plan)
+    if plan is not None:
+        raise ValueError(f"--plan runs a transformers causal LM with the plan's cache; {a.model} is a GPT-2 folder, "
+                         "which bhqk's own GPT-2 runs with its own KV cache.")
+    model = own_model(lambda: GPT2.from_pretrained(a.model, backend=a.backend), "GPT-2", a.model)
     tok = None
     if a.prompt is not None:
         if not (Path(a.model) / "tokenizer.json").is_file():
@@ -329,9 +227,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt (GPT-2 folder) or answer it (smollm2-135m, gemma3-270m, a GGUF file)",
                        description="Continue a prompt with a local Hugging Face GPT-2 folder, one token at a time "
                                    "with a KV cache: greedy by default, sampled with --temperature and --top-k. "
-                                   "With a pretrained chat model (smollm2-135m, gemma3-270m, a .gguf file, a Llama-family "
-                                   "folder: bhqk.models.pretrained) the prompt is asked through its chat template and the "
-                                   "answer streams as it is generated.")
+                                   "With any other causal LM (smollm2-135m, gemma3-270m, a .gguf file, a Hugging Face "
+                                   "folder: bhqk.models.pretrained) the answer streams as it is generated, the prompt asked "
+                                   "through the tokenizer's chat template where it has one (--raw: the text as it is).")
     p.add_argument("prompt", nargs="?", default=None, type=text,
                    help="text (tokenized with the folder's tokenizer.json; a chat model: the user's message)")
     p.add_argument("--model", required=True,
@@ -346,6 +244,11 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int_at_least(0), default=None, help="random seed for sampling")
     p.add_argument("--eos-id", type=int_at_least(0), default=None, help="stop when this token id is generated")
     p.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
+    p.add_argument("--raw", action="store_true",
+                   help="give the prompt to the model as it is, not through the chat template (a pretrained, not "
+                        "instruction-tuned, model such as gemma3-270m continues text)")
+    p.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="generate with the KV cache of a head-wise budget plan saved by bhqk budget --save")
     p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
     p.set_defaults(func=cmd_generate)
     return p

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..console import BACKEND_HELP, backend_name
+from ..console import text as text_arg
 from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
-from ..models.cli import BACKEND_HELP, backend_name
-from ..models.cli import text as text_arg
 
 DEFAULT_OUT = "bhqk-show"
 MODEL_HELP = ("a model name (smollm2-135m, gemma3-270m), a .gguf file or a local Hugging Face folder, encoder or decoder, loaded "
@@ -82,19 +82,19 @@ def _is_bert_folder(model: str | Path) -> bool:
     """``model`` (what ``--model`` names in every command: :func:`bhqk.models.real.resolve`) is a BERT folder,
     read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
     from ..models.loading import read_config
-    from ..models.real import from_gguf, resolve
+    from ..models.real import resolve
 
-    found = resolve(model)
-    return not from_gguf(found) and read_config(found).get("model_type") == "bert"
+    found = Path(resolve(model))
+    return (found / "config.json").is_file() and read_config(found).get("model_type") == "bert"
 
 
 def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
             cut: list[int] | None, specials: list[str] | None) -> tuple[Capture, list[str]]:
     """``run_sentence`` for a model name, a GGUF file or any local Hugging Face folder: transformers' model on bhqk."""
-    from ..integrations.transformers import encode
-    from ..models.real import open_model
+    from ..integrations.hf_attention import implementation
+    from ..models.real import encode, load_model
 
-    loaded = open_model(folder, backend)
+    loaded = load_model(folder, implementation(backend))
     inputs, tokens = encode(loaded, sentence)  # input_ids [1, N], ...
     limit = min(HF_MAX_TOKENS, int(getattr(loaded.model.config, "max_position_embeddings", HF_MAX_TOKENS) or HF_MAX_TOKENS))
     limit = _limit(max_tokens, limit)
@@ -213,10 +213,10 @@ def trace_text(text: str, model: str | Path | None = None, backend: str = "auto"
             enc.model(ids, attention_mask)
         tokens = list(enc.tokenizer.encode(text).tokens)
     else:
-        from ..integrations.transformers import encode
-        from ..models.real import open_model
+        from ..integrations.hf_attention import implementation
+        from ..models.real import encode, load_model
 
-        loaded = open_model(model, backend)
+        loaded = load_model(model, implementation(backend))
         inputs, tokens = encode(loaded, text)  # input_ids [1, N], ...
         with torch.no_grad(), trace(loaded.model) as t:
             loaded.model(**inputs)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from ..console import attention_progress, int_at_least, lines_off_terminal, plain, stage
 from ..errors import LoadError
 from ..inspect.rowstats import STATISTICS
-from ..models.cli import attention_progress, int_at_least
 
 DEFAULT_OUT = "bhqk-stats"
 MIN_TEXT_TOKENS = 2  # tokens of text (besides the model's special tokens): prev needs a previous token
@@ -31,22 +31,23 @@ TOP_COLUMNS = ("sink", "prev", "local", "entropy")  # what --top N ranks (entrop
 
 
 def load(model: str | Path | None, backend: str = "auto"):
-    """The model ``bhqk stats`` reads, on bhqk (``backend``): None is the bundled all-MiniLM-L6-v2, else
-    what ``--model`` names in every command (:func:`bhqk.models.real.resolve`: a model name such as
-    ``smollm2-135m``, a GGUF file, or a local Hugging Face folder with its tokenizer files). A folder
-    without tokenizer files is refused before its weights load."""
-    from ..integrations.transformers import TOKENIZER_FILES, load_folder
+    """The model ``bhqk stats`` reads, on bhqk (``backend``), as :func:`bhqk.models.real.load_model` loads
+    it: None is the bundled all-MiniLM-L6-v2, else what ``--model`` names in every command (a model name
+    such as ``smollm2-135m``, a GGUF file, or a local Hugging Face folder with its tokenizer files). A
+    folder without tokenizer files is refused before its weights load."""
+    from ..integrations.hf_attention import implementation
     from ..models.bert import bundled_model_dir
-    from ..models.real import from_gguf, implementation, open_model, resolve
+    from ..models.real import TOKENIZER_FILES, load_model, resolve
 
     if model is None:
-        return load_folder(bundled_model_dir(), implementation(backend))
-    found = resolve(model)
-    if not from_gguf(found) and Path(found).is_dir() and not any((Path(found) / f).is_file() for f in TOKENIZER_FILES):
+        return load_model(bundled_model_dir(), implementation(backend))
+    found = Path(resolve(model))
+    if (found / "config.json").is_file() and not any((found / f).is_file() for f in TOKENIZER_FILES):
         raise LoadError(f"--model {found} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): bhqk stats turns the "
                         "text into tokens with the model's tokenizer; copy the tokenizer files of the model it was "
                         "trained with into the folder.")
-    return open_model(model, backend)
+    with stage(f"loading {model}"):
+        return load_model(model, implementation(backend))
 
 
 def tokenize(loaded, text: str) -> tuple[dict, list[str], int]:
@@ -69,7 +70,7 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
     budget plan (``bhqk.budget.Plan``) whose cache the forward runs with (a causal LM; checked against
     the model before the forward)."""
     from ..inspect.capture import capture
-    from ..integrations.hf_folder import cache_keyword
+    from ..integrations.model_map import cache_keyword
     from . import stats_page
 
     if max_tokens is not None and max_tokens < MIN_TEXT_TOKENS:
@@ -82,13 +83,17 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
             raise ValueError(f"--plan: a KV budget runs a causal language model with its cache; {loaded.folder} is "
                              f"not one (an encoder attends without a cache).")
         plan.check(loaded.model)  # a plan made for another model fails here, before the forward
+    name = loaded.name if model_dir is not None else "all-MiniLM-L6-v2 (bundled)"
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        raise ValueError(f"--max-tokens {max_tokens:,} is beyond the context of {name}: it reads at most {limit:,} "
+                         f"positions (max_position_embeddings); give --max-tokens {limit:,} or less.")
     inputs, tokens, words = tokenize(loaded, text)
     if words < MIN_TEXT_TOKENS:
         raise ValueError(f"the text has {words} token{'' if words == 1 else 's'} besides the model's special tokens "
                          f"({tokens}); bhqk stats needs at least {MIN_TEXT_TOKENS} (a previous token to look at).")
     N = inputs["input_ids"].shape[1]
-    limit = getattr(loaded.model.config, "max_position_embeddings", None) or N
-    keep = min(N, limit if max_tokens is None else max_tokens)
+    keep = min(N, max_tokens or limit or N)
     inputs = {k: v[:, :keep] for k, v in inputs.items()}  # [1, N] -> [1, keep]
     tokens = tokens[:keep]
     layers = getattr(loaded.model.config, "num_hidden_layers", None)
@@ -99,8 +104,8 @@ def run(model_dir: str | Path | None, text: str, *, out: str | Path = DEFAULT_OU
         loaded.model(**inputs, **cache)
     seconds = time.perf_counter() - t0
     table = cap.head_table(positions)
-    name = loaded.name if model_dir is not None else "all-MiniLM-L6-v2 (bundled)"
-    cut = f" (cut from {N})" if keep < N else ""
+    cut = "" if keep >= N else f" (cut from {N}" + (f": the model reads at most {limit:,} positions)" if max_tokens is None
+                                                   else ": --max-tokens)")
     meta = {"model": str(loaded.folder), "tokens": f"{keep}{cut}", "layers × heads": f"{len(table.layers)} × {table.num_heads}",
             "window": str(window), "forward + statistics": f"{seconds:.2f} s"}
     if plan is not None:
@@ -150,6 +155,11 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> str:
+    with lines_off_terminal():  # off a terminal: a line per stage and per attention call on stderr
+        return stats(args)
+
+
+def stats(args: argparse.Namespace) -> str:
     plan = None if args.plan is None else args.load_plan(args.plan)  # before the model: a bad plan fails at once
     report, _ = run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
                     backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)
@@ -158,7 +168,7 @@ def cmd_stats(args: argparse.Namespace) -> str:
 
 def add_stats_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="attention statistics of every layer and head of a local model, at any length",
-                       description=__doc__)
+                       description=plain(__doc__))
     s.add_argument("text", nargs="?", default=None, help="the text (or --file)")
     s.add_argument("--model", default=None, help="a model name (smollm2-135m, gemma3-270m), a GGUF file, or a local Hugging "
                                                  "Face model folder (config.json, weights, tokenizer); default: the bundled "
@@ -166,7 +176,8 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--file", default=None, help="read the text from this file (UTF-8)")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the pictures and the page (default {DEFAULT_OUT})")
     s.add_argument("--max-tokens", type=int_at_least(MIN_TEXT_TOKENS), default=None,
-                   help="cut the text to this many tokens (default: the model's limit)")
+                   help="cut the text to this many tokens, at most the model's context (default: the model's limit; "
+                        "a longer text is cut there, and the report says so)")
     s.add_argument("--window", type=int_at_least(1), default=8,
                    help="'local' is the attention within this many keys (default 8)")
     s.add_argument("--backend", default="auto", choices=("auto", "tiled", "torch", "reference"),
@@ -184,4 +195,4 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "top_heads"]
+__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "stats", "top_heads"]
