@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from bhqk import masks
-from bhqk.budget import BudgetCache, GroupedKV, Plan, find, score_heads, streaming_mask
+from bhqk.budget import BudgetCache, GroupedKV, Plan, find, streaming_mask
 from bhqk.budget.find import rank, score_keys
 from bhqk.errors import BackendError, LoadError, ShapeError
 from bhqk.integrations.transformers import register
@@ -248,7 +248,7 @@ def test_find_keeps_the_top_fraction_by_the_kv_heads_max_score(score):
     assert plan.full.shape == (2, 2) and int(plan.full.sum()) == 2 and plan.score == score
     assert plan.layers == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert float(plan.scores[plan.full].min()) >= float(plan.scores[~plan.full].max())
-    kv, per_q = score_heads(model, score, window=W, tokenizer=_CharTokenizer(), length=32, batch=2)
+    (_, kv, per_q), = score_keys(model, score, window=W, tokenizer=_CharTokenizer(), length=32, batch=2)
     torch.testing.assert_close(kv, per_q.reshape(2, 2, 4).amax(-1))  # a K/V head: the max of its 4 query heads
     torch.testing.assert_close(kv.double(), plan.scores)
     assert model.config._attn_implementation == "bhqk"
@@ -533,3 +533,26 @@ def test_cli_needle_refuses_a_plan_for_another_model_before_generating(tmp_path,
                  "--plan", str(tmp_path / "plan32.json")])
     err = capsys.readouterr().err
     assert code == 2 and "the plan is [layers=32, Hkv=2] but LlamaForCausalLM is [layers=2, H=8, Hkv=2" in err, err
+
+
+def test_a_score_is_a_dataclass_of_its_options_and_the_cli_makes_its_flags_from_them():
+    import argparse
+    import dataclasses
+
+    from bhqk.budget.cli import _flag, add_budget_parser
+    from bhqk.budget.find import SCORES, Retrieval, make_score
+
+    model = _llama(layers=2)
+    by_name = find(model, full=0.5, sink=S, window=W, score="retrieval", length=32, batch=2)
+    by_value = find(model, full=0.5, sink=S, window=W, score=Retrieval(length=32, batch=2))
+    assert torch.equal(by_name.full, by_value.full) and torch.equal(by_name.scores, by_value.scores)
+    with pytest.raises(ValueError, match=r"\['steps'\] are not its options \(batch, length\); steps belongs to 'learned'"):
+        find(model, score="kl", tokenizer=_CharTokenizer(), steps=3)
+    with pytest.raises(ValueError, match="length must be a whole number >= 1, got 2.5"):
+        find(model, score="retrieval", length=2.5)
+    assert make_score("learned", steps=None) == SCORES["learned"]()  # None: the default
+    flags = {a.dest: a for a in add_budget_parser(argparse.ArgumentParser().add_subparsers())._actions}
+    for name, cls in SCORES.items():
+        for f in dataclasses.fields(cls):  # every option of every score is a flag, and its help names the score
+            action = flags["score_" + f.name]
+            assert _flag(f.name) in action.option_strings and name in action.help and f.metadata["doc"] in action.help

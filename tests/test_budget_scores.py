@@ -226,11 +226,10 @@ def _stop_at(n):
 # ---- the command line -------------------------------------------------------------------------------
 
 
-def test_cli_budget_runs_the_causal_scores_with_their_knobs(handmade, tmp_path, capsys, monkeypatch):
-    from bhqk.budget import cli as budget_cli
+def test_cli_budget_runs_the_causal_scores_with_their_knobs(handmade, tmp_path, capsys, serve):
     from bhqk.cli import main
 
-    monkeypatch.setattr(budget_cli, "load_model", lambda source: (handmade, CharTokenizer()))
+    serve((handmade, CharTokenizer()))
     from pydoc_data.topics import topics
 
     text = tmp_path / "text.txt"
@@ -246,9 +245,9 @@ def test_cli_budget_runs_the_causal_scores_with_their_knobs(handmade, tmp_path, 
     assert main(learn + ["--steps", "2", "--resume", str(ck)]) == 2  # a schedule of another length
     assert "made with other settings" in capsys.readouterr().err
     assert main(base + ["--score", "kl", "--steps", "3"]) == 2
-    assert "--steps belong to --score learned" in capsys.readouterr().err
+    assert "--steps belongs to --score learned (got --score kl)" in capsys.readouterr().err
     assert main(base + ["--score", "retrieval", "--text", str(text)]) == 2
-    assert "--text is the text of --score distant, kl and fisher" in capsys.readouterr().err
+    assert "--text is the text of --score distant, kl, fisher (got --score retrieval)" in capsys.readouterr().err
 
 
 # ---- SmolLM2-135M (slow) --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .find import SCORES, find, score_heads
+from .find import SCORES, Score, find, make_score
 from .mask import streaming_mask
 from .plan import ModelMap, ModelShape, Plan, model_map
 
@@ -24,4 +24,4 @@ def __getattr__(name: str) -> Any:
 
 
 # BudgetCache, GroupedKV: bhqk.budget.cache
-__all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "find", "score_heads", "SCORES", "streaming_mask"]
+__all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "find", "make_score", "Score", "SCORES", "streaming_mask"]

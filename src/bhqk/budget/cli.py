@@ -1,15 +1,16 @@
-"""``bhqk budget --model PATH_OR_NAME --full 0.5 [--sink 64 --window 256 --score retrieval] [--save plan.json]``:
+"""``bhqk budget --model PATH_OR_NAME --full 0.5 [--sink 64 --window 256 --score fisher] [--save plan.json]``:
 score every layer × K/V head of a causal LM, keep the top fraction full, print the plan and the bytes
-of keys and values it holds at ``--length`` tokens against a full cache.
+of keys and values it holds at ``--length`` tokens against the model's own cache.
 
-The causal scores read text: ``kl`` and ``fisher`` ``--probe-length`` tokens (default 2,048) of
-``--text FILE`` (default Python's own documentation, ``pydoc_data.topics``); ``learned`` trains
-``--steps`` steps on pass-key prompts of ``--probe-length`` tokens (default 1,024), writing
-``--checkpoint FILE`` as it goes; ``--resume FILE`` continues such a run (and writes back to it)."""
+Each score's options are flags, made from its fields (``bhqk.budget.find.SCORES``): ``--probe-length``
+(the tokens a score reads), ``--batch``, ``--steps``, ``--checkpoint``, ``--resume`` and the others;
+a flag of another score than ``--score`` is refused. The scores that read real text read ``--text
+FILE`` (default Python's own documentation, ``pydoc_data.topics``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,6 @@ from pathlib import Path
 from ..console import int_at_least, lines_off_terminal, plain, say, stage
 from .find import SCORES, TIE_ORDERS, find
 from .plan import model_map
-from .scores import CAUSAL
 
 LENGTH = 8192  # --length's default
 
@@ -35,6 +35,20 @@ def tie_order(text: str) -> str:
     return value
 
 
+def _flag(option: str) -> str:
+    """A score option's flag: ``--probe-length`` for ``length`` (``--length`` counts bytes), else ``--<option>``."""
+    return "--probe-length" if option == "length" else "--" + option.replace("_", "-")
+
+
+def _options() -> dict[str, dict[str, dataclasses.Field]]:
+    """Every score option: its name -> {score name: its field}."""
+    out: dict[str, dict[str, dataclasses.Field]] = {}
+    for name, cls in SCORES.items():
+        for f in cls.options():
+            out.setdefault(f.name, {})[name] = f
+    return out
+
+
 def cmd_budget(a: argparse.Namespace) -> str:
     with lines_off_terminal():
         return budget(a)
@@ -47,22 +61,21 @@ def budget(a: argparse.Namespace) -> str:
     from ..models.real import context_length, load_model
 
     t0 = time.perf_counter()
-    learned = {k: getattr(a, k) for k in ("steps", "checkpoint", "resume") if getattr(a, k) is not None}
-    if learned and a.score != "learned":
-        raise ValueError(f"--{' --'.join(learned)} belong to --score learned (got --score {a.score}).")
-    options: dict = dict(learned)
-    if a.score in CAUSAL:
-        options["progress"] = lambda line: print(line, file=sys.stderr, flush=True)
+    options = {k: getattr(a, "score_" + k) for k in _options() if getattr(a, "score_" + k) is not None}
+    for k in options:
+        if a.score not in _options()[k]:
+            raise ValueError(f"{_flag(k)} belongs to --score {' and '.join(_options()[k])} (got --score {a.score}).")
     texts = None
     if a.text is not None:
         texts = [Path(a.text).read_text()]
-        if a.score not in ("distant", "kl", "fisher"):
-            raise ValueError(f"--text is the text of --score distant, kl and fisher (got --score {a.score}).")
+        if SCORES[a.score].reads != "real text":
+            readers = ", ".join(n for n, c in SCORES.items() if c.reads == "real text")
+            raise ValueError(f"--text is the text of --score {readers} (got --score {a.score}).")
     with stage(f"loading {a.model}"):
         loaded = load_model(a.model, implementation("auto"))
     model, tokenizer = loaded.causal("a budget plan (it is for decoders)", tokenizer=False)
     limit = context_length(model)
-    for flag, n in (("--length", a.length), ("--probe-length", a.probe_length)):
+    for flag, n in (("--length", a.length), ("--probe-length", options.get("length"))):
         if limit is not None and n is not None and n > limit:
             raise ValueError(f"{flag} {n:,} is beyond the context of {loaded.name}: it reads at most {limit:,} positions "
                              f"(max_position_embeddings); give {flag} {limit:,} or less.")
@@ -70,7 +83,7 @@ def budget(a: argparse.Namespace) -> str:
     t1 = time.perf_counter()
     say(f"budget: scoring every K/V head by {a.score} …")
     plan = find(model, full=a.full, sink=a.sink, window=a.window, score=a.score, tokenizer=tokenizer, seed=a.seed,
-                ties=a.ties, length=a.probe_length, texts=texts, **options)
+                ties=a.ties, texts=texts, progress=lambda line: print(line, file=sys.stderr, flush=True), **options)
     t2 = time.perf_counter()
     held, own = plan.nbytes(length, model)
     lines = [str(plan), "",
@@ -101,7 +114,7 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
                         "further back than the streaming window (default 0.5)")
     b.add_argument("--sink", type=int_at_least(0), default=64, help="first keys a streaming head keeps (default 64)")
     b.add_argument("--window", type=int_at_least(0), default=256, help="recent keys a streaming head keeps (default 256)")
-    b.add_argument("--score", choices=SCORES, default="fisher",
+    b.add_argument("--score", choices=list(SCORES), default="fisher",
                    help="how heads are ranked (default fisher: one forward and one backward on --text)")
     b.add_argument("--ties", type=tie_order, default="index", metavar="{index,copy-mass}",
                    help="order of heads the score ties: index (earlier layers first, default) or copy-mass (retrieval; "
@@ -110,17 +123,16 @@ def add_budget_parser(sub) -> argparse.ArgumentParser:
                    help=f"tokens at which bytes are counted, at most the model's context (default {LENGTH}, or the "
                         f"context where it is shorter)")
     b.add_argument("--seed", type=int, default=0, help="seed of the probe sequences (default 0)")
-    b.add_argument("--probe-length", type=int_at_least(1), default=None, metavar="N",
-                   help="tokens of the text or prompts the score reads (default per score: kl and fisher 2048, "
-                        "learned 1024)")
     b.add_argument("--text", default=None, metavar="FILE",
-                   help="text read by --score distant, kl and fisher (default: Python's pydoc_data.topics)")
-    b.add_argument("--steps", type=int_at_least(0), default=None,
-                   help="training steps of --score learned (default 20)")
-    b.add_argument("--checkpoint", default=None, metavar="FILE", help="--score learned: write the gates and the "
-                   "optimizer's state here every 10 steps and at the end")
-    b.add_argument("--resume", default=None, metavar="FILE", help="--score learned: continue the run saved in FILE "
-                   "(same settings; written back to FILE unless --checkpoint names another)")
+                   help="the text the scores that read real text read (default: Python's pydoc_data.topics)")
+    for option, fields in _options().items():  # each score's fields, as flags
+        f = next(iter(fields.values()))
+        kind = str(f.type)
+        typ = int_at_least(0 if option in ("steps", "until") else 1) if "int" in kind else float if "float" in kind else str
+        defaults = ", ".join(f"{n} {fd.default}" for n, fd in fields.items() if fd.default is not None)
+        docs = "; ".join(dict.fromkeys(fd.metadata["doc"] for fd in fields.values()))
+        b.add_argument(_flag(option), dest="score_" + option, type=typ, default=None, metavar=option.upper(),
+                       help=f"--score {', '.join(fields)}: {docs}" + (f" (default {defaults})" if defaults else ""))
     b.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan as JSON")
     b.set_defaults(func=cmd_budget)
     return b

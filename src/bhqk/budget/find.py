@@ -1,65 +1,61 @@
-"""Choose a plan from bhqk's head statistics: score every layer × K/V head, keep the top fraction full.
+"""Choose a plan: score every layer × K/V head, keep the top fraction full (:func:`find`).
 
-Scores (each per query head from ``bhqk.capture`` on the fast path, then the max over a K/V head's
-query heads — a K/V head's cache serves all of them, so it must stay full if any one of them reaches
-far):
+A score is a small frozen dataclass (:class:`Score`): its fields are its options with their defaults,
+its class says what it reads, and its one hook, :meth:`Score.tables`, returns its tables from the model
+map — per query head [L, H] (statistics: ``find`` takes the max over a K/V head's query heads, since
+the K/V head's cache serves all of them) or per K/V head [L, Hkv] (causal scores). :data:`SCORES`
+names them:
 
-- ``induction``: on repeated random tokens (L tokens, then the same L; L = 64 by default), the
-  attention mass from a token of the second copy on the token after its match in the first copy
-  (offset L − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`, with only the
-  second copy's rows captured and no control run.
-- ``retrieval`` (Wu et al., "Retrieval Head Mechanistically Explains Long-Context Factuality"): a
-  needle of random tokens is placed at several depths of a random-token haystack and repeated at the
-  end; over the repeated needle's steps where the model predicts the next needle token, the fraction
-  in which the head's most-attended key is that token in the first needle (the token being copied).
-- ``distant``: on real text (``pydoc_data.topics``, or ``texts``), the attention mass outside the
-  window and off key 0: ``1 − local − sink`` (needs a tokenizer).
+- ``induction`` (:class:`Induction`): on repeated random tokens (``length`` tokens, then the same
+  again), the attention mass from a token of the second copy on the token after its match in the first
+  (offset ``length`` − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`.
+- ``retrieval`` (:class:`Retrieval`; Wu et al., "Retrieval Head Mechanistically Explains Long-Context
+  Factuality"): a needle of random tokens at several depths of a random-token haystack, repeated at the
+  end; over the repeated needle's steps where the model predicts the next needle token, the fraction in
+  which the head's most-attended key is the token being copied. Its second key, ``copy mass``
+  (``ties="copy mass"``), is the attention weight on that token over every step.
+- ``distant`` (:class:`Distant`): on real text, the attention mass outside the window and off key 0.
+- ``kl``, ``fisher`` (:class:`KL`, :class:`Fisher`; :mod:`bhqk.budget.scores`): the next-token KL of
+  streaming each head alone, exactly or to second order, on real text.
+- ``learned`` (:class:`Learned`; :mod:`bhqk.budget.learn`): DuoAttention's gates trained on pass-key
+  prompts.
 
-Causal scores (:mod:`bhqk.budget.scores`, :mod:`bhqk.budget.learn`), per K/V head directly (its query
-heads share the K/V head's value): ``kl``, the divergence of the next-token distributions when that
-head alone streams (one forward per K/V head); ``fisher``, its second-order estimate from one forward
-and one backward through gates mixing each head's full and streaming outputs; ``learned``,
-DuoAttention's gates trained on pass-key prompts (``steps=``, ``checkpoint=``, ``resume=``).
-
-Ties. ``find`` ranks K/V heads by a list of keys (:func:`score_keys`), first to last, then by index
-(layer · Hkv + head, lower first: earlier layers stay full). ``retrieval`` ties often: its top-1 key
-lands on the needle for few heads (on SmolLM2-135M, 7 of its 90 K/V heads), so the tie order decides
-most of a half plan. ``ties="index"`` (the default) keeps earlier layers full; ``ties="copy mass"``
-adds a second key from the same forward, the attention weight on the token being copied, averaged
-over every step of the repeated needle (copied correctly or not: the soft form of the top-1 hit).
-On SmolLM2-135M's needle grid (1,024 … 8,192 tokens × 5 depths, docs/benchmarks.md) index ties found
-12 of the 20 needles full attention's 13, copy-mass ties 10 (and a perplexity of 11.09 against 10.78
-at 8k): earlier layers matter more to retrieval there than the heads that come close to copying.
-``induction`` and ``distant`` are continuous masses and have no second key. ``Plan.decided()`` says
+Ties: ``find`` ranks K/V heads by the score, then (``ties="copy mass"``) by the score's second key,
+then by index (layer · Hkv + head, lower first: earlier layers stay full); ``Plan.decided()`` says
 which key placed each head on its side of the cut.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..errors import ShapeError
 from ..inspect.capture import capture
 from ..inspect.heads import head_table
 from ..integrations.hf_attention import parse_implementation
 from ..integrations.model_map import ModelMap, model_map
 from .plan import Plan
-from .scores import CAUSAL, text_ids
+from .scores import fisher_scores, kl_scores, text_ids
 
-SCORES = ("induction", "retrieval", "distant", *CAUSAL)
+
+def _causal_lm(model: Any) -> None:
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
+                        f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
+                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
 
 
 @contextlib.contextmanager
 def _on_bhqk(model: Any) -> Iterator[None]:
     """The model runs bhqk's attention inside the block (statistics are captured from it)."""
-    if not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
-                        f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
-                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
     impl = getattr(model.config, "_attn_implementation", None)
     if parse_implementation(impl) is not None:
         yield
@@ -72,6 +68,61 @@ def _on_bhqk(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(impl)  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What every score may read besides its own options: the streaming heads' ``sink`` and ``window``,
+    the ``tokenizer`` and ``texts`` (None: ``pydoc_data.topics``), the ``seed``, and ``progress`` (a line
+    after each head or step of the long scores)."""
+
+    sink: int
+    window: int
+    tokenizer: Any = None
+    texts: Sequence[str] | None = None
+    seed: int = 0
+    progress: Callable[[str], None] | None = None
+
+
+def option(default: Any, doc: str) -> Any:
+    """A score's option: a dataclass field with its default and what it means (the command line's help)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class Score:
+    """A way to rank K/V heads. Subclasses set ``name``, ``reads`` (what needs a tokenizer: ``"real
+    text"``, ``"pass-key prompts"``; None: no tokenizer), ``per_kv`` (tables per K/V head, not per query
+    head), ``second`` (the name of a second key, for ``ties="copy mass"``) and ``gradients`` (takes
+    gradients of gates: refused under ``torch.inference_mode()``), and implement :meth:`tables`."""
+
+    name: ClassVar[str]
+    reads: ClassVar[str | None] = None
+    per_kv: ClassVar[bool] = False
+    second: ClassVar[str | None] = None
+    gradients: ClassVar[bool] = False
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        """The score's table and then its second key's where it has one: [L, H] each, or [L, Hkv] where
+        ``per_kv``."""
+        raise NotImplementedError
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    def check(self, probe: Probe) -> None:
+        """A ``ValueError`` before any forward where the score cannot run as asked."""
+        if self.reads is not None and probe.tokenizer is None:
+            raise ValueError(f"find(score={self.name!r}) reads {self.reads}: pass tokenizer= (and optionally texts=); "
+                             f"score='retrieval' reads none.")
+        if self.gradients and torch.is_inference_mode_enabled():
+            raise ValueError(f"find(score={self.name!r}) takes gradients of gates: call it outside "
+                             f"torch.inference_mode() (torch.no_grad() is fine).")
+        for f in self.options():
+            v, low = getattr(self, f.name), 0 if f.name in ("steps", "until") else 1
+            if "int" in str(f.type) and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"find(score={self.name!r}): {f.name} must be a whole number >= {low}, got {v!r}.")
 
 
 def _induction(m: ModelMap, length: int, batch: int, seed: int) -> torch.Tensor:
@@ -130,8 +181,6 @@ def _retrieval(m: ModelMap, length: int, batch: int, seed: int, needle: int = 16
 
 
 def _distant(m: ModelMap, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
-    if tokenizer is None:
-        raise ValueError("find(score='distant') reads real text: pass tokenizer= (and optionally texts=).")
     x = text_ids(tokenizer, texts, length, batch)
     with torch.no_grad(), capture(what=("sink",), window=window, model=m.model) as cap:
         m.model(input_ids=x.to(m.device))
@@ -139,66 +188,174 @@ def _distant(m: ModelMap, tokenizer, texts, length: int, batch: int, window: int
     return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
 
 
-TIES = {"retrieval": "copy mass"}  # a score's optional second key (ties="copy mass"), from the same forward
+
+@dataclass(frozen=True)
+class Induction(Score):
+    """Attention from the second copy of repeated random tokens to the token after its match."""
+
+    name: ClassVar[str] = "induction"
+    length: int = option(64, "tokens of each copy")
+    batch: int = option(4, "sequences")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        return [_induction(m, self.length, self.batch, probe.seed)]
+
+
+@dataclass(frozen=True)
+class Retrieval(Score):
+    """How often a head's most-attended key is the needle token being copied (module doc)."""
+
+    name: ClassVar[str] = "retrieval"
+    second: ClassVar[str | None] = "copy mass"
+    length: int | None = option(None, "haystack tokens (None: max(256, 4 · window))")
+    batch: int = option(4, "sequences")
+    needle: int = option(16, "needle tokens")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        return list(_retrieval(m, self.length or max(256, 4 * probe.window), self.batch, probe.seed, self.needle))
+
+
+@dataclass(frozen=True)
+class Distant(Score):
+    """Attention mass outside the window and off key 0, on real text."""
+
+    name: ClassVar[str] = "distant"
+    reads: ClassVar[str | None] = "real text"
+    length: int | None = option(None, "tokens of text per sequence (None: max(512, 4 · window))")
+    batch: int = option(4, "sequences")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        n = self.length or max(512, 4 * probe.window)
+        return [_distant(m, probe.tokenizer, probe.texts, n, self.batch, probe.window)]
+
+
+@dataclass(frozen=True)
+class KL(Score):
+    """The next-token KL of streaming each K/V head alone (one forward per head; :func:`kl_scores`)."""
+
+    name: ClassVar[str] = "kl"
+    reads: ClassVar[str | None] = "real text"
+    per_kv: ClassVar[bool] = True
+    length: int = option(2048, "tokens of text per sequence")
+    batch: int = option(1, "sequences")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        ids = text_ids(probe.tokenizer, probe.texts, self.length, self.batch).to(m.device)  # [B, N]
+        return [kl_scores(m, ids, probe.sink, probe.window, progress=probe.progress)]
+
+
+@dataclass(frozen=True)
+class Fisher(Score):
+    """The KL of streaming each K/V head to second order: one forward and one backward (:func:`fisher_scores`)."""
+
+    name: ClassVar[str] = "fisher"
+    reads: ClassVar[str | None] = "real text"
+    per_kv: ClassVar[bool] = True
+    gradients: ClassVar[bool] = True
+    length: int = option(2048, "tokens of text per sequence")
+    batch: int = option(1, "sequences")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        ids = text_ids(probe.tokenizer, probe.texts, self.length, self.batch).to(m.device)  # [B, N]
+        with torch.enable_grad():  # one backward, whatever the caller's grad mode
+            return [fisher_scores(m, ids, probe.sink, probe.window, probe.seed)]
+
+
+@dataclass(frozen=True)
+class Learned(Score):
+    """DuoAttention's gates after ``steps`` steps on pass-key prompts (:func:`bhqk.budget.learn.train_gates`;
+    ``checkpoint``: written as it trains; ``resume``: a run to continue)."""
+
+    name: ClassVar[str] = "learned"
+    reads: ClassVar[str | None] = "pass-key prompts"
+    per_kv: ClassVar[bool] = True
+    gradients: ClassVar[bool] = True
+    length: int = option(1024, "tokens of each pass-key prompt")
+    steps: int = option(20, "training steps")
+    checkpoint: str | Path | None = option(None, "a file the gates and optimizer are written to as it trains")
+    resume: str | Path | None = option(None, "a checkpoint to continue from (same settings)")
+    keys: int = option(2, "pass keys per prompt")
+    words: int = option(8, "words per pass key")
+    lr: float = option(0.02, "learning rate")
+    reg: float = option(0.05, "weight of the gates' L1 pull towards streaming")
+    every: int = option(10, "steps between checkpoints")
+    until: int | None = option(None, "stop after this step (the schedule still spans steps)")
+
+    def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
+        from .learn import train_gates
+
+        say = probe.progress
+        with torch.enable_grad():  # the gates train whatever the caller's grad mode (a torch.no_grad() around find)
+            run = train_gates(m, probe.tokenizer, probe.sink, probe.window, self.steps, length=self.length,
+                              keys=self.keys, words=self.words, seed=probe.seed, lr=self.lr, reg=self.reg,
+                              checkpoint=self.checkpoint, resume=self.resume, every=self.every, until=self.until,
+                              progress=None if say is None else lambda i, r: say(
+                                  f"learned: step {i}/{self.steps}: distillation {r['distill']:.4g}, mean gate "
+                                  f"{r['mean gate']:.3f} ({r['seconds']:.1f} s)"))
+        return [run.gates.double()]
+
+
+SCORES: dict[str, type[Score]] = {c.name: c for c in (Induction, Retrieval, Distant, KL, Fisher, Learned)}
 TIE_ORDERS = ("index", "copy mass")
 
 
-def score_keys(model: nn.Module | ModelMap, score: str = "induction", *, window: int = 256, tokenizer=None,
-               texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-               batch: int | None = None, ties: str = "index", sink: int = 64,
-               **options: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """The keys ``find`` ranks by, first to last: (name, per K/V head [L, Hkv] = max over its query
-    heads, per query head [L, H]) — ``score``, then, with ``ties="copy mass"``, its second key
-    (:data:`TIES`) where it has one. A causal score (:data:`CAUSAL`) is per K/V head; its per query
-    head table repeats it. ``options``: the causal scores' own (:func:`bhqk.budget.scores.causal_scores`)."""
+def make_score(score: str | Score, **options: Any) -> Score:
+    """``score`` as a :class:`Score`: a name of :data:`SCORES` with ``options`` (its fields; None: the
+    default), or a Score as it is (then no options)."""
+    if isinstance(score, Score):
+        if options:
+            raise ValueError(f"find: {sorted(options)} are given twice: set them on the score ({score!r}).")
+        return score
     if score not in SCORES:
-        raise ValueError(f"find: score must be one of {SCORES}, got {score!r}.")
+        raise ValueError(f"find: score must be one of {tuple(SCORES)}, got {score!r}.")
+    cls = SCORES[score]
+    known = {f.name for f in cls.options()}
+    bad = sorted(k for k, v in options.items() if k not in known and v is not None)
+    if bad:
+        owners = {k: [n for n, c in SCORES.items() if k in {f.name for f in c.options()}] for k in bad}
+        raise ValueError(f"find(score={score!r}): {bad} are not its options ({', '.join(sorted(known)) or 'none'}); "
+                         + "; ".join(f"{k} belongs to {' and '.join(repr(o) for o in v) or 'no score'}"
+                                     for k, v in owners.items()) + ".")
+    return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def score_keys(model: nn.Module | ModelMap, score: str | Score = "fisher", *, sink: int = 64, window: int = 256,
+               tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, ties: str = "index",
+               progress: Callable[[str], None] | None = None,
+               **options: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The keys ``find`` ranks by, first to last: (name, per K/V head [L, Hkv], per query head [L, H]) —
+    the score, then, with ``ties="copy mass"``, its second key. A per-query-head table's K/V head value
+    is the max over its query heads; a per-K/V-head table's query heads repeat it. ``options``: the
+    score's fields (:func:`make_score`)."""
+    sc = make_score(score, **options)
     if ties not in TIE_ORDERS:
         raise ValueError(f"find: ties must be one of {TIE_ORDERS}, got {ties!r}.")
-    if ties == "copy mass" and score not in TIES:
-        raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={score!r} has no "
+    if ties == "copy mass" and sc.second is None:
+        raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={sc.name!r} has no "
                          f"second key (use ties='index').")
-    if options and score not in CAUSAL:
-        raise ValueError(f"find: {sorted(options)} are options of the causal scores {CAUSAL}, not of score={score!r}.")
     m = model_map(model)
-    model = m.model
+    _causal_lm(m.model)
+    probe = Probe(sink, window, tokenizer, texts, seed, progress)
+    sc.check(probe)
     L, H, Hkv = m.shape.layers, m.shape.heads, m.shape.kv_heads
-    was = model.training
-    model.eval()
+    was = m.model.training
+    m.model.eval()
     try:
-        with _on_bhqk(model):
-            if score == "induction":
-                per_q = [_induction(m, length or 64, batch or 4, seed)]
-            elif score == "retrieval":
-                per_q = list(_retrieval(m, length or max(256, 4 * window), batch or 4, seed))
-            elif score == "distant":
-                per_q = [_distant(m, tokenizer, texts, length or max(512, 4 * window), batch or 4, window)]
-            else:
-                from .scores import causal_scores
-
-                kv = causal_scores(m, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
-                                   length=length, batch=batch, **options)  # [L, Hkv]
-                per_q = [kv.float().repeat_interleave(H // Hkv, dim=1)]  # [L, Hkv] -> [L, H]
+        with _on_bhqk(m.model):
+            tables = sc.tables(m, probe)
     finally:
-        model.train(was)
+        m.model.train(was)
     out = []
-    names = [score, TIES.get(score)] if ties == "copy mass" else [score]
-    for name, t in zip(names, per_q):
+    names = [sc.name, sc.second] if ties == "copy mass" else [sc.name]
+    for name, t in zip(names, tables):
         assert name is not None
+        if sc.per_kv:
+            t = t.float().repeat_interleave(H // Hkv, dim=1)  # [L, Hkv] -> [L, H]
         if tuple(t.shape) != (L, H):
-            from ..errors import ShapeError
-
             raise ShapeError(f"find: captured {list(t.shape)} layer × head scores but the model has layers={L}, H={H}.")
         t = torch.nan_to_num(t, nan=0.0)
         out.append((name, t.reshape(L, Hkv, H // Hkv).amax(-1), t))  # [L, H] -> [L, Hkv, G] -> [L, Hkv]
     return out
-
-
-def score_heads(model: nn.Module, score: str = "induction", **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per K/V head [L, Hkv] = max over its query heads, per query head [L, H]) of ``score`` (the
-    first key of :func:`score_keys`, which takes the same arguments)."""
-    _, kv, per_q = score_keys(model, score, **kw)[0]
-    return kv, per_q
 
 
 def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -211,38 +368,36 @@ def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
     return order
 
 
-def find(model: nn.Module | ModelMap, full: float = 0.5, sink: int = 64, window: int = 256, score: str = "fisher", *,
-         tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0, length: int | None = None,
-         batch: int | None = None, ties: str = "index", **options: Any) -> Plan:
+def find(model: nn.Module | ModelMap, full: float = 0.5, sink: int = 64, window: int = 256,
+         score: str | Score = "fisher", *, tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0,
+         ties: str = "index", progress: Callable[[str], None] | None = None, **options: Any) -> Plan:
     """A plan for ``model`` (a Hugging Face causal LM) that keeps the top ``full`` fraction of the K/V
     heads whose choice matters by ``score`` full and streams the rest with ``sink`` + ``window``.
     The choice matters for a head whose layer lets a query see more than ``window`` + 1 keys (every
     head of a full-attention layer; a sliding or chunked layer's heads when its window is wider): a
     head whose layer's own window fits the streaming window keeps and sees the same keys either way,
-    so it is kept full outside the fraction (``Plan.free``). ``score``: the default, ``fisher`` (one
-    forward and one backward on real text: needs ``tokenizer``), chose best over SmolLM2-135M and Gemma 3
-    270M together; ``learned`` (DuoAttention's gates, 20 steps) was best on SmolLM2 alone and worst on
-    Gemma (docs/benchmarks.md, "The head-choice curve"); ``retrieval`` needs no tokenizer. ``ties``: ``"index"`` (earlier layers
-    first) or ``"copy mass"`` (retrieval's second key, then index; module doc). ``length``, ``batch``:
-    the probe sequences (defaults per score); ``tokenizer``/``texts``: for ``distant``, ``kl``,
-    ``fisher`` and ``learned``; ``options``: the causal scores' own (``steps=``, ``checkpoint=``,
-    ``resume=`` of ``learned``; :func:`bhqk.budget.scores.causal_scores`)."""
+    so it is kept full outside the fraction (``Plan.free``). ``score``: a name of :data:`SCORES` (default
+    ``fisher``: one forward and one backward on real text, needs ``tokenizer``; ``retrieval`` needs
+    none) or a :class:`Score`; ``options``: its fields (``length=``, ``batch=``, ``steps=`` …);
+    ``ties``: ``"index"`` or ``"copy mass"`` (module doc); ``texts``: the text the scores that read real
+    text read (default ``pydoc_data.topics``); ``progress``: a line after each head or step."""
     if isinstance(full, bool) or not isinstance(full, (int, float)) or not 0 <= full <= 1:
         raise ValueError(f"find: full must be a fraction of the K/V heads in [0, 1], got {full!r}.")
     m = model_map(model)
     shape = m.shape
     L, Hkv = shape.layers, shape.kv_heads
     free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
-    keys = score_keys(m, score, window=window, tokenizer=tokenizer, texts=texts, seed=seed,
-                      length=length, batch=batch, ties=ties, sink=sink, **options)
+    keys = score_keys(m, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed, ties=ties,
+                      progress=progress, **options)
     n = round(full * int((~free).sum()))
     order = rank([kv for _, kv, _ in keys])  # [L·Hkv] flat indices = layer·Hkv + head, best first
     mask = free.clone()  # [L·Hkv]
     mask[order[~free[order]][:n]] = True  # the best n of the heads whose choice matters
     tie = keys[1] if len(keys) > 1 else None
-    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], score, list(m.paths),  # [L·Hkv] -> [L, Hkv]
+    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], keys[0][0], list(m.paths),  # [L·Hkv] -> [L, Hkv]
                 {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1],
                 None if tie is None else tie[0], shape)
 
 
-__all__ = ["find", "score_heads", "score_keys", "rank", "SCORES", "TIES", "TIE_ORDERS"]
+__all__ = ["find", "score_keys", "rank", "make_score", "Score", "Probe", "SCORES", "TIE_ORDERS", "Induction",
+           "Retrieval", "Distant", "KL", "Fisher", "Learned"]

@@ -231,52 +231,5 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
     return total / (2 * B * (N - start))
 
 
-CAUSAL = ("kl", "fisher", "learned")
-DEFAULT_LENGTH = {"kl": 2048, "fisher": 2048, "learned": 1024}
-DEFAULT_STEPS = 20  # the schedule the curve measured (docs/benchmarks.md)
-
-
-def causal_scores(model: Any, score: str, *, sink: int, window: int, tokenizer=None, texts=None, seed: int = 0,
-                  length: int | None = None, batch: int | None = None, steps: int | None = None,
-                  checkpoint=None, resume=None, progress: Callable[[str], None] | None = None,
-                  **learn: Any) -> torch.Tensor:
-    """Per K/V head [L, Hkv]: ``kl`` (:func:`kl_scores`) or ``fisher`` (:func:`fisher_scores`) on
-    ``batch`` (default 1) × ``length`` (default 2,048) tokens of ``texts`` (default
-    ``pydoc_data.topics``), or ``learned``: the gates of :func:`bhqk.budget.learn.train_gates` after
-    ``steps`` steps on pass-key prompts of ``length`` (default 1,024) tokens (``checkpoint``,
-    ``resume`` and the other keywords go to it). ``progress``: a line after each head (kl) or step."""
-    if score not in CAUSAL:
-        raise ValueError(f"causal_scores: score must be one of {CAUSAL}, got {score!r}.")
-    if tokenizer is None:
-        what = "pass-key prompts" if score == "learned" else "real text"
-        raise ValueError(f"find(score={score!r}) reads {what}: pass tokenizer= (and optionally texts=); "
-                         f"score='retrieval' reads none.")
-    if score != "kl" and torch.is_inference_mode_enabled():
-        raise ValueError(f"find(score={score!r}) takes gradients of gates: call it outside torch.inference_mode() "
-                         f"(torch.no_grad() is fine).")
-    if score == "learned":
-        from .learn import train_gates
-
-        if batch not in (None, 1):
-            raise ValueError("find(score='learned') trains on one prompt per step (batch=1).")
-        steps = DEFAULT_STEPS if steps is None else steps
-        with torch.enable_grad():  # the gates train whatever the caller's grad mode (a torch.no_grad() around find)
-            run = train_gates(model, tokenizer, sink, window, steps, length=length or DEFAULT_LENGTH[score], seed=seed,
-                              checkpoint=checkpoint, resume=resume,
-                              progress=None if progress is None else lambda i, r: progress(
-                                  f"learned: step {i}/{steps}: distillation {r['distill']:.4g}, mean gate "
-                                  f"{r['mean gate']:.3f} ({r['seconds']:.1f} s)"), **learn)
-        return run.gates.double()
-    extra = sorted(k for k, v in {"steps": steps, "checkpoint": checkpoint, "resume": resume, **learn}.items()
-                   if v is not None)
-    if extra:
-        raise ValueError(f"find(score={score!r}): {extra} are options of score='learned'.")
-    ids = text_ids(tokenizer, texts, length or DEFAULT_LENGTH[score], batch or 1).to(model_map(model).device)
-    if score == "kl":
-        return kl_scores(model, ids, sink, window, progress=progress)
-    with torch.enable_grad():  # one backward, whatever the caller's grad mode
-        return fisher_scores(model, ids, sink, window, seed)
-
-
-__all__ = ["causal_scores", "text_ids", "kl_scores", "fisher_scores", "next_token_kl", "reference", "Reference",
-           "first_row", "CAUSAL"]
+__all__ = ["text_ids", "kl_scores", "fisher_scores", "next_token_kl", "reference", "Reference",
+           "first_row"]
