@@ -494,3 +494,28 @@ def test_return_lse_is_the_edited_heads_and_capture_reads_it():
     want = bhqk.attention_weights(q[:, [2]], k[:, [1]], masks.causal() & masks.key_span(1, 3), bias=T)  # [B, 1, Q, K]
     assert_close(cap[0].weights[:, [2]], want, n=5)
     assert_close(cap[0].lse, lse, n=5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2"])
+def test_canonical_addresses_select_what_the_module_paths_select(kind):
+    """``"layers.1.attn"`` is each architecture's own path (Llama's ``model.layers.1.self_attn``, GPT-2's
+    ``transformer.h.1.attn``): the same capture, the same edit, and the records carry the address."""
+    from bhqk.integrations.transformers import model_map
+
+    m, _ = _hf(kind)
+    assert model_map(m).path("layers.1.attn") == LAYER[kind] and model_map(m).address_of(LAYER[kind]) == "layers.1.attn"
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for sel in (LAYER[kind], "layers.1.attn"):
+        with torch.no_grad(), bhqk.capture(model=m, layers=sel, heads=[2], what=("weights",)) as cap:
+            m(ids)
+        with torch.no_grad(), bhqk.edit(model=m, layers=[sel], heads=[1], zero=True):
+            outs[sel] = (cap.records, m(ids).logits)
+    (r1, l1), (r2, l2) = outs.values()
+    assert [r.name for r in r2] == [LAYER[kind]] and [r.address for r in r2] == ["layers.1.attn"]
+    assert torch.equal(r1[0].weights, r2[0].weights) and torch.equal(l1, l2)
+    with torch.no_grad(), bhqk.capture(model=m, layers="layers.*.attn", what=("lse",)) as every:
+        m(ids)
+    assert [r.address for r in every.records] == ["layers.0.attn", "layers.1.attn"]
+    with pytest.raises(ValueError, match=r"'layers.7.attn' matches no module.*by address layers.0.attn … layers.1.attn"):
+        bhqk.capture(model=m, layers="layers.7.attn").__enter__()
