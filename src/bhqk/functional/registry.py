@@ -1,13 +1,11 @@
-"""Backends are registry entries, not flags: each says why it cannot take a call (``why_not``), and
-may claim it by structure (``share``) or estimate its cost (its own model, in its own file).
-``auto`` (:func:`decide`) names no backend and says why it chose (:func:`choose_backend`)."""
+"""Backends are registry entries, not flags: each says why it cannot take a call (``why_not``), and may claim it by
+structure (``share``) or estimate its cost; ``auto`` (:func:`decide`) names no backend and says why it chose."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -21,24 +19,19 @@ from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
 from .problem import Problem, default_scale, extent_of, prepare
 
-Run = Callable[[Problem, bool, Any], tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan) -> (out, lse)
-WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why it cannot take the call
-
 
 @dataclass(frozen=True)
 class Backend:
-    """A registry entry: one callable shape for every backend (as transformers' AttentionInterface).
-    ``run``'s plan is the one ``plan_for`` made for the call (None: the backend has no plan)."""
+    """A registry entry: one callable shape for every backend (as transformers' AttentionInterface)."""
 
     name: str
-    run: Run  # (problem, need_lse, plan) -> (out [B, H, Q, dv], lse [B, H, Q] | None)
-    why_not: WhyNot
+    run: Callable[[Problem, bool, Any], tuple[torch.Tensor, torch.Tensor | None]]  # (problem, need_lse, plan_for's) -> (out, lse)
+    why_not: Callable[[Problem, bool], str | None]  # (problem, need_lse) -> why it cannot take the call, or None
     estimate: Callable[[Problem, bool, Costs], Estimate] | None = None  # (problem, grad, costs) -> seconds, the plan weighed
     traceable: bool = True  # torch.compile can trace its run
     hands_off: Callable[[Problem, Any], tuple[str, str] | None] | None = None  # (problem, plan) -> (who computes it right, why)
-    share: Callable[[Problem, Any], float | None] | None = None  # (problem, plan) -> the share of scores the fused kernel does
-    plan_for: Callable[[Problem], Any] | None = None  # kept by its plan cache under the mask, the sizes and plan_key
-    plan_key: Callable[[Problem], Hashable] | None = None
+    share: Callable[[Problem, Any], float | None] | None = None  # (p, plan) -> fraction of scores its exact fused call computes
+    plan_for: Callable[[Problem], Any] | None = None  # its plan of the call (kept by its own plan cache)
     fast: Callable[[Problem], Callable[..., torch.Tensor | None] | None] | None = None  # (q, k, v) -> out of the family, or None
 
     def plan(self, p: Problem, plan: Any = None) -> Any:
@@ -69,9 +62,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Kept:
-    """A claim kept for a family of calls (:data:`DECISIONS`): what ``prepare`` checked and bound
-    for it, the ``Choice`` without a plan (its backend's plan cache keeps that) and the backend's
-    ``fast`` computation of the family, if any; no tensor (a decode step's keys are not held)."""
+    """A claim kept for a family of calls: what ``prepare`` checked and bound, the ``Choice`` without a
+    plan (its backend's plan cache keeps that), the backend's ``fast`` for the family; no tensor."""
 
     sizes: Sizes
     scale: float
@@ -83,34 +75,29 @@ class Kept:
 
 
 class Decisions(Cache[Kept]):
-    """The claims ``auto`` keeps per call family (:func:`family`); ``version``, in every key, is bumped
-    by :func:`register` and :func:`unregister`; ``last_mask``: what :func:`family` last read of a mask
-    (the layers of a model's step share one)."""
+    """The claims ``auto`` keeps per call family (:func:`family`), the registry's ``version`` (in every
+    key) and ``last_mask``: what :func:`family` last read of a mask (a model's layers share one)."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            "decisions", "checking a call (prepare), asking every backend's why_not and share, and the chosen "
-            "backend's own per-call decisions (Backend.fast: SDPA's arguments)", "family(): the version, need_lse, "
-            "grad mode; the shapes, dtypes, devices and requires_grad of q, k, v; the mask's type and attributes; "
-            "scale, softcap, dropout_p, options; K but where the one query sees every key; the last mask read beside",
-            1024, "any of those is a new key (register/unregister: a new version); never kept with a bias, sinks, a "
-            "mask but causal, under torch.compile, or for a call that raised; the NaN/inf hand-off is checked every call")
-        self.version = 0
-        self.last_mask: tuple | None = None  # (mask, (B, H, Q, K), its part of a key, its causal diagonal)
+    version = 0  # bumped by register() and unregister()
+    last_mask: tuple | None = None  # (mask, (B, H, Q, K), its part of a key, its causal diagonal)
 
     def clear(self) -> None:
         super().clear()
         self.last_mask = None
 
 
-DECISIONS = Decisions()  # a model's decode steps: one family for every layer and every step
+DECISIONS = Decisions(  # a model's decode steps: one family for every layer and every step
+    "decisions", "prepare's checks, every backend's why_not and share, the chosen backend's per-call decisions (fast)",
+    "family(): the version, need_lse, grad mode, q, k, v's shapes, dtypes, devices and requires_grad, the mask's type and "
+    "attributes, scale, softcap, dropout_p, options; K but where the one query sees every key", 1024, "a new key (register, "
+    "unregister: a new version); never kept with a bias, sinks, a mask but causal, under torch.compile, or for a call that "
+    "raised")
 declare(DECISIONS)
 _REGISTRY: dict[str, Backend] = {}
-_NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})  # a kept claim's estimates
 _PLAIN = frozenset({float, int, type(None)})  # scale, softcap, dropout_p kept as their own key
 # what family() reads: every compared field of a Problem (tests/test_grid_shortcuts.py checks the list against the dataclass)
 FAMILY_READS = ("q", "k", "v", "sizes", "mask", "bias", "scale", "softcap", "dropout_p", "options", "sinks")
-_LEFT: list[Callable[..., Any]] = []  # _leave_graph under torch.compiler.disable (which imports torch._dynamo: at first need)
+_LEFT: list[Callable[..., Any]] = []  # what _outside_graph() returns, made at first need
 _AT_RUN_TIME = Backend("auto", lambda p, need_lse, plan: decide(p, need_lse).run(p, need_lse),  # type: ignore[misc]
                        lambda p, lse: None, traceable=False)  # auto under torch.compile: decided at run time, outside the graph
 
@@ -140,30 +127,22 @@ def get(name: str) -> Backend:
 register(Backend("reference", reference.run, reference.why_not))  # builds [B, H, Q, K]
 register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not, torch_sdpa.estimate, hands_off=torch_sdpa.hands_off,
                  share=torch_sdpa.share, fast=torch_sdpa.fast))  # F.scaled_dot_product_attention
-# the fused kernel over the key spans a mask allows; after torch, so a tie of shares (nothing to skip) goes to plain SDPA
 register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share,
-                 plan_for=spans.plan_for, plan_key=spans.plan_key))
-register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False, plan_for=tiled_plan.plan_for,
-                 plan_key=tiled_plan.plan_key))
+                 plan_for=spans.plan_for))  # the fused kernel over the key spans a mask allows; after torch: a tie goes to SDPA
+register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False, plan_for=tiled_plan.plan_for))
 register(Backend("flex", flex.run, flex.why_not, flex.estimate, hands_off=flex.hands_off))
 
 
-def _leave_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Where ``torch.compile``d code leaves its graph: the tiled backend (worker threads, decisions
-    read from the data) and ``auto`` (its choice reads the data and the measured costs)."""
-    return run(p, need_lse, plan)
-
-
 def _outside_graph() -> Callable[..., Any]:
-    if not _LEFT:
-        _LEFT.append(torch.compiler.disable(_leave_graph))
+    """Where compiled code leaves its graph (tiled, ``auto``): ``run(p, need_lse, plan)`` under ``torch.compiler.disable``."""
+    if not _LEFT:  # wrapped at first need: disable imports torch._dynamo, which import bhqk should not pay
+        _LEFT.append(torch.compiler.disable(lambda run, p, need_lse, plan: run(p, need_lse, plan)))
     return _LEFT[0]
 
 
 def decide(p: Problem, need_lse: bool) -> Choice:
-    """``auto``: of the backends that can take the call, the claimant computing the fewest scores (a
-    tie: the first registered); unclaimed calls go to the cheapest ``estimate``; a backend with
-    neither (the reference) never. A claim is kept for the call's family (:data:`DECISIONS`)."""
+    """``auto``: of the backends that can take the call, the claimant computing the fewest scores (a tie: the first
+    registered), else the cheapest ``estimate``; never the reference (neither). Claims are kept per family."""
     fam = None if p.bias is not None or p.sinks is not None or torch.compiler.is_compiling() else \
         family(p.q, p.k, p.v, p.mask, p.scale, p.softcap, p.dropout_p, "bhnd", p.options, need_lse)
     if fam is not None and (hit := DECISIONS.lookup(fam[0])) is not None:
@@ -186,7 +165,7 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o, _ in others) + _nots(refused)
         if fam is not None:  # handed out again: read-only, and without the plan (its plan cache keeps that)
             DECISIONS.put(fam[0], Kept(p.sizes.copy(), p.scale, p.softcap, p.dropout_p, dict(p.options),
-                                       Choice(be, why, _NOTHING_WEIGHED, by_auto=True), be.fast and be.fast(p)))
+                                       Choice(be, why, MappingProxyType({}), by_auto=True), be.fast and be.fast(p)))
         return _handed_off(Choice(be, why, {}, plan, by_auto=True), p)
     grad = p.needs_grad
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
@@ -195,22 +174,19 @@ def decide(p: Problem, need_lse: bool) -> Choice:
     if not found:
         raise BackendError(f"auto found no backend that avoids building [B, H, Q, K] for this call ({_nots(refused)[2:]}); "
                            "pass backend='reference' to accept O(Q·K) memory.")
-    ranked = sorted(found, key=lambda n: found[n].seconds)
+    best, *rest = sorted(found, key=lambda n: found[n].seconds)
     said = {n: f"{1e3 * e.seconds:.3g} ms" + (f" ({e.note})" if e.note else "") for n, e in found.items()}
-    why = f"{ranked[0]}: estimated {said[ranked[0]]}" + "".join(f" vs {n} {said[n]}" for n in ranked[1:])
+    why = f"{best}: estimated {said[best]}" + "".join(f" vs {n} {said[n]}" for n in rest)
     why += (" (forward+backward)" if grad else "") + "; no fused kernel claims this call" + _nots(refused)
-    estimates = {n: e.seconds for n, e in found.items()}
-    return _handed_off(Choice(_REGISTRY[ranked[0]], why, estimates, found[ranked[0]].plan, True), p)
+    return _handed_off(Choice(_REGISTRY[best], why, {n: e.seconds for n, e in found.items()}, found[best].plan, True), p)
 
 
 def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
            options: dict | None, need_lse: bool) -> tuple[tuple, tuple[int, int, int, int], bool] | None:
-    """(The key of the decision kept for a call without a bias or sinks: all that ``prepare``'s checks
-    and every claim read, K left out where the one query sees every key; (B, H, Q, K); whether it
-    does), or None: not kept (a mask not causal, an argument no plain tensor or number)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    if type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
+    """(The key of the decision kept for a call without a bias or sinks: all ``prepare``'s checks and every claim read,
+    K left out where the one query sees every key; (B, H, Q, K); whether it does), or None: not kept."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
         return None
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
@@ -229,10 +205,9 @@ def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softc
             if not isinstance(mask, Mask):
                 return None
             try:
-                diagonal = mask.causal_diagonal(extent_of(B, H, Q, K))  # the mask is exactly key ≤ query + diagonal
+                if (diagonal := mask.causal_diagonal(extent_of(B, H, Q, K))) is None:  # else it is key ≤ query + diagonal
+                    return None
             except ValueError:  # e.g. causal without an alignment for Q ≠ K: prepare says so
-                return None
-            if diagonal is None:
                 return None
             read = (mask, (B, H, Q, K), _part(mask), diagonal)  # a mask is a value: what it holds does not change
             if DECISIONS.on:
@@ -266,9 +241,8 @@ def prepared(backend: str, need_lse: bool, q: torch.Tensor, k: torch.Tensor, v: 
 
 def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
          options: dict | None) -> torch.Tensor | None:
-    """out of an ``auto`` call without a bias, sinks or the lse, by the ``fast`` of the decision kept for
-    its family (no ``Problem`` built), or None: none kept, or its hand-off applies. Callers check
-    ``observe.quiet()``."""
+    """out of an ``auto`` call without a bias, sinks or the lse, by the ``fast`` of the decision kept for its family
+    (no ``Problem`` built), or None: none kept, or its hand-off applies. Callers check ``observe.quiet()``."""
     fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, False)
     hit = None if fam is None else DECISIONS.lookup(fam[0])
     if hit is None or hit.fast is None:
@@ -296,15 +270,14 @@ def _nots(refused: dict[str, str]) -> str:
 
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
-    """``choice`` with its backend's plan of ``p`` (planned once per call; under ``torch.compile`` a
-    backend that leaves the graph plans in its run), or the backend it hands this call to."""
+    """``choice`` with its backend's plan of ``p`` (planned once per call), or the backend it hands this call to."""
     be = choice.backend
     plan = choice.plan if not be.traceable and torch.compiler.is_compiling() else be.plan(p, choice.plan)
     to = be.hands_off(p, plan) if be.hands_off is not None else None
     if to is not None:
         why = f"{choice.reason}; {choice.name} hands it to {to[0]}: {to[1]}"
         return Choice(get(to[0]), why, choice.estimates, by_auto=choice.by_auto)
-    return choice if plan is choice.plan else dataclasses.replace(choice, plan=plan)
+    return choice if plan is choice.plan else replace(choice, plan=plan)
 
 
 def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0, layout="bhnd",
