@@ -45,19 +45,32 @@ def pytest_collection_modifyitems(config, items):
 NOT_RUN = pytest.StashKey[int]()
 
 
+@contextlib.contextmanager
+def registry_restored():
+    """The registry's entries as they are now, restored after the block through ``unregister`` and
+    ``register`` (as a caller changes them, so the decisions kept meanwhile are not looked up again),
+    in registration order: ties of shares go to the first registered."""
+    from bhqk.functional import registry
+
+    saved = dict(registry._REGISTRY)
+    try:
+        yield
+    finally:
+        for name in list(registry._REGISTRY):
+            registry.unregister(name)
+        for backend in saved.values():
+            registry.register(backend)
+
+
 @pytest.fixture
 def no_span_path():
     """The registry without the span path, for the tests of how auto weighs calls no fused kernel
     claims (on the CPU the span path claims every masked call the fused kernel can compute)."""
     from bhqk.functional import registry
 
-    saved = dict(registry._REGISTRY)  # in registration order: ties of shares go to the first registered
-    registry.unregister("spans")
-    try:
+    with registry_restored():
+        registry.unregister("spans")
         yield
-    finally:
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(saved)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import bhqk
 from bhqk import masks
 from bhqk.errors import BackendError
 from bhqk.functional import Backend, Estimate, calibrate, costs, prepare, register, registry, tiled, unregister
-from conftest import qkv
+from conftest import qkv, registry_restored
 from tolerance import assert_close
 
 
@@ -62,14 +62,10 @@ def spans():
         m = p.mask.materialize(1, 1, p.ext.Q, p.ext.K)
         return int(m.sum()) / m.numel()
 
-    saved = dict(registry._REGISTRY)  # the real span path, in registration order (ties go to the first registered)
-    register(Backend(name="spans", run=run, why_not=lambda p, need_lse: state["refuse"],
-                     hands_off=registry.get("torch").hands_off, traceable=False, share=share))
-    try:
+    with registry_restored():  # the real span path again after the test
+        register(Backend(name="spans", run=run, why_not=lambda p, need_lse: state["refuse"],
+                         hands_off=registry.get("torch").hands_off, traceable=False, share=share))
         yield state
-    finally:
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(saved)
 
 
 def test_auto_runs_the_real_span_path_where_a_mask_lets_it_skip_and_sdpa_where_nothing_can_be(reference_costs):
@@ -187,10 +183,10 @@ def test_gradients_are_weighed_and_the_plan_is_reused(reference_costs, no_span_p
         torch.testing.assert_close(a, b)
 
 
-def test_no_backend_possible_names_every_refusal(reference_costs, no_span_path, monkeypatch):
+def test_no_backend_possible_names_every_refusal(reference_costs, no_span_path):
     q, k, v = qkv(1, 2, None, 8, 8, d=4, dtype=torch.float32)
-    refusing = dataclasses.replace(registry.get("tiled"), why_not=lambda p, need_lse: "it refuses for this test")
-    monkeypatch.setitem(registry._REGISTRY, "tiled", refusing)
+    # the real tiled backend again when no_span_path restores the registry
+    register(dataclasses.replace(registry.get("tiled"), why_not=lambda p, need_lse: "it refuses for this test"))
     with pytest.raises(BackendError, match="torch: .*log-sum-exp.*tiled: it refuses for this test"):
         bhqk.choose_backend(q, k, v, return_lse=True)
 

@@ -23,6 +23,7 @@ import bhqk
 from bhqk import masks, shortcuts
 from bhqk.functional import costs, flex, registry
 from bhqk.functional.problem import Problem
+from conftest import registry_restored
 from tolerance import assert_close
 
 
@@ -520,7 +521,7 @@ _TOP_LEFT = masks.causal("top_left")
 
 class _From30(masks.Mask):
     """key ≤ query + c with c = K − 1 for K ≥ 30 (the one query sees every key) and 0 below (key 0 only):
-    a causal diagonal that depends on the sizes, for the last-mask read (registry._LAST_MASK)."""
+    a causal diagonal that depends on the sizes, for the last-mask read (registry.DECISIONS.last_mask)."""
 
     head_dependent = False
 
@@ -615,23 +616,29 @@ def test_every_error_still_fires_after_a_decision_is_kept(error):
     assert type(kept.value) is type(fresh.value) and str(kept.value) == str(fresh.value)
 
 
-def test_a_new_backend_is_asked_after_a_decision_was_kept(monkeypatch):
-    """The registry's entries are in a decision's key: a backend registered later that claims the call
-    with fewer scores runs it."""
+def test_a_new_backend_is_asked_after_a_decision_was_kept():
+    """The registry's version is in a decision's key: a backend registered later that claims the call
+    with fewer scores runs it, and once unregistered it runs no more."""
     shortcuts.clear()
     _out(_step())
+    _out(_step())  # kept, and answered
     ran = []
 
     def run(p, need_lse, plan=None):
         ran.append(p.ext.K)
         return registry.get("reference").run(p, need_lse)
 
-    monkeypatch.setitem(registry._REGISTRY, "claims all", registry.Backend("claims all", run, lambda p, lse: None,
-                                                                         share=lambda p, plan=None: 0.0))
-    q, k, v, mask, kw = _step()
-    assert bhqk.choose_backend(q, k, v, mask).name == "claims all"
-    _out(_step())
-    assert ran == [30]
+    with registry_restored():
+        registry.register(registry.Backend("claims all", run, lambda p, lse: None, share=lambda p, plan=None: 0.0))
+        q, k, v, mask, kw = _step()
+        assert bhqk.choose_backend(q, k, v, mask).name == "claims all"
+        _out(_step())
+        _out(_step())  # its decision kept, and answered
+        assert ran == [30, 30]
+        registry.unregister("claims all")
+        assert bhqk.choose_backend(q, k, v, mask).name == "torch"
+        _out(_step())
+        assert ran == [30, 30]
 
 
 def test_a_decisions_key_reads_every_field_of_a_problem():

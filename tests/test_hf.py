@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from bhqk.errors import LoadError, MaskError
 from bhqk.functional import flex
 from bhqk.integrations.transformers import AllKeys, HFMask, attention_forward, build_mask, names, register
 from bhqk.models.real import encode, load_model
+from conftest import registry_restored
 from tolerance import assert_close, assert_models_close, assert_paths_close, bound
 
 pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
@@ -146,19 +148,20 @@ def test_register_adds_the_attention_function_and_the_mask_builder_under_every_n
         assert mu.ALL_MASK_ATTENTION_FUNCTIONS[n] is build_mask
 
 
-def test_backend_names_come_from_the_registry(monkeypatch):
+def test_backend_names_come_from_the_registry():
     """A backend registered later (e.g. another helper's) gets its name without touching the adapter."""
     from bhqk.functional import registry
 
-    monkeypatch.setitem(registry._REGISTRY, "fake", registry.get("reference"))
-    assert "bhqk:fake" in names()
-    try:
-        assert "x:fake" in register("x")
-        assert "x:fake" in transformers.AttentionInterface._global_mapping
-    finally:
-        for n in names("x"):
-            transformers.AttentionInterface._global_mapping.pop(n, None)
-            mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(n, None)
+    with registry_restored():
+        registry.register(dataclasses.replace(registry.get("reference"), name="fake"))
+        assert "bhqk:fake" in names()
+        try:
+            assert "x:fake" in register("x")
+            assert "x:fake" in transformers.AttentionInterface._global_mapping
+        finally:
+            for n in names("x"):
+                transformers.AttentionInterface._global_mapping.pop(n, None)
+                mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(n, None)
 
 
 # every registered name on both models; flex on its unfused eager path (flex.uncompiled(): the same

@@ -198,7 +198,7 @@ def refusal(backend: str, p, lse: bool) -> str | None:
     """Why ``backend`` cannot take the prepared call ``p`` (None: it can); auto: why it found none."""
     if backend == "auto":
         try:
-            registry.choose(p, lse)
+            registry.decide(p, lse)
         except BackendError as e:
             return str(e)
         return None
@@ -438,7 +438,7 @@ def test_nonfinite_inputs_reach_exactly_the_rows_that_may_attend_them(backend, w
     assert_close(out[~reach], clean[~reach], dtype=torch.float32, n=K)
     assert bool((out[:, :, 3] == 0).all())
     p = prepare(q2, k2, v2, allowed)
-    be = registry.choose(p, False) if backend == "auto" else get(backend)
+    be = registry.decide(p, False).backend if backend == "auto" else get(backend)
     to = be.hands_off(p) if be.hands_off is not None else None
     assert [x.backend for x in t.calls] == [to[0] if to else be.name], "the trace names the backend that computed it"
     if grad:  # rows that cannot reach the poison get finite gradients

@@ -137,9 +137,9 @@ def test_torch_backend_refuses_sinks_and_auto_never_sends_them_there():
     p = prepare(q, k, v, sinks=sinks)
     from bhqk.functional import registry
 
-    assert registry.choose(p, False).name != "torch"
+    assert registry.decide(p, False).name != "torch"
     tiny = prepare(*qkv(1, 4, None, 3, 3, dtype=torch.float32), sinks=sinks)
-    assert registry.choose(tiny, False).name != "torch"
+    assert registry.decide(tiny, False).name != "torch"
     out = bhqk.attention(q, k, v, sinks=sinks)  # auto
     assert_paths_close(out, bhqk.attention(q, k, v, sinks=sinks, backend="reference"), n=100)
 

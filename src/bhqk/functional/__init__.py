@@ -3,7 +3,7 @@
 from .api import attention, attention_weights
 from .merge import merge
 from .problem import Problem, prepare
-from .registry import Backend, Choice, Estimate, choose, choose_backend, get, names, register, resolve, unregister, why_not
+from .registry import Backend, Choice, Estimate, choose_backend, get, names, register, resolve, unregister, why_not
 
 __all__ = ["attention", "attention_weights", "merge", "why_not", "choose_backend", "Problem", "prepare", "Backend", "Choice",
-           "Estimate", "register", "unregister", "get", "names", "choose", "resolve"]
+           "Estimate", "register", "unregister", "get", "names", "resolve"]

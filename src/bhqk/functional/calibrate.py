@@ -1,7 +1,6 @@
-"""The one place where what differs per machine is measured (SDPA-flash fp32 N=4096 forward: 140 ms
-on an AVX-512 Xeon, 370 ms on an AVX2 EPYC): ``costs.Costs`` for SDPA and the tiled backend the
-first time ``auto`` weighs a call on a device type and dtype (the backward when a call needs it),
-and FlexAttention's ``costs.FlexCosts`` only when asked (``bhqk calibrate --flex``: it compiles)."""
+"""The one place that measures what differs per machine: ``costs.Costs`` for SDPA and the tiled backend the first time
+``auto`` weighs a call on a device type and dtype (the backward when a call needs it), FlexAttention's
+``costs.FlexCosts`` only when asked (``bhqk calibrate --flex``: it compiles)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ SAMPLE_S = 4e-3  # each timed sample repeats a call until it lasts about this lo
 
 
 def costs(device: torch.device, dtype: torch.dtype, grad: bool = False) -> Costs:
-    """The kept costs of ``device``'s type in ``dtype``, measured now where there are none (with
-    the forward+backward ones when ``grad``)."""
+    """The kept costs of ``device``'s type in ``dtype``, measured now where missing (``grad``: forward+backward too)."""
     c = kept(device, dtype, Costs)
     if c is None or (grad and c.sdpa_backward is None):
         keep(device, dtype, c := measure(device, dtype, grad, c))
@@ -40,8 +38,8 @@ def remeasure(device: torch.device | str, dtype: torch.dtype) -> Costs:
 
 
 def _fastest(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5) -> dict[str, float]:
-    """Seconds per call of each function: the fastest of ``rounds`` samples of about ``SAMPLE_S``
-    each, the functions interleaved after a warm-up (a burst of load hits every function alike)."""
+    """Seconds per call of each function: the fastest of ``rounds`` samples of about ``SAMPLE_S`` each,
+    the functions interleaved after a warm-up (a burst of load hits every function alike)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best, reps = dict.fromkeys(fns, float("inf")), dict.fromkeys(fns, 1)
     for r in range(rounds + 1):
@@ -66,9 +64,8 @@ def _both(run: Callable[..., tuple], *args) -> Callable[[], None]:
 
 
 def measure(device: torch.device, dtype: torch.dtype, grad: bool = False, old: Costs | None = None) -> Costs:
-    """Time SDPA (a tiny call, no mask, a window mask it is handed dense) and the tiled backend (no
-    mask, a window, a small causal call) at N = ``N``, forward; with ``grad`` also SDPA's and
-    tiled's forward+backward (``old``: forward costs measured before). About 2 s a pass on 2 cores."""
+    """Time SDPA (a tiny call, no mask, a window mask handed dense) and the tiled backend (no mask, a window, a small
+    causal call) at N = ``N``, forward; with ``grad`` forward+backward too (``old``: forward costs measured before)."""
     big, small = _inputs(device, dtype, N, grad=grad), _inputs(device, dtype, SMALL, 1, grad=grad)
     calls = [prepare(*big), prepare(*big, masks.sliding_window(N // 8)), prepare(*small, masks.causal())]
     plans = [tiled_plan.plan_for(p) for p in calls]
@@ -91,9 +88,8 @@ def measure(device: torch.device, dtype: torch.dtype, grad: bool = False, old: C
 
 
 def measure_flex(device: torch.device | str, dtype: torch.dtype) -> FlexCosts:
-    """Compile FlexAttention for a window afresh (on-disk caches off), then time it at the two
-    ``FLEX_N`` lengths (one kernel: dynamic sizes), and on CUDA forward+backward; kept for this
-    machine, so ``auto`` weighs ``flex`` from then on. Tens of seconds on a CPU."""
+    """Compile FlexAttention for a window afresh (on-disk caches off), time it at the ``FLEX_N`` lengths (one kernel),
+    on CUDA forward+backward too; kept for this machine, so ``auto`` weighs ``flex`` from then on."""
     device = torch.device(device)
     calls = [prepare(*_inputs(device, dtype, n, grad=device.type != "cpu"), masks.sliding_window(256)) for n in FLEX_N]
     if (reason := flex.why_not(calls[0], False)) is not None:

@@ -1,6 +1,6 @@
-"""The numbers the backends' cost models multiply, kept per machine (a leaf: ``calibrate`` measures
-them). ``BHQK_COSTS``: unset, kept in ``$XDG_CACHE_HOME/bhqk/costs.json`` (``~/.cache/...``); a
-path: kept there; ``reference``: the table below; ``measure``: measured per process, never kept."""
+"""The numbers the backends' cost models multiply, kept per machine (``calibrate`` measures them). ``BHQK_COSTS``:
+unset: kept in ``$XDG_CACHE_HOME/bhqk/costs.json`` (``~/.cache/...``); a path: kept there; ``reference``: the table
+below; ``measure``: measured per process, never kept."""
 
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ class Estimate(NamedTuple):
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds at d = dv = 64: SDPA's per call, per score entry, extra per entry of a dense mask built
-    for it; tiled: × ``tiled_plan``'s model. Forward+backward: SDPA's ratio to its forward, tiled's
-    scale of the model's forward seconds (None: not measured)."""
+    """Seconds at d = dv = 64: SDPA's per call, per score entry, extra per entry of a dense mask built for it; tiled: ×
+    ``tiled_plan``'s model. Forward+backward: SDPA's ratio to its forward, tiled's scale (None: not measured)."""
 
     sdpa_call: float
     sdpa_elem: float
@@ -61,11 +60,11 @@ REFERENCE = {
 
 _C = TypeVar("_C", Costs, FlexCosts)
 MEMO: Cache[tuple[Costs | FlexCosts | None]] = Cache(
-    "cost memo", "reading the costs file at every call auto weighs", "device type, cost kind and dtype, "
-    "torch.get_num_threads(), BHQK_COSTS (what machine_key and the file's path depend on in-process)", 64,
-    "a new thread count or BHQK_COSTS is a new key; keep() replaces its entry")
+    "cost memo", "reading the costs file at every call auto weighs", "device type, cost kind and dtype, torch.get_num_threads(), "
+    "BHQK_COSTS (what machine_key and the file's path depend on in-process)", 64, "a new thread count or BHQK_COSTS is a new "
+    "key; keep() replaces its entry")
 declare(MEMO)
-_FIXED: list[tuple[dict[torch.dtype, Costs], FlexCosts | None] | None] = [None]  # set by fixed()
+_FIXED: tuple[dict[torch.dtype, Costs], FlexCosts | None] | None = None  # set inside fixed()
 
 
 def mode() -> str:  # BHQK_COSTS
@@ -74,12 +73,10 @@ def mode() -> str:  # BHQK_COSTS
 
 def kept(device: torch.device | str, dtype: torch.dtype, kind: type[_C]) -> _C | None:
     """The costs of ``kind`` kept for this machine (fixed, reference, in-process or in the file), or None."""
-    if (fx := _FIXED[0]) is not None:
+    if (fx := _FIXED or ((REFERENCE, None) if mode() == "reference" else None)) is not None:
         if kind is FlexCosts:
             return fx[1]  # type: ignore[return-value]
         return fx[0].get(dtype) or fx[0].get(torch.float32) or REFERENCE.get(dtype, REFERENCE[torch.float32])  # type: ignore[return-value]
-    if mode() == "reference":
-        return REFERENCE.get(dtype, REFERENCE[torch.float32]) if kind is Costs else None  # type: ignore[return-value]
     k = _memo_key(device, dtype, kind)
     if (hit := MEMO.lookup(k)) is not None:
         return hit[0]  # type: ignore[return-value]
@@ -91,8 +88,7 @@ def kept(device: torch.device | str, dtype: torch.dtype, kind: type[_C]) -> _C |
     return got  # type: ignore[return-value]
 
 
-def _memo_key(device: torch.device | str, dtype: torch.dtype, kind: type) -> tuple:
-    """(device type, "float32" or "flex float32", threads, BHQK_COSTS): :data:`MEMO`'s key."""
+def _memo_key(device: torch.device | str, dtype: torch.dtype, kind: type) -> tuple:  # MEMO's key
     return (torch.device(device).type, ("flex " if kind is FlexCosts else "") + str(dtype).removeprefix("torch."),
             torch.get_num_threads(), mode())
 
@@ -100,9 +96,9 @@ def _memo_key(device: torch.device | str, dtype: torch.dtype, kind: type) -> tup
 def keep(device: torch.device | str, dtype: torch.dtype, c: Costs | FlexCosts) -> None:
     """Keep ``c`` for this machine: in-process, and in the file unless BHQK_COSTS says otherwise."""
     k = _memo_key(device, dtype, type(c))
-    data, path = _read(), _path()
     MEMO.put(k, (c,))
-    if stored_in() is not None:
+    if (path := stored_in()) is not None:
+        data = _read()
         data.setdefault(machine_key(k[0]), {})[k[1]] = asdict(c)
         with contextlib.suppress(OSError):  # a read-only home: the in-process memo still holds
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,12 +111,12 @@ def keep(device: torch.device | str, dtype: torch.dtype, c: Costs | FlexCosts) -
 def fixed(table: dict[torch.dtype, Costs] | Costs | None = None, flex: FlexCosts | None = None) -> Iterator[None]:
     """Fixed costs inside the ``with`` block, whatever the machine (default ``REFERENCE``; ``flex``:
     FlexAttention's for every dtype, default none): estimates are then pure functions of the call."""
-    table = {torch.float32: table} if isinstance(table, Costs) else REFERENCE if table is None else table
-    old, _FIXED[0] = _FIXED[0], (table, flex)
+    global _FIXED
+    old, _FIXED = _FIXED, ({torch.float32: table} if isinstance(table, Costs) else table or REFERENCE, flex)
     try:
         yield
     finally:
-        _FIXED[0] = old
+        _FIXED = old
 
 
 def machine_key(device_type: str) -> str:
@@ -134,15 +130,13 @@ def machine_key(device_type: str) -> str:
 
 def stored_in() -> Path | None:
     """The file measured costs are kept in (None with ``BHQK_COSTS=measure`` or ``reference``)."""
-    return None if mode() in ("measure", "reference") else _path()
-
-
-def _path() -> Path:
+    if mode() in ("measure", "reference"):
+        return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(mode()) if mode() not in ("", "reference", "measure") else Path(base) / "bhqk" / "costs.json"
+    return Path(mode()) if mode() else Path(base) / "bhqk" / "costs.json"
 
 
 def _read() -> dict:
     with contextlib.suppress(OSError, ValueError):
-        return json.loads(_path().read_text())
+        return json.loads(stored_in().read_text())  # type: ignore[union-attr]  # called only where a file keeps them
     return {}

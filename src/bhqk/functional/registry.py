@@ -1,136 +1,42 @@
-"""Backends are registry entries, not flags: each says why it cannot take a call (``why_not``), and
-may claim it by structure (``share``) or estimate its cost (its own model, in its own file).
-``auto`` (:func:`decide`) names no backend and says why it chose (:func:`choose_backend`)."""
+"""Backends are registry entries, not flags: each says why it cannot take a call (``why_not``), and may claim it by
+structure (``share``) or estimate its cost; ``auto`` (:func:`decide`) names no backend and says why it chose."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from ..errors import BackendError
-from ..masks import Extent, Mask
+from ..masks import Mask
 from ..shapes import Sizes
 from ..shortcuts import Cache, declare
 from . import calibrate, flex, reference, spans, tiled, tiled_plan, torch_sdpa
 from .costs import Costs, Estimate
 from .problem import Problem, default_scale, extent_of, prepare
 
-Run = Callable[[Problem, bool, Any], tuple[torch.Tensor, "torch.Tensor | None"]]  # (problem, need_lse, plan) -> (out, lse)
-WhyNot = Callable[[Problem, bool], "str | None"]  # (problem, need_lse) -> why it cannot take the call
-
 
 @dataclass(frozen=True)
 class Backend:
-    """A registry entry: one callable shape for every backend (as transformers' AttentionInterface).
-
-    ``run(problem, need_lse, plan)``: out [B, H, Q, dv] and lse [B, H, Q] or None; ``plan`` is the one
-    ``plan_for`` made for this call (None: planless, or planned by ``run`` itself).
-    ``plan_for(problem)``: its plan of the call (kept by its plan cache under the mask, the sizes and
-    ``plan_key(problem)``: what else the plan depends on); both None for a backend without a plan.
-    ``share(problem, plan)``: the fraction of the B·H·Q·K scores it computes where PyTorch's fused
-    kernel computes the call exactly through it (1.0: nothing skipped), else None.
-    ``estimate(problem, grad, costs)``: seconds (its ``Estimate.plan``: the plan it weighed).
-    ``traceable``: ``torch.compile`` can trace its run. ``hands_off(problem, plan)``: (the backend
-    that computes a call it takes but cannot compute right, why). ``fast(problem)``: a callable
-    ``(q, k, v) -> out | None`` that computes every call of the problem's family (what a decision
-    ``auto`` keeps for the family holds: :data:`DECISIONS`) from its bhnd tensors alone, None where
-    its hand-off would apply (the full path then hands the call off), or None: it has none."""
+    """A registry entry: one callable shape for every backend (as transformers' AttentionInterface)."""
 
     name: str
-    run: Run
-    why_not: WhyNot
-    estimate: Callable[[Problem, bool, Costs], Estimate] | None = None
-    traceable: bool = True
-    hands_off: Callable[[Problem, Any], tuple[str, str] | None] | None = None
-    share: Callable[[Problem, Any], float | None] | None = None
-    plan_for: Callable[[Problem], Any] | None = None
-    plan_key: Callable[[Problem], Hashable] | None = None
-    fast: Callable[[Problem], Callable[..., torch.Tensor | None] | None] | None = None
+    run: Callable[[Problem, bool, Any], tuple[torch.Tensor, torch.Tensor | None]]  # (problem, need_lse, plan_for's) -> (out, lse)
+    why_not: Callable[[Problem, bool], str | None]  # (problem, need_lse) -> why it cannot take the call, or None
+    estimate: Callable[[Problem, bool, Costs], Estimate] | None = None  # (problem, grad, costs) -> seconds, the plan weighed
+    traceable: bool = True  # torch.compile can trace its run
+    hands_off: Callable[[Problem, Any], tuple[str, str] | None] | None = None  # (problem, plan) -> (who computes it right, why)
+    share: Callable[[Problem, Any], float | None] | None = None  # (p, plan) -> fraction of scores its exact fused call computes
+    plan_for: Callable[[Problem], Any] | None = None  # its plan of the call (kept by its own plan cache)
+    fast: Callable[[Problem], Callable[..., torch.Tensor | None] | None] | None = None  # (q, k, v) -> out of the family, or None
 
     def plan(self, p: Problem, plan: Any = None) -> Any:
         """``plan``, else this backend's plan of ``p`` (None: it has none)."""
         return plan if plan is not None or self.plan_for is None else self.plan_for(p)
-
-
-class _Entries(dict):
-    """The registered backends by name; ``version`` changes with every change of the entries (a kept
-    decision names the version it was made under)."""
-
-    version = 0
-
-    def _changed(self) -> None:
-        self.version = _Entries.version = _Entries.version + 1  # never reused, even by another dict
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self._changed()
-
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self._changed()
-
-    def pop(self, *args):
-        out = super().pop(*args)
-        self._changed()
-        return out
-
-    def popitem(self):
-        out = super().popitem()
-        self._changed()
-        return out
-
-    def setdefault(self, key, default=None):
-        out = super().setdefault(key, default)
-        self._changed()
-        return out
-
-    def update(self, *args, **kwargs) -> None:
-        super().update(*args, **kwargs)
-        self._changed()
-
-    def clear(self) -> None:
-        super().clear()
-        self._changed()
-
-
-_REGISTRY: _Entries = _Entries()
-
-
-def register(backend: Backend) -> Backend:
-    """Add (or replace) a backend; ``auto`` considers it from the next call on."""
-    _REGISTRY[backend.name] = backend
-    return backend
-
-
-def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY) + ["auto"]
-
-
-def get(name: str) -> Backend:
-    if name not in _REGISTRY:
-        raise BackendError(f"unknown backend {name!r}; choose one of {names()}.")
-    return _REGISTRY[name]
-
-
-register(Backend("reference", reference.run, reference.why_not))  # builds [B, H, Q, K]
-register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not, torch_sdpa.estimate, hands_off=torch_sdpa.hands_off,
-                 share=torch_sdpa.share, fast=torch_sdpa.fast))  # F.scaled_dot_product_attention
-# the fused kernel over the key spans a mask allows; after torch, so a tie of shares (nothing to skip) goes to plain SDPA
-register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share,
-                 plan_for=spans.plan_for, plan_key=spans.plan_key))
-register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False, plan_for=tiled_plan.plan_for,
-                 plan_key=tiled_plan.plan_key))
-register(Backend("flex", flex.run, flex.why_not, flex.estimate, hands_off=flex.hands_off))
 
 
 @dataclass(frozen=True)
@@ -154,43 +60,92 @@ class Choice:
         return self.backend.run(p, need_lse, self.plan)
 
 
-def _leave_graph(run: Run, p: Problem, need_lse: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Where ``torch.compile``d code leaves its graph (it breaks; ``fullgraph=True`` fails): the tiled
-    backend (worker threads, decisions read from the data) and ``auto`` (its choice reads the data
-    and the measured costs). ``backend="torch"`` compiles to one graph."""
-    return run(p, need_lse, plan)
+@dataclass(frozen=True)
+class Kept:
+    """A claim kept for a family of calls: what ``prepare`` checked and bound, the ``Choice`` without a
+    plan (its backend's plan cache keeps that), the backend's ``fast`` for the family; no tensor."""
+
+    sizes: Sizes
+    scale: float
+    softcap: float | None
+    dropout_p: float
+    options: dict
+    choice: Choice
+    fast: Callable[..., torch.Tensor | None] | None
 
 
-_LEFT: list[Callable[..., Any]] = []  # _leave_graph wrapped by torch.compiler.disable, made at first need
+class Decisions(Cache[Kept]):
+    """The claims ``auto`` keeps per call family (:func:`family`), the registry's ``version`` (in every
+    key) and ``last_mask``: what :func:`family` last read of a mask (a model's layers share one)."""
+
+    version = 0  # bumped by register() and unregister()
+    last_mask: tuple | None = None  # (mask, (B, H, Q, K), its part of a key, its causal diagonal)
+
+    def clear(self) -> None:
+        super().clear()
+        self.last_mask = None
+
+
+DECISIONS = Decisions(  # a model's decode steps: one family for every layer and every step
+    "decisions", "prepare's checks, every backend's why_not and share, the chosen backend's per-call decisions (fast)",
+    "family(): the version, need_lse, grad mode, q, k, v's shapes, dtypes, devices and requires_grad, the mask's type and "
+    "attributes, scale, softcap, dropout_p, options; K but where the one query sees every key", 1024, "a new key (register, "
+    "unregister: a new version); never kept with a bias, sinks, a mask but causal, under torch.compile, or for a call that "
+    "raised")
+declare(DECISIONS)
+_REGISTRY: dict[str, Backend] = {}
+_PLAIN = frozenset({float, int, type(None)})  # scale, softcap, dropout_p kept as their own key
+# what family() reads: every compared field of a Problem (tests/test_grid_shortcuts.py checks the list against the dataclass)
+FAMILY_READS = ("q", "k", "v", "sizes", "mask", "bias", "scale", "softcap", "dropout_p", "options", "sinks")
+_LEFT: list[Callable[..., Any]] = []  # what _outside_graph() returns, made at first need
+_AT_RUN_TIME = Backend("auto", lambda p, need_lse, plan: decide(p, need_lse).run(p, need_lse),  # type: ignore[misc]
+                       lambda p, lse: None, traceable=False)  # auto under torch.compile: decided at run time, outside the graph
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend; ``auto`` considers it from the next call on."""
+    _REGISTRY[backend.name] = backend
+    DECISIONS.version += 1
+    return backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+    DECISIONS.version += 1
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY) + ["auto"]
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise BackendError(f"unknown backend {name!r}; choose one of {names()}.")
+    return _REGISTRY[name]
+
+
+register(Backend("reference", reference.run, reference.why_not))  # builds [B, H, Q, K]
+register(Backend("torch", torch_sdpa.run, torch_sdpa.why_not, torch_sdpa.estimate, hands_off=torch_sdpa.hands_off,
+                 share=torch_sdpa.share, fast=torch_sdpa.fast))  # F.scaled_dot_product_attention
+register(Backend("spans", spans.run, spans.why_not, traceable=False, hands_off=spans.hands_off, share=spans.share,
+                 plan_for=spans.plan_for))  # the fused kernel over the key spans a mask allows; after torch: a tie goes to SDPA
+register(Backend("tiled", tiled.run, tiled.why_not, tiled_plan.estimate, traceable=False, plan_for=tiled_plan.plan_for))
+register(Backend("flex", flex.run, flex.why_not, flex.estimate, hands_off=flex.hands_off))
 
 
 def _outside_graph() -> Callable[..., Any]:
-    """``_leave_graph`` under ``torch.compiler.disable``, wrapped the first time a compiled call needs it:
-    ``disable`` imports ``torch._dynamo`` (about 1 s), which ``import bhqk`` should not pay."""
-    if not _LEFT:
-        _LEFT.append(torch.compiler.disable(_leave_graph))
+    """Where compiled code leaves its graph (tiled, ``auto``): ``run(p, need_lse, plan)`` under ``torch.compiler.disable``."""
+    if not _LEFT:  # wrapped at first need: disable imports torch._dynamo, which import bhqk should not pay
+        _LEFT.append(torch.compiler.disable(lambda run, p, need_lse, plan: run(p, need_lse, plan)))
     return _LEFT[0]
 
 
-def _decided_run(p: Problem, need_lse: bool, plan: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``auto`` under ``torch.compile``: decided at run time, outside the graph."""
-    return decide(p, need_lse).run(p, need_lse)
-
-
-_AT_RUN_TIME = Backend("auto", _decided_run, lambda p, lse: None, traceable=False)
-
-
 def decide(p: Problem, need_lse: bool) -> Choice:
-    """``auto``, by structure first: of the backends that can take the call, the claimant (``share``:
-    PyTorch's fused kernel computes it exactly) computing the fewest scores runs (a tie: the first
-    registered, so plain SDPA when nothing can be skipped); unclaimed calls (softcap, dropout, a mask
-    SDPA needs dense) go to the cheapest ``estimate``; a backend with neither (the reference) never.
-    A claim is kept for the call's family (:data:`DECISIONS`, :func:`family`)."""
+    """``auto``: of the backends that can take the call, the claimant computing the fewest scores (a tie: the first
+    registered), else the cheapest ``estimate``; never the reference (neither). Claims are kept per family."""
     fam = None if p.bias is not None or p.sinks is not None or torch.compiler.is_compiling() else \
         family(p.q, p.k, p.v, p.mask, p.scale, p.softcap, p.dropout_p, "bhnd", p.options, need_lse)
-    key = None if fam is None else fam[0]
-    hit = None if key is None else DECISIONS.lookup(key)
-    if hit is not None:
+    if fam is not None and (hit := DECISIONS.lookup(fam[0])) is not None:
         return _handed_off(hit.choice, p)
     refused: dict[str, str] = {}
     claims: list[tuple[float, int, Backend, Any]] = []
@@ -208,98 +163,36 @@ def decide(p: Problem, need_lse: bool) -> Choice:
         (share, _, be, plan), *others = sorted(claims, key=lambda c: c[:2])
         why = f"{be.name}: PyTorch's fused kernel computes this call exactly, {share:.0%} of the scores"
         why += "".join(f"; {o.name} would compute {s:.0%}" for s, _, o, _ in others) + _nots(refused)
-        if key is not None:  # handed out again: read-only, and without the plan (its plan cache keeps that)
-            DECISIONS.put(key, Kept(p.sizes.copy(), p.scale, p.softcap, p.dropout_p, dict(p.options),
-                                    Choice(be, why, _NOTHING_WEIGHED, by_auto=True), be.fast and be.fast(p)))
+        if fam is not None:  # handed out again: read-only, and without the plan (its plan cache keeps that)
+            DECISIONS.put(fam[0], Kept(p.sizes.copy(), p.scale, p.softcap, p.dropout_p, dict(p.options),
+                                       Choice(be, why, MappingProxyType({}), by_auto=True), be.fast and be.fast(p)))
         return _handed_off(Choice(be, why, {}, plan, by_auto=True), p)
-    grad, found = p.needs_grad, {}
+    grad = p.needs_grad
     c = calibrate.costs(p.q.device, p.q.dtype, grad) if weighed else None
-    for be in weighed:
-        est = be.estimate(p, grad, c)  # type: ignore[misc,arg-type]  # weighed: it has one; c: measured for them
-        found[be.name] = est
-        if math.isinf(est.seconds):
-            refused[be.name] = found.pop(be.name).note
+    found = {be.name: be.estimate(p, grad, c) for be in weighed}  # type: ignore[misc,arg-type]  # weighed: it has one
+    refused.update({n: found.pop(n).note for n in [n for n, e in found.items() if math.isinf(e.seconds)]})
     if not found:
         raise BackendError(f"auto found no backend that avoids building [B, H, Q, K] for this call ({_nots(refused)[2:]}); "
                            "pass backend='reference' to accept O(Q·K) memory.")
-    ranked = sorted(found, key=lambda n: found[n].seconds)
+    best, *rest = sorted(found, key=lambda n: found[n].seconds)
     said = {n: f"{1e3 * e.seconds:.3g} ms" + (f" ({e.note})" if e.note else "") for n, e in found.items()}
-    why = f"{ranked[0]}: estimated {said[ranked[0]]}" + "".join(f" vs {n} {said[n]}" for n in ranked[1:])
+    why = f"{best}: estimated {said[best]}" + "".join(f" vs {n} {said[n]}" for n in rest)
     why += (" (forward+backward)" if grad else "") + "; no fused kernel claims this call" + _nots(refused)
-    estimates = {n: e.seconds for n, e in found.items()}
-    return _handed_off(Choice(_REGISTRY[ranked[0]], why, estimates, found[ranked[0]].plan, True), p)
-
-
-@dataclass(frozen=True)
-class Kept:
-    """A claim kept for a family of calls (:data:`DECISIONS`): what ``prepare`` checked and bound for
-    it (the sizes, the scale, softcap, dropout and options), the ``Choice`` without a plan (its
-    backend's plan cache keeps that) and the backend's ``fast`` computation of the family, if any;
-    no tensor (a decode step's keys are not held)."""
-
-    sizes: Sizes
-    scale: float
-    softcap: float | None
-    dropout_p: float
-    options: dict
-    choice: Choice
-    fast: Callable[..., torch.Tensor | None] | None  # the backend's Backend.fast for the family
-
-    def problem(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, layout: str,
-                ext: Extent, every_key: bool) -> Problem:
-        """The checked call of ``q``, ``k``, ``v`` (its family's: only K may differ) in the bhnd layout."""
-        sizes = self.sizes.again(layout, q, k, v)
-        if layout == "bnhd":
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N, H, d] -> [B, H, N, d] (views)
-        return Problem.kept(q, k, v, sizes, ext, mask, self.scale, self.softcap, self.dropout_p,
-                            dict(self.options) if self.options else {}, every_key)
-
-
-class _Decisions(Cache[Kept]):
-    def clear(self) -> None:
-        super().clear()
-        _LAST_MASK[0] = None
-
-
-DECISIONS: Cache[Kept] = _Decisions(  # a model's decode steps: one family for every layer and every step
-    "decisions", "checking a call's sizes, mask and numbers (prepare), asking every backend's why_not and share, and "
-    "the chosen backend's own per-call decisions (Backend.fast: SDPA's arguments)",
-    "family(): the registry's entries, need_lse, grad mode; the shapes, dtypes, devices and requires_grad of q, k, v; "
-    "the mask's type and attributes; scale (1/√d when not given), softcap, dropout_p, options; K itself, except where "
-    "the call's one query sees every key (a decode step: one family for every K ≥ 1). The last mask read (its part "
-    "of the key and causal diagonal, by identity and sizes) is kept beside", 1024,
-    "any of those is a new key; never kept with a bias, sinks, a mask but causal (their claims read data), under "
-    "torch.compile, or for a call that raised; the NaN/inf hand-off is checked on every call")
-declare(DECISIONS)
-_NOTHING_WEIGHED: Mapping[str, float] = MappingProxyType({})
-_EVERY_KEY = "one query, every key"  # the K of the family of calls whose one query sees every key
-_PLAIN = frozenset({float, int, type(None)})  # scale, softcap, dropout_p kept as their own key
-_PLAIN_PARTS = _PLAIN | {bool, str}  # a mask's attributes that are their own key
-# what family() reads: every compared field of a Problem (tests/test_grid_shortcuts.py checks the list against the dataclass)
-FAMILY_READS = ("q", "k", "v", "sizes", "mask", "bias", "scale", "softcap", "dropout_p", "options", "sinks")
+    return _handed_off(Choice(_REGISTRY[best], why, {n: e.seconds for n, e in found.items()}, found[best].plan, True), p)
 
 
 def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
            options: dict | None, need_lse: bool) -> tuple[tuple, tuple[int, int, int, int], bool] | None:
-    """(The key of a call's kept decision, its sizes (B, H, Q, K), whether its one query sees every
-    key) for a call without a bias or sinks, as given to ``attention`` or as a ``Problem``'s
-    fields: all that ``prepare``'s checks and every claim read (see :data:`DECISIONS`), shapes in
-    the bhnd order. K is read through the mask: where the one query sees every key (no mask, or a
-    causal one reaching the last key) every K ≥ 1 is one family, as nothing a check or a claim
-    reads depends on it then; else K is in the key. None: not kept (a mask that is not causal, an
-    argument that is no plain tensor or number: its error is prepare's)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+    """(The key of the decision kept for a call without a bias or sinks: all ``prepare``'s checks and every claim read,
+    K left out where the one query sees every key; (B, H, Q, K); whether it does), or None: not kept."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
         return None
-    if type(scale) not in _PLAIN or type(softcap) not in _PLAIN or type(dropout_p) not in _PLAIN:
-        return None
-    qs: tuple[int, ...]
-    ks: tuple[int, ...]
-    vs: tuple[int, ...]
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return None
     if layout == "bnhd":
-        qs, ks, vs = ((s[0], s[2], s[1], s[3]) for s in (qs, ks, vs))  # [B, N, H, x] -> [B, H, N, x]
+        qs, ks, vs = ((s[0], s[2], s[1], s[3]) for s in (qs, ks, vs))  # type: ignore[assignment]  # [B, N, H, x] -> bhnd
     elif layout != "bhnd":
         return None
     B, H, Q, d = qs
@@ -307,52 +200,40 @@ def family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softc
     every = Q == 1 and K >= 1 and vs[2] == K
     part = None
     if mask is not None:
-        read = _LAST_MASK[0]
+        read = DECISIONS.last_mask
         if read is None or read[0] is not mask or read[1] != (B, H, Q, K):  # the layers of a model share a mask
-            read = _read_mask(mask, (B, H, Q, K))
-            if read is None:
+            if not isinstance(mask, Mask):
                 return None
+            try:
+                if (diagonal := mask.causal_diagonal(extent_of(B, H, Q, K))) is None:  # else it is key ≤ query + diagonal
+                    return None
+            except ValueError:  # e.g. causal without an alignment for Q ≠ K: prepare says so
+                return None
+            read = (mask, (B, H, Q, K), _part(mask), diagonal)  # a mask is a value: what it holds does not change
+            if DECISIONS.on:
+                DECISIONS.last_mask = read
         part, diagonal = read[2], read[3]
         every = every and diagonal >= K - 1
-    key = (_REGISTRY.version, need_lse, torch.is_grad_enabled(), qs, ks[:2], ks[3], vs[:2], vs[3],
-           _EVERY_KEY if every else (K, vs[2]), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+    key = (DECISIONS.version, need_lse, torch.is_grad_enabled(), qs, ks[:2], ks[3], vs[:2], vs[3],
+           None if every else (K, vs[2]), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, part, default_scale(d) if scale is None else scale,
            softcap, dropout_p, tuple(options.items()) if options else ())
     return key, (B, H, Q, K), every
 
 
-_LAST_MASK: list[tuple | None] = [None]  # (mask, (B, H, Q, K), its part of a key, its causal diagonal): the last read
-
-
-def _read_mask(mask, sizes: tuple[int, int, int, int]) -> tuple | None:
-    """What :func:`family` reads of a mask at ``sizes``: (mask, sizes, its type and attributes, its
-    causal diagonal), kept as the last read (the layers of a model's step share one mask; a mask is
-    a value: what it holds does not change); None where not kept (not causal, not a mask)."""
-    if not isinstance(mask, Mask):
-        return None
-    try:
-        diagonal = mask.causal_diagonal(extent_of(*sizes))  # the mask is exactly key ≤ query + diagonal
-    except ValueError:  # e.g. causal without an alignment for Q ≠ K: prepare says so
-        return None
-    if diagonal is None:
-        return None
-    read = (mask, sizes, _part(mask), diagonal)
-    if DECISIONS.on:
-        _LAST_MASK[0] = read
-    return read
-
-
 def prepared(backend: str, need_lse: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, bias=None,
              scale=None, softcap=None, dropout_p=0.0, layout: str = "bhnd", options: dict | None = None,
              sinks=None) -> tuple[Problem, Choice]:
-    """The checked call (``prepare``) and what runs it (:func:`resolve`). A call on ``auto`` of a
-    family whose claim is kept (:data:`DECISIONS`) skips both: its checks passed for the family, and
-    only its data is looked at (the NaN/inf hand-off)."""
+    """The checked call (``prepare``) and what runs it (:func:`resolve`); a call on ``auto`` of a family
+    whose claim is kept skips both (its checks passed for the family) but for the NaN/inf hand-off."""
     if backend == "auto" and bias is None and sinks is None and DECISIONS.on and not torch.compiler.is_compiling():
         fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, need_lse)
-        hit = None if fam is None else DECISIONS.lookup(fam[0])
-        if fam is not None and hit is not None:
-            p = hit.problem(q, k, v, mask, layout, extent_of(*fam[1]), fam[2])
+        if fam is not None and (hit := DECISIONS.lookup(fam[0])) is not None:  # only K may differ in a family
+            sizes = hit.sizes.again(layout, q, k, v)
+            if layout == "bnhd":
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N, H, d] -> [B, H, N, d] (views)
+            p = Problem.kept(q, k, v, sizes, extent_of(*fam[1]), mask, hit.scale, hit.softcap, hit.dropout_p,
+                             dict(hit.options) if hit.options else {}, fam[2])
             return p, _handed_off(hit.choice, p)
     p = prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks)
     return p, resolve(backend, p, need_lse)
@@ -360,10 +241,8 @@ def prepared(backend: str, need_lse: bool, q: torch.Tensor, k: torch.Tensor, v: 
 
 def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap, dropout_p, layout: str,
          options: dict | None) -> torch.Tensor | None:
-    """out of an ``auto`` call without a bias, sinks or the lse, computed by the ``fast`` of the
-    decision kept for its family (``Backend.fast``): no ``Problem`` is built, nothing is checked but
-    the data its hand-off reads. None: no such decision, or that check failed (the full path runs,
-    and hands the call off). Callers check that nobody observes or edits (``observe.quiet``)."""
+    """out of an ``auto`` call without a bias, sinks or the lse, by the ``fast`` of the decision kept for its family
+    (no ``Problem`` built), or None: none kept, or its hand-off applies. Callers check ``observe.quiet()``."""
     fam = family(q, k, v, mask, scale, softcap, dropout_p, layout, options, False)
     hit = None if fam is None else DECISIONS.lookup(fam[0])
     if hit is None or hit.fast is None:
@@ -375,14 +254,10 @@ def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale, softcap
 
 
 def _part(x: Any) -> Any:
-    """What a claim reads of a mask: its type and attributes (a tensor by shape, dtype, device and
-    requires_grad, not its values; a dict's items in their order), else the value (an unhashable
-    one: not kept)."""
+    """What a claim reads of a mask: its type and attributes, a tensor's shape, dtype, device and
+    requires_grad (not its values), a dict's items in order, else the value (unhashable: not kept)."""
     if isinstance(x, Mask):
-        attrs = vars(x)
-        if _PLAIN_PARTS.issuperset(map(type, attrs.values())):  # a causal mask's alignment: its items as they are
-            return (type(x), *attrs.items())
-        return (type(x), *[(k, _part(v)) for k, v in attrs.items()])
+        return (type(x), *[(k, _part(v)) for k, v in vars(x).items()])
     if isinstance(x, torch.Tensor):
         return ("tensor", x.shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, dict):
@@ -395,27 +270,20 @@ def _nots(refused: dict[str, str]) -> str:
 
 
 def _handed_off(choice: Choice, p: Problem) -> Choice:
-    """``choice`` with its backend's plan of ``p``, or the backend its backend hands this call to
-    (``Backend.hands_off``). The plan travels in the ``Choice``: planned once per call (under
-    ``torch.compile`` a backend that leaves the graph plans in its run, outside it)."""
+    """``choice`` with its backend's plan of ``p`` (planned once per call), or the backend it hands this call to."""
     be = choice.backend
     plan = choice.plan if not be.traceable and torch.compiler.is_compiling() else be.plan(p, choice.plan)
     to = be.hands_off(p, plan) if be.hands_off is not None else None
     if to is not None:
         why = f"{choice.reason}; {choice.name} hands it to {to[0]}: {to[1]}"
         return Choice(get(to[0]), why, choice.estimates, by_auto=choice.by_auto)
-    return choice if plan is choice.plan else dataclasses.replace(choice, plan=plan)
-
-
-def choose(p: Problem, need_lse: bool) -> Backend:
-    return decide(p, need_lse).backend  # what auto would run
+    return choice if plan is choice.plan else replace(choice, plan=plan)
 
 
 def choose_backend(q, k, v, mask=None, *, bias=None, scale=None, softcap=None, dropout_p=0.0, layout="bhnd",
                    return_lse=False, block_q=None, block_k=None, sinks=None) -> Choice:
-    """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run: the :class:`Choice`
-    (``.name``, ``.reason``: the winner and why, ``.estimates``). Gradients count when q, k or v
-    require them and grad mode is on."""
+    """The :class:`Choice` (``.name``, ``.reason``, ``.estimates``) ``attention(q, k, v, mask, ...)`` on
+    ``auto`` would run; gradients count when q, k or v require them and grad mode is on."""
     options = {k_: v_ for k_, v_ in (("block_q", block_q), ("block_k", block_k)) if v_ is not None}
     return decide(prepare(q, k, v, mask, bias, scale, softcap, dropout_p, layout, options, sinks=sinks), return_lse)
 
