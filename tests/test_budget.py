@@ -205,7 +205,7 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
                 layers=["a.0", "a.1"])
     text = str(plan)
     assert "2 of 4 K/V heads full" in text and "sink=4 + window=16" in text
-    assert "| 0     | a.0  | 0       | 0.900     | full      | induction  |" in text
+    assert "| 0     | a.0  | 0       | 0.9       | full      | induction  |" in text
     assert "| 1     | a.1  | 1       | -         | full      | -          |" in text
     assert plan._repr_html_().count("<td") == 4
     back = Plan.load(plan.save(tmp_path / "plan.json"))
@@ -223,6 +223,19 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
     (tmp_path / "worse.json").write_text('{"format": "bhqk.budget.Plan/1", "full": [[1, 0]]}')
     with pytest.raises(LoadError, match="malformed"):
         Plan.load(tmp_path / "worse.json")
+
+
+def test_scores_orders_of_magnitude_apart_print_apart():
+    """Fisher scores span orders of magnitude: the table, its cells' titles and the tie column print
+    significant digits, so 1e-5, 2e-5 and 0.3 do not all read 0.000 (issue 40, item 9)."""
+    scores = torch.tensor([[0.3, 2e-5, 1e-5]], dtype=torch.float64)
+    plan = Plan(torch.tensor([[True, False, False]]), scores=scores, score="fisher", tie_scores=scores / 7,
+                tie_score="copy mass")
+    cells = [row[3:5] for row in plan.rows()]
+    assert cells == [["0.3", "0.04286"], ["2e-05", "2.857e-06"], ["1e-05", "1.429e-06"]]
+    assert "| 2e-05  |" in str(plan) and "| 1e-05  |" in str(plan) and "0.000" not in str(plan)
+    html = plan._repr_html_()
+    assert "score 2e-05, copy mass 2.857e-06" in html and "score 1e-05" in html and "0.000" not in html
 
 
 def _plan_file(tmp_path, name="plan.json", **edit):

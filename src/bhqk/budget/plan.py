@@ -325,9 +325,9 @@ class Plan:
                 full = bool(self.full[li, g])
                 v = None if s is None else float(s[li, g])
                 shade = 0.15 if v is None or math.isnan(v) else 0.15 + 0.85 * (v - lo) / span
-                title = f"layer {li} kv head {g}: {'full' if full else 'streaming'}" + ("" if v is None else f", score {v:.3f}")
+                title = f"layer {li} kv head {g}: {'full' if full else 'streaming'}" + ("" if v is None else f", score {v:.3g}")
                 if self.tie_scores is not None:
-                    title += f", {self.tie_score or 'tie score'} {float(self.tie_scores[li, g]):.4f}"
+                    title += f", {self.tie_score or 'tie score'} {float(self.tie_scores[li, g]):.4g}"
                 style = (f"width:16px;height:16px;background:rgba(200,60,40,{shade:.2f})" if full else
                          f"width:16px;height:16px;background:rgba(40,90,200,{shade * 0.5:.2f})")
                 row.append(f"<td title='{html.escape(title)}' style='{style}'>{'■' if full else ''}</td>")
@@ -530,7 +530,9 @@ def _every_position(layer: int):
 
 
 def _num(t: torch.Tensor | None, li: int, g: int, digits: int = 3) -> str:
-    return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}f}"
+    """A score as the table prints it: ``digits`` significant digits (``0.3``, ``2e-05``), so scores many
+    orders of magnitude apart (fisher's) keep their order; ``-`` for none."""
+    return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}g}"
 
 
 __all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "streaming_mask", "kept_full", "kept_streaming"]
