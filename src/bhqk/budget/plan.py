@@ -178,7 +178,11 @@ class Plan:
         """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
         transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
         layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
-        sequences (``dtype``: the model's by default)."""
+        sequences (``dtype``: the model's by default). A prediction of the positions held: the cache's
+        own ``cache.nbytes()`` measures the memory its tensors keep allocated, which is this after a
+        prefill and, after a decode step, one position (per sequence and K/V head) more on each sliding
+        or chunked layer whose heads are all full (its window − 1 positions are a view of the window the
+        step wrote, as in transformers' own cache)."""
         _count("Plan.nbytes", "length", length)
         _count("Plan.nbytes", "batch", batch, 1)
         m = self.check(model)
