@@ -5,6 +5,7 @@ and the streaming heads restricted by ``bhqk.edit(mask=...)`` (tiny random model
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,7 +205,7 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
                 layers=["a.0", "a.1"])
     text = str(plan)
     assert "2 of 4 K/V heads full" in text and "sink=4 + window=16" in text
-    assert "| 0     | a.0  | 0       | 0.900     | full      | induction  |" in text
+    assert "| 0     | a.0  | 0       | 0.9       | full      | induction  |" in text
     assert "| 1     | a.1  | 1       | -         | full      | -          |" in text
     assert plan._repr_html_().count("<td") == 4
     back = Plan.load(plan.save(tmp_path / "plan.json"))
@@ -222,6 +223,129 @@ def test_plan_prints_renders_saves_and_loads(tmp_path):
     (tmp_path / "worse.json").write_text('{"format": "bhqk.budget.Plan/1", "full": [[1, 0]]}')
     with pytest.raises(LoadError, match="malformed"):
         Plan.load(tmp_path / "worse.json")
+
+
+def test_scores_orders_of_magnitude_apart_print_apart():
+    """Fisher scores span orders of magnitude: the table, its cells' titles and the tie column print
+    significant digits, so 1e-5, 2e-5 and 0.3 do not all read 0.000 (issue 40, item 9)."""
+    scores = torch.tensor([[0.3, 2e-5, 1e-5]], dtype=torch.float64)
+    plan = Plan(torch.tensor([[True, False, False]]), scores=scores, score="fisher", tie_scores=scores / 7,
+                tie_score="copy mass")
+    cells = [row[3:5] for row in plan.rows()]
+    assert cells == [["0.3", "0.04286"], ["2e-05", "2.857e-06"], ["1e-05", "1.429e-06"]]
+    assert "| 2e-05  |" in str(plan) and "| 1e-05  |" in str(plan) and "0.000" not in str(plan)
+    html = plan._repr_html_()
+    assert "score 2e-05, copy mass 2.857e-06" in html and "score 1e-05" in html and "0.000" not in html
+
+
+def _plan_file(tmp_path, name="plan.json", **edit):
+    """A saved plan (made for a model of 2 sliding layers, window 8, and 1 full one) with ``edit``'s
+    fields replaced (``...`` removes one), as a user who edits the file by hand leaves it."""
+    from bhqk.budget.plan import ModelShape
+
+    shape = ModelShape(3, 4, 2, 8, ("sliding_attention", "sliding_attention", "full_attention"), (8, 8, None),
+                       "tiny", "gemma3")
+    plan = Plan(torch.tensor([[True, False], [False, False], [True, True]]), sink=4, window=16,
+                scores=torch.tensor([[0.5, 0.1], [0.2, float("nan")], [0.9, 0.8]]), score="fisher",
+                layers=["l.0", "l.1", "l.2"], model=shape)
+    d = plan.to_dict()
+    for k, v in edit.items():
+        if v is ...:
+            del d[k]
+        else:
+            d[k] = v
+    path = tmp_path / name
+    path.write_text(json.dumps(d))
+    return path, plan
+
+
+FULL = [[1, 0], [0, 0], [1, 1]]
+MODEL = {"name": "tiny", "model_type": "gemma3", "layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 8,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "windows": [8, 8, None]}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"window": 2.5}, r'"window" must be a whole number >= 0 \(keys\), got 2.5\.'),
+    ({"window": "256"}, r'"window" must be a whole number >= 0 \(keys\), got "256"\.'),
+    ({"sink": True}, r'"sink" must be a whole number >= 0 \(keys\), got true\.'),
+    ({"sink": -3}, r'"sink" must be a whole number >= 0 \(keys\), got -3\.'),
+    ({"window": ...}, r'no "window" field'),
+    ({"windw": 300}, r'unknown field "windw" \(a plan has "format", "sink", "window"'),
+    ({"full": [[1, 0], [0, 2], [1, 1]]}, r'"full" row 1, K/V head 1 is 2; an entry is 0/1 or false/true'),
+    ({"full": [[1, 0], [-1, 0], [1, 1]]}, r'"full" row 1, K/V head 0 is -1; an entry is 0/1'),
+    ({"full": [[1, 0.5], [0, 0], [1, 1]]}, r'"full" row 0, K/V head 1 is 0.5; an entry is 0/1'),
+    ({"full": [[1, 0], [0, 0], [1, "1"]]}, r'"full" row 2, K/V head 1 is "1"; an entry is 0/1'),
+    ({"full": [[1, 0], [0], [1, 1]]}, r'"full" row 1 has 1 entries but row 0 has 2 \(one per K/V head\)'),
+    ({"full": [[1, 0], 1, [1, 1]]}, r'"full" row 1 is 1; "full" must be a list of rows, one per layer'),
+    ({"full": []}, r'"full" must be a list of rows, one per layer, .*; got \[\]'),
+    ({"full": [[1, 0], [0, 0]]}, r'"scores" has 3 rows but "full" has 2 \(one per layer\)'),
+    ({"scores": [[0.5, 0.1], [0.2], [0.9, 0.8]]}, r'"scores" row 1 has 1 entries but "full" has 2 K/V heads'),
+    ({"scores": [[0.5, 0.1], [0.2, "high"], [0.9, 0.8]]}, r'"scores" row 1, K/V head 1 is "high"; an entry is a number or null'),
+    ({"scores": [[0.5, 0.1], [0.2, None]]}, r'"scores" has 2 rows but "full" has 3'),
+    ({"tie_scores": [[0.5, 0.1], [0.2, True], [0.9, 0.8]]}, r'"tie_scores" row 1, K/V head 1 is true'),
+    ({"tie_scores": [[0.5, 0.1], [0.2, 0], [0.9, 0.8]], "scores": None}, r'"tie_scores" break ties of "scores"'),
+    ({"layers": ["l.0", "l.1"]}, r'"layers" names 2 layers but "full" has 3 rows'),
+    ({"layers": ["l.0", 1, "l.2"]}, r'"layers" must be null or a list of 3 strings'),
+    ({"layers": "l"}, r'"layers" must be null or a list of 3 strings'),
+    ({"score": 3}, r'"score" names a score: a string or null, got 3'),
+    ({"notes": [1]}, r'"notes" must be an object or null, got \[1\]'),
+    ({"model": "gemma"}, r'"model" must be an object \(what the plan was made for\) or null, got "gemma"'),
+    ({"model": {**MODEL, "head_dim": 8.0}}, r'"model".head_dim must be a whole number >= 1, got 8.0'),
+    ({"model": {**MODEL, "windows": [8, 8]}}, r'"model": 3 layer types and 2 windows for layers=3'),
+    ({"model": {**MODEL, "windows": [8, 8.5, None]}}, r'"model".windows\[1\] must be a whole number or null, got 8.5'),
+    ({"model": {**MODEL, "windows": [8, None, None]}}, r'"model": layer 1 is .sliding_attention. with window None'),
+    ({"model": {**MODEL, "kv_heads": 4}}, r'"full" is \[layers=3, Hkv=2\] but "model" says it was made for \[layers=3, H=4, '
+                                          r'Hkv=4'),
+    ({"model": {**MODEL, "heads": 3}}, r'"model": heads=3 is not a multiple of kv_heads=2'),
+    ({"model": {**MODEL, "layer": 3}}, r'"model" has unknown field "layer"'),
+], ids=lambda v: ",".join(v) if isinstance(v, dict) else "")
+def test_a_hand_edited_plan_file_is_refused_naming_the_file_the_field_the_row_and_the_value(tmp_path, edit, message):
+    """A plan file is read as written or refused: a window of 2.5 is not a window of 2, "256" not 256, a
+    head of 2 or -1 not a full head, 0.5 not a streaming one, and a short row names its row (issue 40,
+    item 9)."""
+    path, _ = _plan_file(tmp_path, **edit)
+    with pytest.raises(LoadError, match=r"^" + str(path).replace("\\", "\\\\") + ": a malformed plan: " + message):
+        Plan.load(path)
+
+
+def test_a_plan_file_of_true_false_and_of_1_0_loads_as_written(tmp_path):
+    path, plan = _plan_file(tmp_path)
+    back = Plan.load(path)
+    assert torch.equal(back.full, plan.full) and back.model == plan.model and back.layers == plan.layers
+    assert (back.sink, back.window) == (4, 16) and back.scores[1, 1].isnan() and back.scores[2, 0] == plan.scores[2, 0]
+    path, _ = _plan_file(tmp_path, "bools.json", full=[[True, False], [False, False], [True, True]],
+                         scores=[[1, 0], [0, None], [2, 1]])  # whole numbers are scores too
+    again = Plan.load(path)
+    assert torch.equal(again.full, plan.full) and again.scores[2, 0] == 2.0
+
+
+def test_every_plan_file_the_repo_stores_loads():
+    """Every saved plan in the repository (benchmarks/results and anywhere else) passes the strict loader."""
+    root = Path(__file__).resolve().parents[1]
+    found = [p for d in ("benchmarks", "docs", "examples", "tests") for p in (root / d).rglob("*.json")
+             if '"bhqk.budget.Plan/1"' in p.read_text(errors="replace")]
+    assert len(found) >= 2, found
+    for p in found:
+        plan = Plan.load(p)
+        assert plan.model is not None and plan.full.shape == (plan.model.layers, plan.model.kv_heads), p
+
+
+def test_a_plan_of_python_lists_names_the_row_that_is_wrong():
+    """``Plan(full=[[...], ...])`` checks its rows as the file loader does (torch would say only
+    "expected sequence of length 2")."""
+    with pytest.raises(ShapeError, match=r"full row 1 has 1 entries but row 0 has 2 \(one per K/V head\)"):
+        Plan([[True, False], [True]])
+    with pytest.raises(ShapeError, match=r"full row 0, K/V head 1 is 2; an entry is 0/1 or false/true"):
+        Plan([[1, 2]])
+    with pytest.raises(ShapeError, match=r"scores row 0, K/V head 0 is '0.5'; an entry is a number or None"):
+        Plan([[True, False]], scores=[["0.5", 0.1]])
+    with pytest.raises(ShapeError, match=r"scores row 1 has 1 entries but full has 2 K/V heads"):
+        Plan([[True, False], [False, True]], scores=[[0.5, 0.1], [0.2]])
+    with pytest.raises(ValueError, match=r"layers names the layers: a list of str"):
+        Plan([[True, False]], layers=[0])
+    with pytest.raises(ValueError, match=r"model is what the plan was made for: a ModelShape or None"):
+        Plan([[True, False]], model={"layers": 1})
+    assert torch.equal(Plan([[1, 0]], scores=[[0.5, None]]).full, torch.tensor([[True, False]]))
 
 
 def test_the_streaming_mask_is_sink_plus_window_plus_own_key():

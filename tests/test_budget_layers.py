@@ -73,6 +73,52 @@ def _bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _allocated(cache) -> int:
+    """Bytes of the storages under a budget cache's tensors, measured from the tensors, each storage once."""
+    storages = {}
+    for layer in cache.budget_layers:
+        for t in (layer.fk, layer.fv, layer.sk, layer.sv):
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _position(model, B: int) -> int:
+    """Bytes of one position's keys and values over every K/V head of a layer (fp32)."""
+    shape = model_map(model).shape
+    return B * shape.kv_heads * 2 * shape.head_dim * 4
+
+
+def _sliding(shape) -> int:
+    return sum(w is not None for w in shape.windows)
+
+
+@pytest.mark.parametrize("plan_kind", ["all full", "mixed"])
+@torch.no_grad()
+def test_cache_nbytes_is_the_storage_its_tensors_hold_and_the_plan_predicts_it_within_a_position(plan_kind):
+    """On a sliding-window model (a tiny Gemma 3: two sliding layers of window 7, one global), ``cache.nbytes()``
+    is the memory its tensors really keep allocated (their storages), after a prefill longer than the
+    window and after each decode step; ``plan.nbytes`` predicts the positions held, at most one position
+    per sliding layer below it (a layer of full heads keeps its window − 1 positions as a view of the
+    window its last step wrote, as transformers' own layer does) — issue 40, item 9: Gemma 3 270M's
+    cache said 12,288 bytes less than it held."""
+    model = _model("gemma3")
+    shape = model_map(model).shape
+    plan = (Plan(torch.ones(shape.layers, shape.kv_heads, dtype=torch.bool), sink=S, window=W) if plan_kind == "all full"
+            else _mixed(model))
+    ids, am = _inputs(B=2, N=24)
+    cache = plan.cache(model)
+    N = 16  # > WIN: the prefill's keys beyond the window must not stay alive behind a view
+    model(input_ids=ids[:, :N], attention_mask=am[:, :N], cache=cache)
+    for n in range(N, ids.shape[1] + 1):
+        if n > N:
+            model(input_ids=ids[:, n - 1:n], attention_mask=am[:, :n], cache=cache)
+        predicted = plan.nbytes(n, model, batch=2)[0]
+        assert cache.nbytes() == _allocated(cache), n
+        slack = 0 if plan_kind == "mixed" or n == N else _position(model, 2) * _sliding(shape)
+        assert cache.nbytes() - predicted == slack, (n, cache.nbytes(), predicted)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_model_shape_is_what_the_models_own_cache_is_made_of(name):
     model = _model(name)
@@ -104,7 +150,9 @@ def test_bytes_are_the_models_own_cache_and_the_plan_holds_what_it_says(name):
                 model(input_ids=ids[:, n - 1:n], attention_mask=am[:, :n], cache=c)
         held, theirs = plan.nbytes(n, model, batch=2)
         assert theirs == _bytes(own), (name, n)
-        assert held == cache.nbytes() and every.nbytes(n, model, batch=2) == (theirs, theirs) == (all_full.nbytes(), theirs)
+        assert held == cache.nbytes() == _allocated(cache) and every.nbytes(n, model, batch=2) == (theirs, theirs)
+        assert all_full.nbytes() == _allocated(all_full)  # a sliding layer: one position more after a decode step
+        assert 0 <= all_full.nbytes() - theirs <= (n > N) * _position(model, 2) * _sliding(shape), (name, n)
         assert held < theirs or n <= S + W
         for li, w in enumerate(shape.windows):
             first = 0 if w is None else max(0, n - w + 1)
@@ -235,7 +283,9 @@ def test_the_models_own_layout_written_as_a_plan_is_the_models_own_cache():
     for mine, theirs in zip(cache.budget_layers, own.layers):
         assert torch.equal(mine.fk, theirs.keys) and torch.equal(mine.fv, theirs.values)
     n = seq.shape[1] - 1
-    assert plan.nbytes(n, model, batch=2) == (cache.nbytes(), _bytes(own))
+    held, theirs = plan.nbytes(n, model, batch=2)
+    assert held == theirs == _bytes(own) and cache.nbytes() == _allocated(cache)
+    assert cache.nbytes() - held == _position(model, 2) * _sliding(shape)  # the view each decode step leaves, as theirs
     with plan.emulate(model):  # nothing to edit (so even the model's own cache may be given): the model itself
         assert torch.equal(_generate(model, ids, am, cache=transformers.DynamicCache(config=model.config))[1], logits)
 

@@ -309,7 +309,9 @@ class BudgetLayer(CacheLayerMixin):
 
     def _own_layer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head full: the model's own layer, tensor for tensor (transformers' ``DynamicLayer``, or
-        ``DynamicSlidingWindowLayer`` keeping the ``span − 1`` last positions as views of the call's keys)."""
+        ``DynamicSlidingWindowLayer`` keeping the ``span − 1`` last positions as views of the call's keys:
+        a decode step's [B, Hkv, span, ·] keeps one position more alive than it holds, as theirs does; a
+        longer call's, the prefill, is copied so that the whole prompt's keys are not kept alive)."""
         keys = torch.cat([key_states[..., :0, :] if self.fk is None else self.fk, key_states], dim=-2)  # [B, Hkv, n + Q, d]
         values = torch.cat([value_states[..., :0, :] if self.fv is None else self.fv, value_states], dim=-2)  # as theirs: a copy
         self.fk, self.fv = keys, values
@@ -317,6 +319,8 @@ class BudgetLayer(CacheLayerMixin):
             return keys, values
         if not self.record_past:
             self.fk, self.fv = keys[:, :, -self.span + 1:, :], values[:, :, -self.span + 1:, :]  # [B, Hkv, span − 1, ·]
+            if keys.shape[-2] > self.span:  # a view would keep more than one dropped position alive: copy it
+                self.fk, self.fv = self.fk.clone(), self.fv.clone()
             return keys, values
         seen = self.span - 1 + key_states.shape[-2]  # what get_mask_sizes announced
         return keys[:, :, -seen:, :], values[:, :, -seen:, :]  # [B, Hkv, span − 1 + Q, ·]
@@ -362,8 +366,14 @@ class BudgetLayer(CacheLayerMixin):
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
         return self.held.clone()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The key and value tensors this layer holds now."""
+        return [t for t in (self.fk, self.fv, self.sk, self.sv) if t is not None]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.fk, self.fv, self.sk, self.sv) if t is not None)
+        """Bytes of memory this layer's keys and values keep allocated: the storages of the tensors it
+        holds, each once (:meth:`BudgetCache.nbytes`)."""
+        return _storage_bytes(self.tensors())
 
     def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
         """(kv_length, kv_offset) as the model's own layer reports them: the frame o … length + Q − 1."""
@@ -449,6 +459,15 @@ class BudgetLayer(CacheLayerMixin):
         pass
 
 
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage once (a view counts what it keeps alive)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
+
+
 def _ranges(ps: list[int]) -> str:
     """``0…2, 11…15`` (ascending positions as runs)."""
     if not ps:
@@ -502,8 +521,13 @@ class BudgetCache(Cache):
             layer.crop(tokens_to_remove)
 
     def nbytes(self) -> int:
-        """Bytes of keys and values held now, over every layer."""
-        return sum(layer.nbytes() for layer in self.budget_layers)
+        """Bytes of memory the keys and values keep allocated now, over every layer: the storages of the
+        tensors held, each counted once. :meth:`Plan.nbytes <bhqk.budget.Plan.nbytes>` predicts the bytes
+        of the positions held; the two are equal but on a sliding or chunked layer whose heads are all
+        full, which keeps its ``window − 1`` positions as a view of the ``window`` its last decode step
+        wrote (as transformers' own ``DynamicSlidingWindowLayer`` does): one position more per such
+        layer (B·Hkv·(d + dv) elements)."""
+        return _storage_bytes([t for layer in self.budget_layers for t in layer.tensors()])
 
     def positions(self, layer: int, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` of ``layer`` holds now."""

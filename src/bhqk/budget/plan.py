@@ -64,7 +64,9 @@ class Plan:
 
     def __post_init__(self) -> None:
         full = self.full
-        if not isinstance(full, torch.Tensor):
+        if isinstance(full, list | tuple):  # rows of True/False (or 1/0), each row named where it is wrong
+            full = torch.tensor(_grid(full, "full", "full"), dtype=torch.bool)
+        elif not isinstance(full, torch.Tensor):
             full = torch.as_tensor(full)
         if full.dtype != torch.bool or full.dim() != 2:
             raise ShapeError(f"Plan: full must be a bool tensor [layers, Hkv] (True = keeps every key), got "
@@ -74,20 +76,34 @@ class Plan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Plan: {name} must be an int >= 0 (keys), got {v!r}.")
+        L, Hkv = self.full.shape
         for name in ("scores", "tie_scores"):
-            if getattr(self, name) is None:
+            v = getattr(self, name)
+            if v is None:
                 continue
-            s = torch.as_tensor(getattr(self, name), dtype=torch.float64).cpu()
+            if isinstance(v, list | tuple):
+                v = _grid(v, name, "scores", (L, Hkv))
+            s = torch.as_tensor(v, dtype=torch.float64).cpu()
             if tuple(s.shape) != tuple(self.full.shape):
-                raise ShapeError(f"Plan: {name} has shape {list(s.shape)} but full is [layers={self.full.shape[0]}, "
-                                 f"Hkv={self.full.shape[1]}].")
+                raise ShapeError(f"Plan: {name} has shape {list(s.shape)} but full is [layers={L}, Hkv={Hkv}].")
             setattr(self, name, s)
         if self.tie_scores is not None and self.scores is None:
             raise ValueError("Plan: tie_scores break ties of scores; pass scores too.")
-        if self.layers is not None and len(self.layers) != self.full.shape[0]:
-            raise ShapeError(f"Plan: {len(self.layers)} layer names for {self.full.shape[0]} layers.")
-        if self.model is not None and (self.model.layers, self.model.kv_heads) != tuple(self.full.shape):
-            raise ShapeError(f"Plan: full is [layers={self.full.shape[0]}, Hkv={self.full.shape[1]}] but the plan says "
+        for name in ("score", "tie_score"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"Plan: {name} names a score: a str or None, got {getattr(self, name)!r}.")
+        if self.layers is not None:
+            if not isinstance(self.layers, list | tuple) or not all(isinstance(n, str) for n in self.layers):
+                raise ValueError(f"Plan: layers names the layers: a list of str (module paths), got {self.layers!r}.")
+            if len(self.layers) != L:
+                raise ShapeError(f"Plan: {len(self.layers)} layer names for {L} layers.")
+            self.layers = list(self.layers)
+        if not isinstance(self.notes, dict):
+            raise ValueError(f"Plan: notes must be a dict, got {self.notes!r}.")
+        if self.model is not None and not isinstance(self.model, ModelShape):
+            raise ValueError(f"Plan: model is what the plan was made for: a ModelShape or None, got {self.model!r}.")
+        if self.model is not None and (self.model.layers, self.model.kv_heads) != (L, Hkv):
+            raise ShapeError(f"Plan: full is [layers={L}, Hkv={Hkv}] but the plan says "
                              f"it was made for {self.model.describe()}.")
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -162,7 +178,11 @@ class Plan:
         """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
         transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
         layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
-        sequences (``dtype``: the model's by default)."""
+        sequences (``dtype``: the model's by default). A prediction of the positions held: the cache's
+        own ``cache.nbytes()`` measures the memory its tensors keep allocated, which is this after a
+        prefill and, after a decode step, one position (per sequence and K/V head) more on each sliding
+        or chunked layer whose heads are all full (its window − 1 positions are a view of the window the
+        step wrote, as in transformers' own cache)."""
         _count("Plan.nbytes", "length", length)
         _count("Plan.nbytes", "batch", batch, 1)
         m = self.check(model)
@@ -309,9 +329,9 @@ class Plan:
                 full = bool(self.full[li, g])
                 v = None if s is None else float(s[li, g])
                 shade = 0.15 if v is None or math.isnan(v) else 0.15 + 0.85 * (v - lo) / span
-                title = f"layer {li} kv head {g}: {'full' if full else 'streaming'}" + ("" if v is None else f", score {v:.3f}")
+                title = f"layer {li} kv head {g}: {'full' if full else 'streaming'}" + ("" if v is None else f", score {v:.3g}")
                 if self.tie_scores is not None:
-                    title += f", {self.tie_score or 'tie score'} {float(self.tie_scores[li, g]):.4f}"
+                    title += f", {self.tie_score or 'tie score'} {float(self.tie_scores[li, g]):.4g}"
                 style = (f"width:16px;height:16px;background:rgba(200,60,40,{shade:.2f})" if full else
                          f"width:16px;height:16px;background:rgba(40,90,200,{shade * 0.5:.2f})")
                 row.append(f"<td title='{html.escape(title)}' style='{style}'>{'■' if full else ''}</td>")
@@ -337,18 +357,52 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> Plan:
+        """The plan a :meth:`to_dict` (a plan file's JSON) describes, checked field by field: a ``LoadError``
+        naming ``source`` (the file), the field, and the row and value where one is wrong — nothing is
+        rounded, converted or read another way (a hand-edited ``"window": 2.5`` or a head of ``2`` is an
+        error, not a window of 2 or a full head)."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise LoadError(f"{source}: not a bhqk budget plan (expected \"format\": {FORMAT!r}).")
+
+        def bad(msg: str) -> LoadError:
+            return LoadError(f"{source}: a malformed plan: {msg}")
+
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise bad(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(_json, unknown))} (a plan has "
+                      f"{', '.join(map(_json, _FIELDS))}).")
+        for name in ("full", "sink", "window"):
+            if name not in d:
+                raise bad(f"no {_json(name)} field.")
+        for name in ("sink", "window"):
+            v = d[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{_json(name)} must be a whole number >= 0 (keys), got {_json(v)}.")
+        for name in ("score", "tie_score"):
+            if d.get(name) is not None and not isinstance(d[name], str):
+                raise bad(f"{_json(name)} names a score: a string or null, got {_json(d[name])}.")
+        if d.get("notes") is not None and not isinstance(d["notes"], dict):
+            raise bad(f"\"notes\" must be an object or null, got {_json(d['notes'])}.")
         try:
-            full = torch.tensor(d["full"], dtype=torch.long).bool()
-            sc, tie = (None if d.get(k) is None else  # [[x or None]] -> [layers, Hkv], None -> nan
-                       torch.tensor([[math.nan if x is None else x for x in r] for r in d[k]], dtype=torch.float64)
-                       for k in ("scores", "tie_scores"))
-            made_for = None if d.get("model") is None else ModelShape.from_dict(d["model"])  # absent in older files
-            return cls(full, int(d["sink"]), int(d["window"]), sc, d.get("score"), d.get("layers"), d.get("notes") or {},
-                       tie, d.get("tie_score"), made_for)
-        except (KeyError, TypeError, ValueError) as e:  # ShapeError is a ValueError
-            raise LoadError(f"{source}: a malformed plan ({type(e).__name__}: {e}).") from None
+            full = _grid(d["full"], "full", "full", show=_json)
+            L, Hkv = len(full), len(full[0])
+            sc, tie = (None if d.get(k) is None else  # [[x or null]] -> [layers, Hkv], null -> nan
+                       _grid(d[k], k, "scores", (L, Hkv), show=_json) for k in ("scores", "tie_scores"))
+            if tie is not None and sc is None:
+                raise ValueError("\"tie_scores\" break ties of \"scores\", but there are no \"scores\".")
+            layers = d.get("layers")
+            if layers is not None and (not isinstance(layers, list) or not all(isinstance(n, str) for n in layers)):
+                raise ValueError(f"\"layers\" must be null or a list of {L} strings (one name per row of \"full\"), "
+                                 f"got {_json(layers)}.")
+            if layers is not None and len(layers) != L:
+                raise ValueError(f"\"layers\" names {len(layers)} layers but \"full\" has {L} rows (one per layer).")
+            made_for = None if d.get("model") is None else _shape(d["model"], (L, Hkv))  # absent in older files
+        except ValueError as e:  # ShapeError is a ValueError
+            raise bad(str(e).removeprefix("Plan: ")) from None
+        return cls(torch.tensor(full, dtype=torch.bool), d["sink"], d["window"],
+                   None if sc is None else torch.tensor(sc, dtype=torch.float64), d.get("score"), layers,
+                   d.get("notes") or {}, None if tie is None else torch.tensor(tie, dtype=torch.float64),
+                   d.get("tie_score"), made_for)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -358,6 +412,101 @@ class Plan:
         except json.JSONDecodeError as e:
             raise LoadError(f"{path}: not JSON ({e}).") from None
         return cls.from_dict(d, str(path))
+
+
+_FIELDS = ("format", "sink", "window", "score", "full", "layers", "scores", "tie_score", "tie_scores", "notes", "model")
+
+
+def _json(v: Any) -> str:
+    """``v`` as a plan file spells it (``"256"`` a string, ``2.5`` a number, ``true``), cut at 80 characters."""
+    try:
+        out = json.dumps(v)
+    except (TypeError, ValueError):
+        out = repr(v)
+    return out if len(out) <= 80 else out[:77] + "..."
+
+
+def _grid(rows: Any, name: str, kind: str, shape: tuple[int, int] | None = None,
+          show=repr) -> list[list[Any]]:
+    """``rows`` (a list of lists: [layers][Hkv]) checked entry by entry → the same as lists of bool
+    (``kind`` "full": each entry 0/1 or False/True) or of float (``kind`` "scores": each a number, or
+    None → nan); a ``ShapeError`` naming ``name``, the row, the K/V head and the value, or the
+    shape (``shape``: the (layers, Hkv) it must have; default: rectangular, at least one row)."""
+    what = ("a list of rows, one per layer, each a list of 0/1 (or false/true) per K/V head (1 = keeps every key)"
+            if kind == "full" else "a list of rows, one per layer, each a list of numbers (or null) per K/V head")
+    if show is _json:  # a plan file's fields, as it spells them
+        name, full = f'"{name}"', '"full"'
+    else:
+        full = "full"
+    if not isinstance(rows, list | tuple) or not rows:
+        raise ShapeError(f"Plan: {name} must be {what}; got {show(rows)}.")
+    if shape is not None and len(rows) != shape[0]:
+        raise ShapeError(f"Plan: {name} has {len(rows)} rows but {full} has {shape[0]} (one per layer).")
+    out = []
+    for li, row in enumerate(rows):
+        if not isinstance(row, list | tuple):
+            raise ShapeError(f"Plan: {name} row {li} is {show(row)}; {name} must be {what}.")
+        want = len(rows[0]) if shape is None else shape[1]
+        if len(row) != want:
+            than = f"row 0 has {want}" if shape is None else f"{full} has {want} K/V heads"
+            raise ShapeError(f"Plan: {name} row {li} has {len(row)} entries but {than} (one per K/V head).")
+        got: list[Any] = []
+        for g, x in enumerate(row):
+            if kind == "full":
+                ok = isinstance(x, bool) or (type(x) is int and x in (0, 1))
+                if not ok:
+                    raise ShapeError(f"Plan: {name} row {li}, K/V head {g} is {show(x)}; an entry is 0/1 or "
+                                     f"false/true (1 = keeps every key, 0 = streaming).")
+                got.append(bool(x))
+            else:
+                ok = x is None or (not isinstance(x, bool) and isinstance(x, int | float))
+                if not ok:
+                    raise ShapeError(f"Plan: {name} row {li}, K/V head {g} is {show(x)}; an entry is a number or "
+                                     f"{'null' if show is _json else 'None'} (no score).")
+                got.append(math.nan if x is None else float(x))
+        out.append(got)
+    return out
+
+
+def _shape(d: Any, full: tuple[int, int]) -> ModelShape:
+    """The :class:`ModelShape` a plan file's ``"model"`` describes, checked field by field (a ``ValueError``
+    naming the field and value), and that it has the layers and K/V heads of ``full`` (layers, Hkv)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"\"model\" must be an object (what the plan was made for) or null, got {_json(d)}.")
+    keys = ("name", "model_type", "layers", "heads", "kv_heads", "head_dim", "layer_types", "windows")
+    unknown = sorted(set(d) - set(keys))
+    if unknown:
+        raise ValueError(f"\"model\" has unknown field{'s' * (len(unknown) > 1)} {', '.join(map(_json, unknown))} "
+                         f"(it has {', '.join(map(_json, keys))}).")
+    for k in keys[2:]:
+        if k not in d:
+            raise ValueError(f"\"model\" has no {_json(k)} field.")
+    for k in ("layers", "heads", "kv_heads", "head_dim"):
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"\"model\".{k} must be a whole number >= 1, got {_json(v)}.")
+    for k in ("name", "model_type"):
+        if d.get(k) is not None and not isinstance(d[k], str):
+            raise ValueError(f"\"model\".{k} must be a string or null, got {_json(d[k])}.")
+    types, windows = d["layer_types"], d["windows"]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"\"model\".layer_types must be a list of strings, got {_json(types)}.")
+    if not isinstance(windows, list):
+        raise ValueError(f"\"model\".windows must be a list (a whole number or null per layer), got {_json(windows)}.")
+    for li, w in enumerate(windows):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+            raise ValueError(f"\"model\".windows[{li}] must be a whole number or null, got {_json(w)}.")
+    if d["heads"] % d["kv_heads"]:
+        raise ValueError(f"\"model\": heads={d['heads']} is not a multiple of kv_heads={d['kv_heads']}.")
+    try:
+        shape = ModelShape(d["layers"], d["heads"], d["kv_heads"], d["head_dim"], tuple(types), tuple(windows),
+                           d.get("name"), d.get("model_type"))
+    except ShapeError as e:  # layer types or windows of another length; a layer whose type and window disagree
+        raise ValueError(f"\"model\": {str(e).removeprefix('ModelShape: ')}") from None
+    if (shape.layers, shape.kv_heads) != full:
+        raise ValueError(f"\"full\" is [layers={full[0]}, Hkv={full[1]}] but \"model\" says it was made for "
+                         f"{shape.describe()}.")
+    return shape
 
 
 def _count(who: str, name: str, v: Any, minimum: int = 0) -> None:
@@ -385,7 +534,9 @@ def _every_position(layer: int):
 
 
 def _num(t: torch.Tensor | None, li: int, g: int, digits: int = 3) -> str:
-    return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}f}"
+    """A score as the table prints it: ``digits`` significant digits (``0.3``, ``2e-05``), so scores many
+    orders of magnitude apart (fisher's) keep their order; ``-`` for none."""
+    return "-" if t is None or math.isnan(float(t[li, g])) else f"{float(t[li, g]):.{digits}g}"
 
 
 __all__ = ["Plan", "ModelShape", "ModelMap", "model_map", "streaming_mask", "kept_full", "kept_streaming"]
