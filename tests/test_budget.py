@@ -474,7 +474,7 @@ def test_every_entry_point_refuses_a_plan_for_another_model_before_any_forward()
     """Same layers and K/V heads, another head size (d=8 against d=16): refused with both shapes named
     by check, cache(model), nbytes, emulate and needle.grid before a forward; a cache made without the
     model refuses the first keys written, before storing them."""
-    from bhqk.inspect import needle
+    from bhqk.evaluate import needle
 
     model, other = _llama(), _llama(H=4, Hkv=2)  # d = 64 / 8 = 8 and 64 / 4 = 16
     plan = find(model, full=0.5, sink=S, window=W, score="retrieval", length=16, batch=1)

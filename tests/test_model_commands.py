@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bhqk.errors import BackendError, LoadError
-from bhqk.inspect import needle
+from bhqk.evaluate import needle
 from bhqk.models import gguf, real
 from test_cli import run
 
