@@ -236,9 +236,10 @@ def test_the_streaming_mask_is_sink_plus_window_plus_own_key():
 # ---- finding a plan ---------------------------------------------------------------------------------
 
 
-class _CharTokenizer:
-    def __call__(self, text, return_tensors="pt"):
-        return {"input_ids": torch.tensor([[1 + ord(c) % (V - 1) for c in text]])}
+class _CharTokenizer:  # a tokenizer's call: no special tokens to add, lists unless return_tensors="pt"
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + ord(c) % (V - 1) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 @pytest.mark.parametrize("score", ["induction", "retrieval", "distant"])
