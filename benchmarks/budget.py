@@ -201,7 +201,7 @@ def child(a) -> None:
     from bhqk.budget import Plan
 
     model, tok = load(a.model)
-    ids = torch.tensor([corpus.filler(tok)[: a.n]])  # [1, N]
+    ids = corpus.chunks(tok, a.n, 1)  # [1, N]: the tokenizer's start of a text, then the text (bhqk.corpus)
     plan = Plan.load(a.plan_file) if a.plan_file else None
     cache = plan.cache(model) if plan is not None else DynamicCache(config=model.config)
     hidden: list[torch.Tensor] = []

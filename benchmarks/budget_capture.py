@@ -67,7 +67,7 @@ def main() -> None:
     full = torch.zeros(L, Hkv, dtype=torch.bool)
     full[: L // 2] = True
     plan = Plan(full, sink=64, window=256)
-    ids = torch.tensor([corpus.filler(tok)[: a.n]])  # [1, N]
+    ids = corpus.chunks(tok, a.n, 1)  # [1, N]: the tokenizer's start of a text, then the text (bhqk.corpus)
     what = ("entropy", "distance", "sink", "received")
 
     def capture():
