@@ -251,10 +251,10 @@ def test_kvpress_benchmark_loads_the_corpus_and_the_loop_without_bhqk(smollm2):
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    code = ("import sys; sys.path.insert(0, %r); import kvpress_needle as k; "
+    code = (f"import sys; sys.path.insert(0, {str(bench)!r}); import kvpress_needle as k; "
             "c = k.load_file(k.SRC / 'corpus.py', 'corpus'); g = k.load_file(k.SRC / 'integrations/greedy.py', 'greedy'); "
             "assert callable(c.make_trials) and callable(g.greedy); "
-            "print(sorted(m for m in sys.modules if m == 'bhqk' or m.startswith('bhqk.')))") % str(bench)
+            "print(sorted(m for m in sys.modules if m == 'bhqk' or m.startswith('bhqk.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
     sys.path.insert(0, str(bench))

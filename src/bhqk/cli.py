@@ -261,7 +261,8 @@ def cmd_needle(a: argparse.Namespace) -> str:
 
     given = [flag for dest, flag in GRADED.items() if getattr(a, dest) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} {'belongs' if len(given) == 1 else 'belong'} to `bhqk grade` (the graded set: tasks, configurations, KL); "
+        verb = "belongs" if len(given) == 1 else "belong"
+        raise ValueError(f"{', '.join(given)} {verb} to `bhqk grade` (the graded set: tasks, configurations, KL); "
                          f"`bhqk needle` runs the grid of --lengths × --depths. Run `bhqk grade {given[0]} ...`.")
     a.lengths = a.lengths or [1024, 2048, 4096, 8192]
     a.depths = a.depths if a.depths is not None else fraction_list("0,0.1,...,1")
