@@ -10,7 +10,7 @@ flags, torch/transformers versions, date and load average):
 - ``scores``: plans with half the K/V heads full (sink 64, window 256) chosen by each score of
   ``bhqk.budget.find`` (induction, retrieval, distant), by chance (the same number of full heads,
   seeds 0 and 1), every head streaming, and full attention; each graded on the needle grid
-  (``bhqk.inspect.needle.grid(..., plan=plan)``: generation on ``plan.cache()``), one trial per cell,
+  (``bhqk.evaluate.needle.grid(..., plan=plan)``: generation on ``plan.cache()``), one trial per cell,
   seed 0. ``--configs`` picks some; ``default@0.25`` adds the default score at a quarter full.
 - ``cost`` / ``ppl``: at N = 8192 tokens of ``pydoc_data.topics``, one fresh subprocess per
   configuration (full cache, the plan at 0.5 and at 0.25 full, and a full cache at 512 tokens: the
@@ -141,7 +141,7 @@ def make_plan(model, tok, name: str, full: float, sink: int, window: int):
 
 
 def part_scores(a) -> None:
-    from bhqk.inspect import needle
+    from bhqk.evaluate import needle
 
     model, tok = load(a.model)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -197,11 +197,11 @@ def child(a) -> None:
     """One configuration in this (fresh) process; prints one JSON line."""
     from transformers import DynamicCache
 
+    from bhqk import corpus
     from bhqk.budget import Plan
-    from bhqk.inspect import needle
 
     model, tok = load(a.model)
-    ids = torch.tensor([needle.filler(tok)[0][: a.n]])  # [1, N]
+    ids = corpus.chunks(tok, a.n, 1)  # [1, N]: the tokenizer's start of a text, then the text (bhqk.corpus)
     plan = Plan.load(a.plan_file) if a.plan_file else None
     cache = plan.cache(model) if plan is not None else DynamicCache(config=model.config)
     hidden: list[torch.Tensor] = []

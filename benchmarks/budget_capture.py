@@ -50,8 +50,8 @@ def main() -> None:
     import transformers
 
     import bhqk
+    from bhqk import corpus
     from bhqk.budget import Plan
-    from bhqk.inspect import needle
     from bhqk.integrations.transformers import cache_keyword
     from bhqk.models import pretrained
 
@@ -67,7 +67,7 @@ def main() -> None:
     full = torch.zeros(L, Hkv, dtype=torch.bool)
     full[: L // 2] = True
     plan = Plan(full, sink=64, window=256)
-    ids = torch.tensor([needle.filler(tok)[0][: a.n]])  # [1, N]
+    ids = corpus.chunks(tok, a.n, 1)  # [1, N]: the tokenizer's start of a text, then the text (bhqk.corpus)
     what = ("entropy", "distance", "sink", "received")
 
     def capture():

@@ -1,5 +1,5 @@
 """Grading KV budget plans on SmolLM2-135M-Instruct with intervals: the RULER-style tasks of
-``bhqk.inspect.tasks`` and the KL divergence / perplexity of ``bhqk.inspect.grade``.
+``bhqk.evaluate.tasks`` and the KL divergence / perplexity of ``bhqk.evaluate.grade``.
 
     python benchmarks/grade.py --part tasks --tasks needle,multikey,multivalue --lengths 1024,2048,4096 \\
         --trials 20 --configs full,streaming,default@0.25,random0@0.25 --tag T
@@ -83,7 +83,7 @@ def describe_plans(plans: dict) -> dict:
 
 
 def part_tasks(a) -> None:
-    from bhqk.inspect import grade, tasks
+    from bhqk.evaluate import grade, tasks
     from bhqk.models import pretrained
 
     model, tok = pretrained(a.model)
@@ -140,7 +140,7 @@ def part_tasks(a) -> None:
 
 def grades_of(data: dict, task: str | None = None) -> object:
     """The Grades of every stored group (of ``task``), prompts in (task, length, trial) order."""
-    from bhqk.inspect import grade, tasks
+    from bhqk.evaluate import grade, tasks
 
     run = data["tasks"]
     names = run["configs"]
@@ -182,7 +182,7 @@ def tasks_table(data: dict) -> str:
 
 
 def part_kl(a) -> None:
-    from bhqk.inspect import grade
+    from bhqk.evaluate import grade
     from bhqk.models import pretrained
 
     model, tok = pretrained(a.model)
@@ -226,7 +226,7 @@ def kl_table(data: dict) -> str:
 
 def part_cost(a) -> None:
     """One trial of each task at each length on full attention, ``--repeats`` times: prefill and reply seconds."""
-    from bhqk.inspect import grade, tasks
+    from bhqk.evaluate import grade, tasks
     from bhqk.models import pretrained
 
     model, tok = pretrained(a.model)

@@ -7,14 +7,16 @@ transformers < 5.3), never the project's:
         --model ~/.cache/bhqk/SmolLM2-135M-Instruct.Q4_1-<hash> --lengths 1024 2048 4096 \\
         --depths 0 0.25 0.5 0.75 1 --ratios 0.5
 
-The prompts are bhqk's own (``bhqk.inspect.needle.make_trials``): that one file is loaded by path
-(``--needle-py``) with its one package import (``.edit``, used only by the edit hooks) stubbed, so
-neither bhqk's package nor its transformers-5.x integration is imported here. ``--prompts-only`` prints
-a digest of every trial's token ids: run it in both environments to check the prompts are the same.
+The prompts are bhqk's own (``bhqk.corpus.make_trials``) and so is the decoding loop
+(``bhqk.integrations.greedy.greedy``): those two files import nothing of bhqk and are loaded by path
+(``--corpus-py``, ``--greedy-py``), so neither bhqk's package nor its transformers-5.x integration is
+imported here. ``--prompts-only`` prints a digest of every trial's token ids: run it in both
+environments to check the prompts are the same.
 
 Each trial prefills the whole prompt (template, haystack, question) under the press, as bhqk's plan
-cache does, then decodes greedily at the true positions (N, N+1, ...) like kvpress's pipeline, up
-to ``--max-new-tokens`` (16, as bhqk's grid). Per trial: found, the KV bytes the cache stores after
+cache does, then decodes greedily at the true positions (N, N+1, ...) like kvpress's pipeline (bhqk's
+loop passes ``position_ids``), up to ``--max-new-tokens`` (16, as bhqk's grid) or an end token
+(``eos_ids``: the model's and the tokenizer's, as bhqk's grader stops). Per trial: found, the KV bytes the cache stores after
 prefill (the sum of its key and value tensors' nbytes) and the bytes that are effectively kept
 (AdaKV only masks: it keeps every key and overwrites the evicted ones with a "fake key" at decode,
 so its stored bytes are the full cache's and its effective bytes count only the unmasked keys),
@@ -37,18 +39,14 @@ import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src" / "bhqk"
 PRESSES = ("none", "streaming_llm", "snapkv", "adakv_snapkv")
 
 
-def load_needle(path: Path) -> types.ModuleType:
-    """bhqk's needle module from its file, without importing the bhqk package."""
-    pkg = types.ModuleType("_bhqk_needle")
-    pkg.__path__ = []  # a namespace for the relative import
-    stub = types.ModuleType("_bhqk_needle.edit")
-    stub.edit = None  # type: ignore[attr-defined]  # only the edit hooks use it; unused here
-    sys.modules.setdefault("_bhqk_needle", pkg)
-    sys.modules.setdefault("_bhqk_needle.edit", stub)
-    spec = importlib.util.spec_from_file_location("_bhqk_needle.needle", path)
+def load_file(path: Path, name: str) -> types.ModuleType:
+    """One of bhqk's files that import nothing of bhqk (``corpus.py``, ``integrations/greedy.py``), loaded
+    from its path without importing the bhqk package."""
+    spec = importlib.util.spec_from_file_location(f"_bhqk_{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -102,45 +100,29 @@ def cache_bytes(cache, model) -> tuple[int, int, int]:
     return stored, effective, tokens
 
 
-def greedy(model, ids: list[int], press, max_new_tokens: int, stop: set[int]) -> dict:
-    """Prefill ``ids`` under ``press`` (None: no press), then greedy decoding at the true positions (N,
-    N+1, ...) until a token of ``stop`` or ``max_new_tokens`` new tokens: the new ids (no stop token),
-    the cache after the prefill (:func:`cache_bytes`) and the seconds of each part."""
-    import contextlib
-
-    import torch
+def answer(model, tok, ids: list[int], press, max_new_tokens: int, greedy_py: Path = SRC / "integrations/greedy.py"
+           ) -> dict:
+    """Prefill ``ids`` under ``press`` (None: no press), then bhqk's greedy loop at the true positions (N,
+    N+1, ...) until an end token or ``max_new_tokens`` new tokens: the new ids (no end token), the cache
+    after the prefill (:func:`cache_bytes`) and the seconds of each part."""
     from transformers import DynamicCache
 
-    x = torch.tensor([ids])  # [1, N]
-    n, cache, new = x.shape[1], DynamicCache(), []
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        with press(model) if press is not None else contextlib.nullcontext():
-            out = model(input_ids=x, past_key_values=cache, logits_to_keep=1)
-        t_prefill = time.perf_counter() - t0
-        stored, effective, tokens = cache_bytes(cache, model)
-        nxt = int(out.logits[0, -1].argmax())
-        t0 = time.perf_counter()
-        while nxt not in stop:
-            new.append(nxt)
-            if len(new) == max_new_tokens:
-                break
-            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
-                        position_ids=torch.tensor([[n + len(new) - 1]]))  # [1, 1]: the true position, past evictions
-            nxt = int(out.logits[0, -1].argmax())
-        t_decode = time.perf_counter() - t0
-    return {"new": new, "kv_bytes_stored": stored, "kv_bytes_effective": effective, "kv_tokens_stored": tokens,
-            "prefill_s": round(t_prefill, 3), "decode_s": round(t_decode, 3)}
+    g = load_file(greedy_py, "greedy")
+    after: dict = {}
+    r = g.greedy(model, ids, DynamicCache(), max_new_tokens=max_new_tokens, eos=g.eos_ids(model, tok),
+                 keyword="past_key_values", prefill=None if press is None else (lambda: press(model)),
+                 after_prefill=lambda cache: after.update(zip(("stored", "effective", "tokens"), cache_bytes(cache, model))))
+    return {"new": r.tokens, "kv_bytes_stored": after["stored"], "kv_bytes_effective": after["effective"],
+            "kv_tokens_stored": after["tokens"], "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3)}
 
 
-def run_trial(model, tok, needle, t, press, max_new_tokens: int) -> dict:
-    """One needle trial: :func:`greedy` on its prompt, the answer judged by the needle module."""
-    eos = model.generation_config.eos_token_id
-    g = greedy(model, t.ids, press, max_new_tokens, set(eos if isinstance(eos, list) else [eos]))
+def run_trial(model, tok, corpus, t, press, max_new_tokens: int, greedy_py: Path) -> dict:
+    """One needle trial: :func:`answer` to its prompt, judged by the corpus's rule (``found_in``)."""
+    g = answer(model, tok, t.ids, press, max_new_tokens, greedy_py)
     new = g.pop("new")
-    answer = tok.decode(new, skip_special_tokens=True).strip()
-    return {"length": t.length, "depth": t.depth, "trial": t.trial, "key": t.key, "answer": answer,
-            "found": needle.found_in(answer, t.key), "needle_at": t.needle_at, "prompt_sha": digest(t.ids),
+    text = tok.decode(new, skip_special_tokens=True).strip()
+    return {"length": t.length, "depth": t.depth, "trial": t.trial, "key": t.key, "answer": text,
+            "found": corpus.found_in(text, t.key), "needle_at": t.needle_at, "prompt_sha": digest(t.ids),
             **g, "new_tokens": len(new)}
 
 
@@ -149,12 +131,12 @@ def worker(args) -> None:
     import torch
 
     torch.manual_seed(args.seed)
-    needle = load_needle(args.needle_py)
+    corpus = load_file(args.corpus_py, "corpus")
     model, tok = load_model(args.model)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    trials = needle.make_trials(tok, [args.length], args.depths, args.trials, args.seed)
+    trials = corpus.make_trials(tok, [args.length], args.depths, args.trials, args.seed)
     press = make_press(args.press, args.ratio)
-    entries = [run_trial(model, tok, needle, t, press, args.max_new_tokens) for t in trials]
+    entries = [run_trial(model, tok, corpus, t, press, args.max_new_tokens, args.greedy_py) for t in trials]
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"press": args.press, "ratio": args.ratio, "length": args.length,
                       "rss_after_load_kib": rss_loaded, "rss_peak_kib": rss_peak, "trials": entries}))
@@ -190,8 +172,9 @@ def write(args, configs: list[dict]) -> str:
     full = {c["length"]: c["trials"][0]["kv_bytes_stored"] for c in ok if c["press"] == "none"}
     text = table(ok, full)
     meta = describe()
-    meta.update({"versions": versions(), "model": str(args.model), "needle_py": str(args.needle_py),
-                 "needle_py_sha256": hashlib.sha256(args.needle_py.read_bytes()).hexdigest(),
+    meta.update({"versions": versions(), "model": str(args.model), "corpus_py": str(args.corpus_py),
+                 "corpus_py_sha256": hashlib.sha256(args.corpus_py.read_bytes()).hexdigest(),
+                 "greedy_py_sha256": hashlib.sha256(args.greedy_py.read_bytes()).hexdigest(),
                  "lengths": args.lengths, "depths": args.depths, "trials": args.trials, "seed": args.seed,
                  "max_new_tokens": args.max_new_tokens, "attn_implementation": "sdpa", "dtype": "float32",
                  "loadavg_end": os.getloadavg(), "note": args.note,
@@ -207,8 +190,9 @@ def write(args, configs: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True, help="bhqk's converted HF folder of SmolLM2-135M-Instruct")
-    p.add_argument("--needle-py", type=Path, default=HERE.parent / "src/bhqk/inspect/needle.py",
-                   help="bhqk's needle module (the prompt builder)")
+    p.add_argument("--corpus-py", type=Path, default=SRC / "corpus.py", help="bhqk's corpus module (the prompts)")
+    p.add_argument("--greedy-py", type=Path, default=SRC / "integrations/greedy.py",
+                   help="bhqk's greedy decoding loop")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=1)
@@ -228,12 +212,12 @@ def main() -> None:
 
     if args.worker:
         return worker(args)
-    needle = load_needle(args.needle_py)
+    corpus = load_file(args.corpus_py, "corpus")
     if args.prompts_only:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.model)
-        for t in needle.make_trials(tok, args.lengths, args.depths, args.trials, args.seed):
+        for t in corpus.make_trials(tok, args.lengths, args.depths, args.trials, args.seed):
             print(t.length, t.depth, t.trial, t.key, t.needle_at, len(t.ids), digest(t.ids))
         return
 
@@ -244,7 +228,8 @@ def main() -> None:
     configs = []
     for name, r in jobs:
         for length in args.lengths:
-            cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--needle-py", str(args.needle_py),
+            cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--corpus-py", str(args.corpus_py),
+                   "--greedy-py", str(args.greedy_py),
                    "--press", name, "--ratio", str(r), "--length", str(length), "--depths", *map(str, args.depths),
                    "--trials", str(args.trials), "--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
             t0 = time.perf_counter()

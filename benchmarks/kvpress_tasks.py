@@ -7,12 +7,13 @@ AdaKV(SnapKV) at a compression ratio, scored by bhqk's own rule. Three steps, tw
         --model ~/.cache/bhqk/SmolLM2-135M-Instruct.Q4_1-<hash> --ratios 0.75 --out /tmp/kvpress-replies.json
     python benchmarks/kvpress_tasks.py --score /tmp/kvpress-replies.json --tag 2026-12-05  # bhqk's env
 
-``--dump`` writes every prompt's token ids (``bhqk.inspect.tasks.make``) after checking them against the
+``--dump`` writes every prompt's token ids (``bhqk.evaluate.tasks.make``) after checking them against the
 prompts stored with the curve (``benchmarks/results/grade-curve-2026-12-04.json``). ``--run`` (kvpress's
 own environment, ``bash benchmarks/kvpress_env.sh``; it never imports bhqk) greedy-decodes each prompt's
-reply as ``bhqk.inspect.grade.reply`` does (the whole prompt prefilled under the press, then one token at
+reply as ``bhqk.evaluate.grade.reply`` does (the whole prompt prefilled under the press, then one token at
 a time at the true positions, up to the prompt's ``max_new_tokens`` or an end token) with
-``benchmarks/kvpress_needle.py``'s presses, model loading and decoding loop (``greedy``). ``--score``
+``benchmarks/kvpress_needle.py``'s presses, model loading and decoding (bhqk's one greedy loop,
+``bhqk.integrations.greedy.greedy``, loaded by path). ``--score``
 scores the replies with ``Prompt.score`` and writes ``benchmarks/results/kvpress-tasks-<tag>.json``
 (CPU, versions, every reply) and a table with Wilson 95 % intervals.
 """
@@ -32,7 +33,7 @@ CURVE = HERE / "results" / "grade-curve-2026-12-04.json"
 
 
 def dump(out: Path) -> None:
-    from bhqk.inspect import tasks
+    from bhqk.evaluate import tasks
     from bhqk.models import pretrained
 
     _, tok = pretrained("smollm2-135m")
@@ -48,18 +49,16 @@ def dump(out: Path) -> None:
 
 
 def run(src: Path, model_dir: Path, presses: list[str], ratios: list[float], out: Path) -> None:
-    from kvpress_needle import greedy, load_model, make_press, versions
+    from kvpress_needle import answer, load_model, make_press, versions
 
     prompts = json.loads(src.read_text())["prompts"]
     model, tok = load_model(model_dir)
-    eos = model.generation_config.eos_token_id
-    stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {tok.eos_token_id}  # as bhqk's grader stops
     configs = []
     for name in presses:
         for ratio in ([0.0] if name == "none" else ratios):
             press, t0, replies = make_press(name, ratio), time.perf_counter(), []
             for p in prompts:
-                g = greedy(model, p["ids"], press, p["max_new_tokens"], stop)
+                g = answer(model, tok, p["ids"], press, p["max_new_tokens"])  # stops as bhqk's grader does
                 replies.append({"task": p["task"], "trial": p["trial"],
                                 "reply": tok.decode(g["new"], skip_special_tokens=True).strip(),
                                 "kv_bytes_stored": g["kv_bytes_stored"], "kv_bytes_effective": g["kv_bytes_effective"]})
@@ -70,8 +69,8 @@ def run(src: Path, model_dir: Path, presses: list[str], ratios: list[float], out
 
 def score(src: Path, tag: str) -> None:
     import machine  # benchmarks/machine.py
-    from bhqk.inspect import tasks
-    from bhqk.inspect.grade import wilson
+    from bhqk.evaluate import tasks
+    from bhqk.evaluate.grade import wilson
     from bhqk.models import pretrained
 
     data = json.loads(src.read_text())

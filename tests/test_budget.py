@@ -360,9 +360,10 @@ def test_the_streaming_mask_is_sink_plus_window_plus_own_key():
 # ---- finding a plan ---------------------------------------------------------------------------------
 
 
-class _CharTokenizer:
-    def __call__(self, text, return_tensors="pt"):
-        return {"input_ids": torch.tensor([[1 + ord(c) % (V - 1) for c in text]])}
+class _CharTokenizer:  # a tokenizer's call: no special tokens to add, lists unless return_tensors="pt"
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + ord(c) % (V - 1) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 @pytest.mark.parametrize("score", ["induction", "retrieval", "distant"])
@@ -598,7 +599,7 @@ def test_every_entry_point_refuses_a_plan_for_another_model_before_any_forward()
     """Same layers and K/V heads, another head size (d=8 against d=16): refused with both shapes named
     by check, cache(model), nbytes, emulate and needle.grid before a forward; a cache made without the
     model refuses the first keys written, before storing them."""
-    from bhqk.inspect import needle
+    from bhqk.evaluate import needle
 
     model, other = _llama(), _llama(H=4, Hkv=2)  # d = 64 / 8 = 8 and 64 / 4 = 16
     plan = find(model, full=0.5, sink=S, window=W, score="retrieval", length=16, batch=1)

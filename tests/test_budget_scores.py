@@ -12,7 +12,8 @@ import transformers
 from bhqk.budget import Plan, find
 from bhqk.budget import scores as sc
 from bhqk.budget.gate import gated
-from bhqk.budget.learn import passkey_prompt, train_gates
+from bhqk.budget.learn import train_gates
+from bhqk.corpus import passkey_prompt
 from bhqk.errors import LoadError, ShapeError
 from bhqk.integrations.transformers import register
 from handmade import INDUCTION, CharTokenizer, induction_llama
@@ -190,7 +191,7 @@ def test_passkey_prompts_are_exact_in_length_and_drawn_from_the_seed():
     answer = tok.decode(ids[first:].tolist())
     words = answer.split("pass key is ")[-1].rstrip(".")
     assert answer.startswith("\n\nWhat is the first pass key?") and f"The first pass key is {words}. Remember it." in text
-    with pytest.raises(ShapeError, match="too short"):
+    with pytest.raises(ValueError, match="too short"):
         passkey_prompt(tok, 100, keys=2, words=8)
 
 

@@ -179,17 +179,37 @@ def test_generate_stats_and_needle_take_gemma3_270m(gemma_cli, gemma3, tmp_path)
 
 
 def test_needle_prompts_through_gemmas_chat_template(gemma3):
-    from bhqk.inspect import needle
+    from bhqk import corpus
 
     _, tok = gemma3
-    for t in needle.make_trials(tok, [256, 700], [0.0, 0.5, 1.0], seed=1):
+    for t in corpus.make_trials(tok, [256, 700], [0.0, 0.5, 1.0], seed=1):
         assert len(t.ids) == t.length and t.ids[:2] == [2, 105] and t.ids[-3:] == tok("<start_of_turn>model\n",
                                                                                        add_special_tokens=False)["input_ids"]
         assert tok.decode(t.ids[t.needle_at : t.needle_at + 16]).strip().startswith(f"The pass key is {t.key}.")  # digit tokens
 
 
+def test_text_sequences_start_with_gemmas_bos_and_chat_prompts_have_it_once(gemma3):
+    """The corpus's rule: a text the model reads from position 0 starts as Gemma's tokenizer starts one,
+    with ``<bos>`` (the scores' text, grading's chunks, the learned score's prompts); a chat prompt has
+    the one its template writes, never two."""
+    from bhqk import corpus
+    from bhqk.budget.scores import text_ids
+    from bhqk.evaluate import grade, tasks
+
+    _, tok = gemma3
+    assert corpus.prefix(tok) == [2]
+    x = grade.text_chunks(tok, 128, 3)
+    assert x[:, 0].tolist() == [2, 2, 2] and x[0, 1:].tolist() == corpus.filler(tok)[:127]
+    assert x[1, 1:].tolist() == corpus.filler(tok)[127:254]  # consecutive text, a <bos> before each piece
+    assert torch.equal(text_ids(tok, None, 128, 3), x)
+    ids, first = corpus.passkey_prompt(tok, 400, seed=0, index=0)
+    assert ids[0] == 2 and (ids == 2).sum() == 1 and len(ids) == 400
+    p = tasks.make(tok, "multikey", 400, 0, 0)
+    assert p.ids[0] == 2 and p.ids.count(2) == 1
+
+
 def test_a_needle_length_beyond_gemmas_context_is_refused(gemma3, monkeypatch):
-    from bhqk.inspect import needle
+    from bhqk.evaluate import needle
 
     monkeypatch.setattr(needle, "ask", lambda *a, **k: pytest.fail("a prompt ran"))
     with pytest.raises(ValueError, match=r"\[40000\].*context of 32,768"):

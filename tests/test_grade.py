@@ -1,4 +1,4 @@
-"""bhqk.inspect.grade and bhqk.inspect.tasks: the intervals on known counts, the task prompts (seeded,
+"""bhqk.evaluate.grade and bhqk.evaluate.tasks: the intervals on known counts, the task prompts (seeded,
 exact) and their scoring rules, and on SmolLM2-135M (tests/conftest.py's session fixture) a plan that
 streams every head graded below full attention, by the answers and by the KL divergence."""
 
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from bhqk.inspect import grade, tasks
-from bhqk.inspect.grade import Z95, mcnemar, paired, wilson
+from bhqk.evaluate import grade, tasks
+from bhqk.evaluate.grade import MIN_PAIRS, Z95, mcnemar, paired, wilson
 from test_cli import run
 from tolerance import bound
 
@@ -74,6 +74,22 @@ def test_paired_difference_on_constructed_pairs():
     assert a.lo < a.diff < a.hi and a.p == b.p == mcnemar(7, 2)
     with pytest.raises(ValueError, match="paired"):
         paired([True], [True, False])
+
+
+def test_too_few_pairs_give_no_interval():
+    """Two prompts, one right and one wrong under both configurations: Newcombe's interval collapses to
+    [0, 0] (the pairs' correlation is 1), which would read as certainty; below MIN_PAIRS prompts the text
+    says the count is too small and the summary gives no interval."""
+    d = paired([True, False], [True, False])
+    assert (d.diff, d.lo, d.hi) == (0.0, 0.0, 0.0) and not d.enough
+    assert str(d).startswith("+0.000 (no interval: 2 prompts are too few, need 10;") and "[" not in str(d)
+    assert paired(*_pairs(5, 2, 1, 1)).enough is False and paired(*_pairs(5, 2, 1, 2)).enough is True
+    assert MIN_PAIRS == 10 and str(paired(*_pairs(5, 2, 1, 2))).startswith("+0.100 [")
+    prompts = [_prompt("needle", 1024, i) for i in range(3)]
+    g = grade.Grades(prompts, {"full": [{"correct": True}] * 3, "plan": [{"correct": True}] * 3})
+    d = g.summary()["groups"][-1]["difference"]["plan"]
+    assert d["diff"] == 0 and d["lo"] is None and d["hi"] is None
+    assert "too few" in g.table()
 
 
 @pytest.mark.parametrize("n,pa,pb,pboth", [(60, 0.9, 0.8, 0.78), (40, 0.95, 0.5, 0.5)])
@@ -213,7 +229,7 @@ def cli_model(smollm2, serve):
 
 
 def test_streaming_every_head_grades_below_full_attention(cli_model, smollm2, tmp_path):
-    """``bhqk needle --compare full PLAN.json``: a plan that streams every K/V head with a sink of 4 and
+    """``bhqk grade --compare full PLAN.json``: a plan that streams every K/V head with a sink of 4 and
     a window of 16 cannot reach a needle of a 320-token prompt (depth 0.1 … 0.9), so it finds none where
     full attention finds them; its KL divergence from full attention on 256 tokens is positive."""
     from bhqk.budget import Plan
@@ -221,7 +237,7 @@ def test_streaming_every_head_grades_below_full_attention(cli_model, smollm2, tm
     cfg = smollm2[0].config
     plan = tmp_path / "stream.json"
     Plan(torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, dtype=torch.bool), 4, 16).save(plan)
-    code, out, err = run(["needle", "--compare", "full", str(plan), "--task", "needle", "--lengths", "320", "--trials", "2",
+    code, out, err = run(["grade", "--compare", "full", str(plan), "--task", "needle", "--lengths", "320", "--trials", "2",
                           "--kl-lengths", "256", "--chunks", "1", "--out", str(tmp_path)])
     assert code == 0, err
     data = json.loads((tmp_path / "grade.json").read_text())
@@ -231,11 +247,12 @@ def test_streaming_every_head_grades_below_full_attention(cli_model, smollm2, tm
     got = whole["accuracy"]
     assert got["full"]["correct"] == 2 and got[str(plan)]["correct"] == 0, data["tasks"]["entries"]
     d = whole["difference"][str(plan)]
-    assert d["diff"] == -1 and d["only_reference"] == 2 and d["hi"] < 0
+    assert d["diff"] == -1 and d["only_reference"] == 2 and d["hi"] is None  # 2 prompts: too few for an interval
     kl = data["divergence"][0]
     assert kl["start"] == 4 + 16 + 1 and kl["summary"]["full"]["kl"] == 0 and kl["summary"][str(plan)]["kl"] > 0.1
     assert kl["summary"][str(plan)]["ppl_ratio"] > 1
     assert "2/2 = 1.00 [" in out and "0/2 = 0.00 [" in out and "difference from full" in out and "KL" in out
+    assert "-1.000 (no interval: 2 prompts are too few" in out
 
 
 def test_named_configurations(smollm2, tmp_path):
@@ -272,14 +289,14 @@ def test_kl_of_a_plan_that_keeps_everything_is_zero(smollm2):
     s = d.summary()
     assert s["all streaming"]["ppl_ratio"] > 1 and s["all full"]["ppl_ratio"] == pytest.approx(1, abs=1e-4)
     assert s["all streaming"]["kl_ci"][0] <= s["all streaming"]["kl"] <= s["all streaming"]["kl_ci"][1]
-    with pytest.raises(ValueError, match="chunks"):
+    with pytest.raises(ValueError, match="100 sequences of 8192 tokens need"):
         grade.text_chunks(tok, 8192, 100)
 
 
 def test_cli_grade_options_are_checked(tmp_path):
     for argv, msg in [(["--task", "sum"], "expected tasks among"),
-                      (["--compare", "full", "--depths", "0.5"], "--depths belong to the grid"),
+                      (["--compare", "full", "--depths", "0.5"], "unrecognized arguments: --depths"),
                       (["--compare", "full", "--plan", str(tmp_path / "p.json")], "not both"),
                       (["--compare", "full", str(tmp_path / "missing.json")], "missing.json")]:
-        code, out, err = run(["needle", *argv, "--out", str(tmp_path)])
-        assert code == 2 and msg in err and "Traceback" not in err, err
+        code, out, err = run(["grade", *argv, "--out", str(tmp_path)])
+        assert code == 2 and msg in err and "Traceback" not in err and err.startswith("bhqk grade: error:"), err

@@ -16,9 +16,11 @@ LAYERS = {
     "functional": 2, "console": 2,  # console: argparse types and progress of every command (reads the backend names)
     "nn": 3,
     "models": 4, "distributed": 4, "integrations": 4,
+    "corpus": 4,  # the filler text and the prompts: read by budget (scores' text, learn's prompts) and evaluate
     "inspect": 5, "viz": 5,
     "budget": 6,  # plans from statistics, per-head caches: above inspect and integrations
-    "demo": 7, "cli": 7, "__init__": 8, "__main__": 8,
+    "evaluate": 7,  # grading, tasks, the needle grid: above budget (they take a Plan)
+    "demo": 8, "cli": 8, "__init__": 9, "__main__": 9,
 }
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bhqk.errors import BackendError, LoadError
-from bhqk.inspect import needle
+from bhqk.evaluate import needle
 from bhqk.models import gguf, real
 from test_cli import run
 
@@ -270,7 +270,7 @@ def test_generate_without_a_prompt_says_the_prompt_is_missing(nothing_loads):
 
 
 def test_long_commands_print_a_line_per_stage_off_a_terminal(cli_model, no_scoring, tmp_path):
-    code, out, err = run(["needle", "--model", "smollm2-135m", "--task", "needle", "--lengths", "128", "--trials", "1",
+    code, out, err = run(["grade", "--model", "smollm2-135m", "--task", "needle", "--lengths", "128", "--trials", "1",
                           "--out", str(tmp_path / "grade")])
     assert code == 0, err
     assert "loading smollm2-135m …" in err and re.search(r"^grade 1/1 \(\d+\.\d s\)$", err, re.M), err  # old: silent

@@ -1,5 +1,6 @@
-"""bhqk.inspect.needle and ``bhqk needle``: the pass-key grid on SmolLM2-135M (tests/conftest.py's
-session fixture ``smollm2``), its prompts, its files, its hooks; and ``bhqk generate`` on the model."""
+"""bhqk.evaluate.needle and ``bhqk needle``: the pass-key grid on SmolLM2-135M (tests/conftest.py's
+session fixture ``smollm2``), its prompts (bhqk.corpus), its files, its hooks; the one greedy loop
+(bhqk.integrations.greedy); and ``bhqk generate`` on the model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import pytest
 import torch
 
-from bhqk.inspect import needle
+from bhqk import corpus
+from bhqk.evaluate import needle
+from bhqk.inspect.edit import parse_edit
 from test_cli import run
 
 pytestmark = pytest.mark.protocol  # make test-newest / test-lowest run it (tests/test_pins.py)
@@ -38,7 +41,7 @@ def test_json_and_png(small_grid, tmp_path):
         assert set(e) >= {"length", "depth", "key", "answer", "found"}
         assert isinstance(e["key"], str) and e["key"].isdigit() and 5 <= len(e["key"]) <= 6
         assert isinstance(e["answer"], str) and isinstance(e["found"], bool)
-        assert e["found"] == needle.found_in(e["answer"], e["key"])
+        assert e["found"] == corpus.found_in(e["answer"], e["key"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     table = small_grid.table()
     assert table.splitlines()[0].split()[-3:] == ["0", "0.5", "1"] and "found" in table.splitlines()[-1]
@@ -46,12 +49,12 @@ def test_json_and_png(small_grid, tmp_path):
 
 def test_prompts_are_exact_and_deterministic(smollm2):
     _, tok = smollm2
-    a = needle.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=3)
-    b = needle.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=3)
-    c = needle.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=4)
+    a = corpus.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=3)
+    b = corpus.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=3)
+    c = corpus.make_trials(tok, [256, 512], [0.0, 0.5, 1.0], trials=2, seed=4)
     assert [(t.key, t.ids) for t in a] == [(t.key, t.ids) for t in b]
     assert sum(x.key != y.key for x, y in zip(a, c)) >= len(a) - 1  # another seed, other keys
-    alone = needle.make_trials(tok, [512], [0.5], trials=2, seed=3)  # a cell does not depend on the others
+    alone = corpus.make_trials(tok, [512], [0.5], trials=2, seed=3)  # a cell does not depend on the others
     assert [t.ids for t in alone] == [t.ids for t in a if t.length == 512 and t.depth == 0.5]
     for t in a:
         assert len(t.ids) == t.length
@@ -64,19 +67,19 @@ def test_prompts_are_exact_and_deterministic(smollm2):
 def test_bad_grids_are_refused(smollm2):
     model, tok = smollm2
     with pytest.raises(ValueError, match="depth must be in"):
-        needle.make_trial(tok, 256, 1.5)
+        corpus.make_trial(tok, 256, 1.5)
     with pytest.raises(ValueError, match="too short"):
-        needle.make_trial(tok, 40, 0.5)
+        corpus.make_trial(tok, 40, 0.5)
     with pytest.raises(ValueError, match="grid is empty"):
         needle.grid(model, tok, [], [0.5])
     with pytest.raises(ValueError, match="zero:LAYER.HEAD"):
-        needle.parse_edit("drop:1.2")
-    assert needle.parse_edit("zero:1.2,3.4") == [(1, 2), (3, 4)]
+        parse_edit("drop:1.2")
+    assert parse_edit("zero:1.2,3.4") == [(1, 2), (3, 4)]
 
 
 def test_found_is_a_whole_number():
-    assert needle.found_in("The pass key is 48213.", "48213")
-    assert not needle.found_in("148213", "48213") and not needle.found_in("4821", "48213")
+    assert corpus.found_in("The pass key is 48213.", "48213")
+    assert not corpus.found_in("148213", "48213") and not corpus.found_in("4821", "48213")
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -117,6 +120,39 @@ def test_cli_needle_bad_options(tmp_path):
         assert code == 2 and msg in err, err
 
 
+def test_cli_needle_refuses_the_graded_set_and_points_to_grade(tmp_path):
+    """The graded set's options moved to ``bhqk grade``: ``bhqk needle`` refuses them (before any model
+    loads) with the command to run instead."""
+    for argv, flag in [(["--task", "needle"], "--task"), (["--compare", "full", "streaming"], "--compare"),
+                       (["--kl-lengths", "256", "--chunks", "1"], "--kl-lengths")]:
+        code, out, err = run(["needle", *argv, "--out", str(tmp_path)])
+        assert code == 2 and f"bhqk grade {flag}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "needle.json").exists()
+
+
+def test_greedy_is_generates_greedy_tokens_and_stops_at_an_end_token(smollm2):
+    """The one loop (prefill, then one token per step at its true position) gives ``model.generate``'s
+    greedy tokens, without the end token; a model without a cache (a function of ids) gets one whole
+    forward per token; ``eos_ids`` joins the model's and the tokenizer's end tokens."""
+    from bhqk.integrations.greedy import eos_ids, greedy
+
+    model, tok = smollm2
+    ids = corpus.make_trial(tok, 200, 0.5).ids
+    r = greedy(model, ids, max_new_tokens=12, eos=eos_ids(model, tok))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2)[0, 200:].tolist()
+    want = out[: out.index(2)] if 2 in out else out
+    assert r.tokens == want and r.prefill_s > 0 and r.cache.get_seq_length() == 200 + len(want) - (len(want) == 12)
+    assert eos_ids(model, tok) == {2}
+    assert greedy(model, ids, max_new_tokens=3, eos={r.tokens[0]}).tokens == []  # stops before an end token
+
+    def counting(x):  # logits that make token (last + 1) % 7 the argmax: 1, 2, 3, then 4 is an end token
+        return torch.nn.functional.one_hot((x + 1) % 7, 7).float()
+
+    assert greedy(counting, [0], max_new_tokens=5, eos=[4]).tokens == [1, 2, 3]
+    assert greedy(counting, [0], max_new_tokens=2).tokens == [1, 2]
+
+
 def test_cli_generate_streams_the_chat_answer(cli_model, capfd):
     code, out, err = run(["generate", "--model", "smollm2-135m", "What is the capital of France?", "-n", "12"])
     assert code == 0, err
@@ -144,7 +180,7 @@ def test_cli_needle_plan_generates_with_the_plans_cache(cli_model, smollm2, tmp_
 
     model, tok = smollm2
     cfg = model.config
-    full_answer = needle.ask(model, tok, needle.make_trial(tok, 256, 0.5, 0, 0), max_new_tokens=8)["answer"]
+    full_answer = needle.ask(model, tok, corpus.make_trial(tok, 256, 0.5, 0, 0), max_new_tokens=8)["answer"]
     made = []
     init = BudgetCache.__init__
 
@@ -186,13 +222,13 @@ def test_ask_passes_the_cache_by_the_keyword_the_model_takes():
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids.tolist()))
+            return " ".join(map(str, ids))
 
     def factory():
         made.append(transformers.DynamicCache())
         return made[-1]
 
-    trial = needle.Trial(length=5, depth=0.0, trial=0, key="1", ids=[1, 2, 3, 4, 5], needle_at=0)
+    trial = corpus.Trial(length=5, depth=0.0, trial=0, key="1", ids=[1, 2, 3, 4, 5], needle_at=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         needle.ask(model, Tok(), trial, max_new_tokens=3, past_key_values=factory)
@@ -204,3 +240,29 @@ def test_ask_passes_the_cache_by_the_keyword_the_model_takes():
             return input_ids
 
     assert cache_keyword(Old()) == "past_key_values"
+
+
+def test_kvpress_benchmark_loads_the_corpus_and_the_loop_without_bhqk(smollm2):
+    """benchmarks/kvpress_needle.py runs in kvpress's environment (another transformers): it loads
+    bhqk's corpus.py and integrations/greedy.py by path, which import nothing of bhqk, and makes the
+    same prompts as bhqk.corpus."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    code = (f"import sys; sys.path.insert(0, {str(bench)!r}); import kvpress_needle as k; "
+            "c = k.load_file(k.SRC / 'corpus.py', 'corpus'); g = k.load_file(k.SRC / 'integrations/greedy.py', 'greedy'); "
+            "assert callable(c.make_trials) and callable(g.greedy); "
+            "print(sorted(m for m in sys.modules if m == 'bhqk' or m.startswith('bhqk.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+    sys.path.insert(0, str(bench))
+    try:
+        import kvpress_needle as k
+    finally:
+        sys.path.remove(str(bench))
+    by_path = k.load_file(k.SRC / "corpus.py", "corpus")
+    _, tok = smollm2
+    assert [t.ids for t in by_path.make_trials(tok, [256], [0.0, 0.5], 1, 0)] == \
+        [t.ids for t in corpus.make_trials(tok, [256], [0.0, 0.5], 1, 0)]

@@ -159,12 +159,12 @@ def with_attention_progress(func, desc: str):
     return run
 
 
-# --- bhqk needle --------------------------------------------------------------------------------
+# --- bhqk needle, bhqk grade ---------------------------------------------------------------------
 
 
 def task_list(text: str) -> list[str]:
-    """An argparse type: comma-separated task names of bhqk.inspect.tasks."""
-    from .inspect.tasks import TASKS
+    """An argparse type: comma-separated task names of bhqk.evaluate.tasks."""
+    from .evaluate.tasks import TASKS
 
     names = [x.strip() for x in text.replace(" ", ",").split(",") if x.strip()]
     bad = [x for x in names if x not in TASKS]
@@ -174,7 +174,7 @@ def task_list(text: str) -> list[str]:
 
 
 def load_plan(path: str):
-    """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``): ``--plan`` of needle, stats and generate."""
+    """A KV budget plan saved as JSON (``bhqk.budget.Plan.load``): ``--plan`` of needle, grade, stats and generate."""
     from .budget import Plan
 
     return Plan.load(path)
@@ -212,70 +212,76 @@ def causal_lm(a: argparse.Namespace, what: str) -> tuple:
 
 
 def cmd_grade(a: argparse.Namespace) -> str:
-    """``bhqk needle --task/--compare/--kl-lengths``: the graded set (bhqk.inspect.grade); off a terminal a
-    line per reply or forward on stderr."""
+    """``bhqk grade``: the graded set (bhqk.evaluate.grade); off a terminal a line per reply or forward on stderr."""
     import json
     from pathlib import Path
 
-    from .inspect import grade, tasks
+    from .evaluate import grade, tasks
 
-    if a.edit is not None or a.depths is not None:
-        raise ValueError("--edit and --depths belong to the grid; the graded set (--task, --compare, --kl-lengths) "
-                         "draws each prompt's depth from --seed.")
     if a.plan is not None and a.compare is not None:
         raise ValueError("give --plan (one plan) or --compare (several), not both.")
     names = a.compare or ([a.plan] if a.plan is not None else ["full"])
     for name in names:  # a bad plan fails before the model loads
         if name not in ("full", "streaming"):
             load_plan(name)
-    model, tok = causal_lm(a, "bhqk needle")
-    plans = named_plans(names, model, a.sink, a.window)
-    lengths = a.lengths or list(grade.LENGTHS)
-    what = a.task or (["needle"] if not a.kl_lengths else [])
-    lines = [f"{a.model}, seed {a.seed}: " + ", ".join(names)]
-    data: dict = {"model": str(a.model), "backend": a.backend, "seed": a.seed, "configs": names,
-                  "sink": a.sink, "window": a.window}
-    if what:
-        prompts = tasks.make_set(tok, what, lengths, a.trials, a.seed)
-        g = grade.grade(model, tok, prompts, plans)  # a bar on a terminal, else lines (lines_off_terminal)
-        cost = ", ".join(f"{L}: prefill {c['prefill_s']:.2f} s + reply {c['decode_s']:.2f} s"
-                         for L, c in g.cost().items())
-        lines += [f"{a.trials} trial(s) per task and length", g.table(), f"median seconds per reply: {cost}"]
-        data["tasks"] = g.to_json()
-    for L in a.kl_lengths or []:
-        d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed)
-        lines += ["", d.table()]
-        data.setdefault("divergence", []).append(d.to_json())
+    with lines_off_terminal():
+        model, tok = causal_lm(a, "bhqk grade")
+        plans = named_plans(names, model, a.sink, a.window)
+        lengths = a.lengths or list(grade.LENGTHS)
+        what = a.task or (["needle"] if not a.kl_lengths else [])
+        lines = [f"{a.model}, seed {a.seed}: " + ", ".join(names)]
+        data: dict = {"model": str(a.model), "backend": a.backend, "seed": a.seed, "configs": names,
+                      "sink": a.sink, "window": a.window}
+        if what:
+            prompts = tasks.make_set(tok, what, lengths, a.trials, a.seed)
+            g = grade.grade(model, tok, prompts, plans)  # a bar on a terminal, else lines (lines_off_terminal)
+            cost = ", ".join(f"{L}: prefill {c['prefill_s']:.2f} s + reply {c['decode_s']:.2f} s"
+                             for L, c in g.cost().items())
+            lines += [f"{a.trials} trial(s) per task and length", g.table(), f"median seconds per reply: {cost}"]
+            data["tasks"] = g.to_json()
+        for L in a.kl_lengths or []:
+            d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed)
+            lines += ["", d.table()]
+            data.setdefault("divergence", []).append(d.to_json())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grade.json").write_text(json.dumps(data, indent=1))
     return "\n".join(lines + [f"wrote {out / 'grade.json'}"])
 
 
+GRADED = {"task": "--task", "compare": "--compare", "kl_lengths": "--kl-lengths", "chunks": "--chunks",
+          "sink": "--sink", "window": "--window"}
+"""``bhqk needle``'s former graded-set options (now ``bhqk grade``'s): refused with a pointer there."""
+
+
 def cmd_needle(a: argparse.Namespace) -> str:
-    with lines_off_terminal():
-        if a.task is not None or a.compare is not None or a.kl_lengths is not None:
-            return cmd_grade(a)
-        return cmd_grid(a)
+    """``bhqk needle``: the grid (bhqk.evaluate.needle); off a terminal a line per prompt on stderr."""
+    from .evaluate import needle
+    from .inspect.edit import parse_edit, zero_heads
 
-
-def cmd_grid(a: argparse.Namespace) -> str:
-    """``bhqk needle``'s grid (bhqk.inspect.needle); off a terminal a line per prompt on stderr."""
-    from .inspect import needle
-
+    given = [flag for dest, flag in GRADED.items() if getattr(a, dest) is not None]
+    if given:
+        verb = "belongs" if len(given) == 1 else "belong"
+        raise ValueError(f"{', '.join(given)} {verb} to `bhqk grade` (the graded set: tasks, configurations, KL); "
+                         f"`bhqk needle` runs the grid of --lengths × --depths. Run `bhqk grade {given[0]} ...`.")
     a.lengths = a.lengths or [1024, 2048, 4096, 8192]
     a.depths = a.depths if a.depths is not None else fraction_list("0,0.1,...,1")
-    pairs = needle.parse_edit(a.edit) if a.edit is not None else None
+    pairs = parse_edit(a.edit) if a.edit is not None else None
     plan = load_plan(a.plan) if a.plan is not None else None  # before the model: a bad plan fails at once
-    model, tok = causal_lm(a, "bhqk needle")
-    bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
-    result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
-                         edit=needle.zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
-                         progress=bar, log=None if bar else lambda line: print(line, file=sys.stderr, flush=True))
+    with lines_off_terminal():
+        model, tok = causal_lm(a, "bhqk needle")
+        bar = progress_enabled()  # a terminal: a bar; else a line per prompt on stderr
+        result = needle.grid(model, tok, a.lengths, a.depths, a.trials, a.seed, plan=plan,
+                             edit=zero_heads(model, pairs) if pairs else None, max_new_tokens=a.max_new_tokens,
+                             progress=bar, log=None if bar else lambda line: print(line, file=sys.stderr, flush=True))
     result.meta.update({"model": str(a.model), "backend": a.backend, "edit": a.edit, "plan": a.plan})
     what = " ".join(x for x in (f"edit {a.edit}" if a.edit else "", f"plan {a.plan}" if a.plan else "") if x)
     js, png = result.save(a.out, title=f"{a.model}: pass key found (%)" + (f", {what}" if what else ""))
     return f"{a.model}, seed {a.seed}, {a.trials} trial(s) per cell\n{result.table()}\nwrote {js} and {png}"
+
+
+MODEL_HELP = ("a model name (smollm2-135m, the default; gemma3-270m), a .gguf file or a Hugging Face folder of a "
+              "causal LM")
 
 
 def add_needle_parser(sub) -> argparse.ArgumentParser:
@@ -284,41 +290,60 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
                                    "own documentation), ask for it through the chat template, greedy-decode the "
                                    "answer; print the table of keys found and write OUT/needle.json (one entry per "
                                    "trial) and OUT/needle.png (the heatmap). Deterministic given --seed. Progress: a "
-                                   "bar on a terminal, else a line per prompt on stderr.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="a model name (smollm2-135m, the default; gemma3-270m), a .gguf file or a Hugging Face folder "
-                        "of a causal LM")
+                                   "bar on a terminal, else a line per prompt on stderr. Graded tasks, configurations "
+                                   "compared with intervals and the KL divergence: `bhqk grade`.")
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p.add_argument("--lengths", type=int_list(64), default=None,
                    help="prompt lengths in tokens, template included, at most the model's context (default "
-                        "1024,2048,4096,8192; with --task or --compare 1024,2048,4096)")
+                        "1024,2048,4096,8192)")
     p.add_argument("--depths", type=fraction_list, default=None,
                    help="needle depths, fractions of the filler before it (default 0,0.1,...,1)")
-    p.add_argument("--trials", type=int_at_least(1), default=1,
-                   help="prompts (keys) per cell, or per task and length with --task/--compare (default 1)")
+    p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts (keys) per cell (default 1)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the keys and haystacks (default 0)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16,
-                   help="tokens of each answer of the grid (default 16; the graded set: each task's own)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of each answer (default 16)")
     p.add_argument("--out", default="bhqk-needle", help="folder for needle.json and needle.png (default bhqk-needle)")
     p.add_argument("--edit", default=None, metavar="zero:L.H,...",
                    help="zero the outputs of these query heads (layer.head) during every generation, e.g. zero:5.0,12.3")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="generate with the KV cache of a head-wise budget plan (bhqk.budget.Plan.load)")
     p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
-    g = p.add_argument_group("graded set", "Prompts at depths drawn from --seed, every configuration on the same "
-                             "prompts; every accuracy with its 95 % interval and each configuration's paired "
-                             "difference from the first; OUT/grade.json (bhqk.inspect.grade).")
-    g.add_argument("--task", type=task_list, default=None, metavar="TASK[,TASK...]",
-                   help="needle, multikey, multivalue, vartrack (bhqk.inspect.tasks; default needle)")
-    g.add_argument("--compare", nargs="+", default=None, metavar="PLAN",
+    for dest, flag in GRADED.items():  # refused by cmd_needle with a pointer to `bhqk grade`
+        p.add_argument(flag, dest=dest, nargs="*", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_needle)
+    return p
+
+
+def add_grade_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("grade", help="grade plans on retrieval tasks and real text, with 95 % intervals",
+                       description="Every configuration (the model as it is, every head streaming, plans) answers the "
+                                   "same prompts of the tasks (needle, multikey, multivalue, vartrack; depths drawn "
+                                   "from --seed); print every accuracy with its Wilson 95 % interval and each "
+                                   "configuration's paired difference from the first (Newcombe's interval, McNemar's "
+                                   "p); with --kl-lengths the KL divergence from the model and the perplexity on "
+                                   "Python's documentation (bootstrap intervals). Writes OUT/grade.json "
+                                   "(bhqk.evaluate.grade). Progress: a bar on a terminal, else a line per reply or "
+                                   "forward on stderr.")
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    p.add_argument("--task", type=task_list, default=None, metavar="TASK[,TASK...]",
+                   help="needle, multikey, multivalue, vartrack (bhqk.evaluate.tasks; default needle, none with "
+                        "--kl-lengths alone)")
+    p.add_argument("--lengths", type=int_list(64), default=None,
+                   help="prompt lengths in tokens, template included (default 1024,2048,4096)")
+    p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts per task and length (default 1)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts (default 0)")
+    p.add_argument("--compare", nargs="+", default=None, metavar="PLAN",
                    help="configurations: full (the model as it is), streaming (every K/V head keeps --sink + --window) "
                         "or a plan's JSON file; differences are taken from the first (default: full)")
-    g.add_argument("--sink", type=int_at_least(0), default=64, help="the streaming configuration's sink (default 64)")
-    g.add_argument("--window", type=int_at_least(0), default=256, help="the streaming configuration's window (default 256)")
-    g.add_argument("--kl-lengths", type=int_list(2), default=None, metavar="N[,N...]",
-                   help="also the KL divergence from full attention and the perplexity on --chunks pieces of N tokens "
+    p.add_argument("--plan", default=None, metavar="PLAN.json", help="one plan to grade alone (or give --compare)")
+    p.add_argument("--sink", type=int_at_least(0), default=64, help="the streaming configuration's sink (default 64)")
+    p.add_argument("--window", type=int_at_least(0), default=256, help="the streaming configuration's window (default 256)")
+    p.add_argument("--kl-lengths", type=int_list(2), default=None, metavar="N[,N...]",
+                   help="also the KL divergence from the model and the perplexity on --chunks pieces of N tokens "
                         "of real text, at the positions beyond sink + window")
-    g.add_argument("--chunks", type=int_at_least(1), default=4, help="text pieces per --kl-lengths length (default 4)")
-    p.set_defaults(func=cmd_needle)
+    p.add_argument("--chunks", type=int_at_least(1), default=4, help="text pieces per --kl-lengths length (default 4)")
+    p.add_argument("--out", default="bhqk-grade", help="folder for grade.json (default bhqk-grade)")
+    p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
+    p.set_defaults(func=cmd_grade)
     return p
 
 
@@ -397,6 +422,7 @@ def parser() -> Parser:
 
     add_stats_parser(sub).set_defaults(load_plan=load_plan)  # --plan: bhqk.budget sits above viz
     add_needle_parser(sub)
+    add_grade_parser(sub)
     from .budget.cli import add_budget_parser
 
     add_budget_parser(sub)

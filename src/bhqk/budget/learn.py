@@ -10,12 +10,13 @@ states at the answer rows (no gradients); the gated model's, with gradients to t
 steps from 0.1×, a linear decay over the last fifth to 0.1×); the gates clamped to [0, 1] after each
 update. The gates start at 1 (the model as it is).
 
-The prompts (:func:`passkey_prompt`): filler from ``pydoc_data.topics`` (a random stretch), ``keys``
-needles "The {first} pass key is {words}. Remember it." at sorted random depths in [0.05, 0.95],
-then every question "What is the {first} pass key? The {first} pass key is {words}." — the answer
-rows are every token of that last part (DuoAttention's labels). Words are NATO-alphabet words,
-``words`` of them per key. Everything is drawn from ``random.Random`` seeded by (seed, step): a step's
-prompt does not depend on the steps before it, so a resumed run sees the same prompts.
+The prompts (:func:`bhqk.corpus.passkey_prompt`): the tokenizer's start of a text (Gemma's ``<bos>``;
+nothing for SmolLM2), filler from ``pydoc_data.topics`` (a random stretch), ``keys`` needles
+"The {first} pass key is {words}. Remember it." at sorted random depths in [0.05, 0.95], then every
+question "What is the {first} pass key? The {first} pass key is {words}." — the answer rows are every
+token of that last part (DuoAttention's labels). Words are NATO-alphabet words, ``words`` of them per
+key. Everything is drawn from ``random.Random`` seeded by (seed, step): a step's prompt does not
+depend on the steps before it, so a resumed run sees the same prompts.
 
 Resuming: ``checkpoint=`` writes the gates, the optimizer's state and the step count every ``every``
 steps and at the end (:data:`FORMAT`, ``torch.save``); ``resume=`` reads such a file, checks it was
@@ -30,69 +31,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ..errors import LoadError, ShapeError
+from ..corpus import passkey_prompt
+from ..errors import LoadError
 from ..integrations.model_map import ModelMap, model_map
 from .gate import gated
 
 FORMAT = "bhqk.budget.gates/1"
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
-         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
-         "xray", "yankee", "zulu")
-ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
-INTRO = "Below is a long text with pass keys hidden in it. Remember them.\n\n"
-NEEDLE = "\n\nThe {nth} pass key is {words}. Remember it.\n\n"
-QUESTION = "\n\nWhat is the {nth} pass key? The {nth} pass key is {words}."
-
-_FILLER: dict[int, tuple[Any, list[int]]] = {}  # id(tokenizer) -> (tokenizer, ids of pydoc_data.topics)
-
-
-def _encode(tok, text: str) -> list[int]:
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
-
-
-def _filler(tok) -> list[int]:
-    got = _FILLER.get(id(tok))
-    if got is None or got[0] is not tok:
-        from pydoc_data.topics import topics
-
-        got = _FILLER[id(tok)] = (tok, _encode(tok, "\n\n".join(topics[k].strip() for k in sorted(topics))))
-    return got[1]
-
-
-def passkey_prompt(tok, length: int, seed: int = 0, index: int = 0, keys: int = 2, words: int = 8,
-                   ) -> tuple[torch.Tensor, int]:
-    """(ids [length], the first answer row): the prompt of step ``index`` (module doc), exactly
-    ``length`` tokens, drawn from ``random.Random`` seeded by (seed, index)."""
-    if not 1 <= keys <= len(ORDINALS):
-        raise ValueError(f"passkey_prompt: keys must be in 1 … {len(ORDINALS)}, got {keys}.")
-    rng = random.Random(f"passkey:{seed}:{index}")
-    said = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(keys)]
-    needles = [_encode(tok, NEEDLE.format(nth=ORDINALS[i], words=w)) for i, w in enumerate(said)]
-    qa = [t for i, w in enumerate(said) for t in _encode(tok, QUESTION.format(nth=ORDINALS[i], words=w))]
-    intro = _encode(tok, INTRO)
-    n = length - len(intro) - sum(map(len, needles)) - len(qa)  # filler tokens
-    hay = _filler(tok)
-    if n < keys:
-        raise ShapeError(f"passkey_prompt: length={length} is too short for {keys} keys of {words} words: the intro, "
-                         f"needles and questions take {length - n} tokens.")
-    if n > len(hay):
-        raise ShapeError(f"passkey_prompt: length={length} needs {n} filler tokens; the filler has {len(hay)}.")
-    start = rng.randrange(len(hay) - n + 1)
-    hay = hay[start:start + n]
-    at = sorted(round(rng.uniform(0.05, 0.95) * n) for _ in range(keys))
-    ids, last = list(intro), 0
-    for a, nd in zip(at, needles):
-        ids += hay[last:a] + nd
-        last = a
-    ids += hay[last:]
-    first = len(ids)
-    ids += qa
-    return torch.tensor(ids), first
 
 
 @dataclass
@@ -237,4 +184,4 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
     return run
 
 
-__all__ = ["train_gates", "passkey_prompt", "Training", "Settings", "FORMAT"]
+__all__ = ["train_gates", "Training", "Settings", "FORMAT"]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..corpus import chunks
 from ..errors import ShapeError
 from ..integrations.model_map import ModelMap, model_map
 from .gate import gated
@@ -54,19 +55,13 @@ def first_row(sink: int, window: int) -> int:
 
 
 def text_ids(tokenizer, texts: Sequence[str] | None, length: int, batch: int) -> torch.Tensor:
-    """[batch, length] token ids: the first length × batch tokens of ``texts`` joined by blank lines
-    (default: ``pydoc_data.topics``, topics in sorted order)."""
-    if texts is None:
-        from pydoc_data.topics import topics
-
-        texts = [topics[k] for k in sorted(topics)]
-    joined = "\n\n".join(texts)
-    ids = tokenizer(joined, return_tensors="pt")["input_ids"][0]  # [T]
-    need = length * batch
-    if ids.numel() < need:
-        raise ShapeError(f"find: the texts give {ids.numel()} tokens but {batch} × {length} are needed; "
-                         f"pass longer texts or a smaller length.")
-    return ids[:need].reshape(batch, length)  # [B, N]
+    """[batch, length] token ids: :func:`bhqk.corpus.chunks` — each row starts as the tokenizer starts a
+    text (Gemma's ``<bos>``; nothing for SmolLM2), then the next tokens of ``texts`` joined by blank lines
+    (default: ``pydoc_data.topics``, the corpus's text), consecutive from the start."""
+    try:
+        return chunks(tokenizer, length, batch, texts, who="find")
+    except ValueError as e:
+        raise ShapeError(f"{e} Pass longer texts or a smaller length.") from None
 
 
 @dataclass

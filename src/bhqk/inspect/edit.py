@@ -493,4 +493,42 @@ def edit(
     ed._finish()
 
 
-__all__ = ["edit", "Edit"]
+def zero_heads(model, heads: Iterable[tuple[int, int]]) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of one context manager that zeroes the outputs of the (layer, query head) pairs
+    ``heads`` (``edit("layers.{layer}.attn", zero=True)`` per layer, by canonical address): the needle
+    grid's ``edit=``, ``bhqk needle --edit zero:L.H,...``."""
+    from ..integrations.model_map import address
+
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(int(layer), []).append(int(head))
+
+    @contextlib.contextmanager
+    def run() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for layer, hs in sorted(by_layer.items()):
+                stack.enter_context(edit(address(layer), heads=sorted(set(hs)), model=model, zero=True))
+            yield
+
+    return run
+
+
+def parse_edit(spec: str) -> list[tuple[int, int]]:
+    """``zero:L.H,L.H,...`` (the ``--edit`` option) as (layer, head) pairs."""
+    kind, _, rest = spec.partition(":")
+    pairs: list[tuple[int, int]] = []
+    for part in rest.replace(" ", ",").split(","):
+        if not part:
+            continue
+        layer, dot, head = part.partition(".")
+        if not (dot and layer.isdigit() and head.isdigit()):
+            pairs = []
+            break
+        pairs.append((int(layer), int(head)))
+    if kind != "zero" or not pairs:
+        raise ValueError(f"edit={spec!r}: expected zero:LAYER.HEAD[,LAYER.HEAD...] such as zero:5.0,12.3 "
+                         "(zero the outputs of those query heads).")
+    return pairs
+
+
+__all__ = ["edit", "Edit", "zero_heads", "parse_edit"]

@@ -16,66 +16,14 @@ greedy run is the attention of that row in the teacher-forced forward over the s
 
 from __future__ import annotations
 
-import inspect as _inspect
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ..integrations.greedy import eos_ids, forward_logits, greedy
 from .capture import capture
 from .heads import HeadTable
-
-
-def _logits(out) -> torch.Tensor:
-    """A forward's logits [B, N, V] from a tensor, a tuple (logits first) or an object with ``.logits``."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    return out[0]
-
-
-def _call(model, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
-    """``model(ids)``'s logits; with ``last_only`` those of the last position only where the model
-    can skip the others (Hugging Face's ``logits_to_keep``): [B, N or 1, V]."""
-    kw = {}
-    if last_only:
-        try:
-            if "logits_to_keep" in _inspect.signature(model.forward).parameters:
-                kw["logits_to_keep"] = 1
-        except (TypeError, ValueError, AttributeError):
-            pass
-    return _logits(model(ids, **kw))
-
-
-def greedy(model, ids: torch.Tensor, max_new_tokens: int, eos: Iterable[int] = ()) -> torch.Tensor:
-    """The model's greedy continuation of ``ids`` [1, N]: [T] new tokens (T ≤ ``max_new_tokens``),
-    cut before the first ``eos`` token. Uses ``model.generate`` where the model has one (Hugging Face,
-    with its KV cache), else one full forward per token."""
-    stop = set(int(e) for e in eos)
-    with torch.no_grad():
-        if hasattr(model, "generate") and hasattr(model, "config"):
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False)  # [1, N + T]
-            new = out[0, ids.shape[1]:]  # [T]
-        else:
-            cur = ids
-            for _ in range(max_new_tokens):
-                nxt = _call(model, cur, True)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-                cur = torch.cat([cur, nxt], 1)  # [1, N + t]
-                if int(nxt) in stop:
-                    break
-            new = cur[0, ids.shape[1]:]  # [T]
-    stop |= {int(e) for e in _eos_of(model)}
-    cut = [i for i, t in enumerate(new.tolist()) if t in stop]
-    return new[: cut[0]] if cut else new
-
-
-def _eos_of(model) -> list[int]:
-    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if cfg is None:
-        return []
-    return [cfg] if isinstance(cfg, int) else list(cfg)
 
 
 def _one(x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +49,9 @@ def retrieval(
 
     ``ids``: a prompt [N] or [1, N] (or a list of prompts, one trial each); ``needle``: the needle's
     span ``(start, end)`` in the prompt (one per prompt). ``answer``: the tokens to teacher-force
-    ([T], one per prompt); None: the model's greedy continuation (``max_new_tokens``, cut at
-    ``eos`` and the model's own end-of-sequence tokens). ``model(ids)`` must return logits (a tensor,
+    ([T], one per prompt); None: the model's greedy continuation
+    (:func:`bhqk.integrations.greedy.greedy`: ``max_new_tokens``, cut at ``eos`` and the model's own
+    end-of-sequence tokens). ``model(ids)`` must return logits (a tensor,
     a tuple or an output with ``.logits``) and run its attention through bhqk (a Hugging Face model
     on ``attn_implementation="bhqk"``, or bhqk's modules). ``names``: the module whose paths name the
     layers (default ``model``).
@@ -135,7 +84,8 @@ def retrieval(
         if not 0 <= s < e <= N:
             raise ValueError(f"retrieval: needle span ({s}, {e}) of trial {n} is not inside its prompt of N={N} tokens.")
         if answers is None:
-            gen = greedy(model, x, max_new_tokens, eos)
+            stop = {int(e) for e in eos} | eos_ids(model)
+            gen = torch.tensor(greedy(model, x, max_new_tokens=max_new_tokens, eos=stop).tokens, device=x.device)
         else:
             gen = torch.as_tensor(answers[n]).reshape(-1).to(x.device)  # any shape -> [T]
         gen = gen.to(x.dtype)  # [T]
@@ -150,7 +100,7 @@ def retrieval(
         rows = (steps + N - 1).tolist()
         copied += len(rows)
         with torch.no_grad(), capture(model=names, what=(), rows=rows, topk=1) as cap:
-            _call(model, full, True)
+            forward_logits(model, full, True)
         if not cap.records:
             raise ValueError("retrieval: the model ran no bhqk attention call; load it with "
                              "attn_implementation='bhqk' (bhqk.integrations.transformers.register()).")
@@ -180,4 +130,4 @@ def retrieval(
     return table
 
 
-__all__ = ["retrieval", "greedy"]
+__all__ = ["retrieval"]

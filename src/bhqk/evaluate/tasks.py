@@ -1,14 +1,15 @@
 """Retrieval tasks in the style of RULER (Hsieh et al., 2024) for grading a change to a chat model:
 one prompt per (task, length, trial), generated from a seed and Python's own documentation.
 
-    from bhqk.inspect import tasks
+    from bhqk.evaluate import tasks
     p = tasks.make(tok, "multikey", length=2048, trial=0, seed=0)
     p.ids        # exactly 2,048 token ids, chat template included
     p.score("The special magic number for river is 48213.")  # True when the rule below holds
 
 Every prompt is the user message ``<intro> / <haystack> / <question>`` through the tokenizer's chat
 template (``add_generation_prompt``), with a few sentences inserted into the haystack (Python's
-documentation, ``pydoc_data.topics``, from a random sentence on; :func:`bhqk.inspect.needle.filler`).
+documentation, ``pydoc_data.topics``, from a random sentence on; :func:`bhqk.corpus.chat_prompt`, the
+construction the needle grid's prompts share).
 Each sentence goes at a depth drawn uniformly from ``depth`` (default 0.1 … 0.9 of the filler),
 moved back to the nearest sentence end within 64 tokens. Keys, values, words, names, depths and the
 haystack's start are drawn from ``random.Random`` seeded by (task, seed, length, trial), so a prompt
@@ -18,7 +19,7 @@ does not depend on which others are made with it.
 task           inserted sentences                                           correct when (numbers: whole numbers)
 =============  ===========================================================  =======================================
 ``needle``     ``The pass key is 48213. Remember it. 48213 is the pass key.``  the key is among the answer's numbers
-               (the grid's sentence and question, :mod:`bhqk.inspect.needle`)
+               (the grid's sentence and question, :mod:`bhqk.corpus`)
 ``multikey``   ``The special magic number for river is: 48213.``, one per    the asked key's number is among the
                key (``keys`` keys, one asked)                               answer's numbers and no other key's is
 ``multivalue`` ``One of the special magic numbers for river is: 48213.``,   every one of the key's numbers is among
@@ -41,9 +42,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .needle import INTRO as NEEDLE_INTRO
-from .needle import NEEDLE, _snap, _template, haystack
-from .needle import QUESTION as NEEDLE_QUESTION
+from ..corpus import INTRO as NEEDLE_INTRO
+from ..corpus import NEEDLE, chat_prompt
+from ..corpus import QUESTION as NEEDLE_QUESTION
 
 TASKS = ("needle", "multikey", "multivalue", "vartrack")
 
@@ -147,10 +148,6 @@ def correct(task: str, reply: str, answer: Sequence[str], distractors: Sequence[
 # ---- prompts -----------------------------------------------------------------------------------
 
 
-def _encode(tok, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def _values(rng: random.Random, k: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10_000, 100_000), k)]
 
@@ -214,27 +211,11 @@ def make(tok, task: str, length: int, trial: int = 0, seed: int = 0, *, depth: t
         answer, distractors = tuple(chain[0]), tuple(x for ch in chain[1:] for x in ch)
         fill["value"] = nums[0]
         ordered = True
-    before, after = _template(tok, spec.intro, spec.question.format(**fill))
     reply = spec.prefix.format(**fill)
-    prefix = _encode(tok, reply) if reply else []
-    inserts = [_encode(tok, " " + s + "\n") for s in sentences]
-    n = length - len(before) - len(after) - len(prefix) - sum(map(len, inserts))  # filler tokens
-    hay, ends, start = haystack(tok, length, n, rng, f"tasks ({task}):",
-                                "the template, question, reply prefix and inserted sentences")
-    cuts = [_snap(round(rng.uniform(lo, hi) * n), ends, start, n) for _ in inserts]
-    if ordered:
-        cuts.sort()
-    order = sorted(range(len(inserts)), key=lambda i: (cuts[i], i))  # where each sentence goes, in prompt order
-    body: list[int] = []
-    at: list[int] = []
-    prev = 0
-    for i in order:
-        body += hay[prev : cuts[i]]
-        at.append(len(before) + len(body))
-        body += inserts[i]
-        prev = cuts[i]
-    body += hay[prev:]
-    prompt = before + body + after + prefix
+    prompt, at, order = chat_prompt(tok, length, spec.intro, spec.question.format(**fill), sentences,
+                                    lambda k: [rng.uniform(lo, hi) for _ in range(k)], rng, reply=reply,
+                                    ordered=ordered, who=f"tasks ({task}):",
+                                    rest="the template, question, reply prefix and inserted sentences")
     return Prompt(task, length, trial, seed, prompt, answer, distractors, tuple(sentences[i] for i in order),
                   tuple(at), spec.max_new_tokens + spec.per_item * len(answer), reply)
 

@@ -1,24 +1,29 @@
 """Grading a change to a chat model (a head-wise KV budget plan) with intervals: accuracy on the
-retrieval tasks of :mod:`bhqk.inspect.tasks`, and the KL divergence from the model's own next-token
+retrieval tasks of :mod:`bhqk.evaluate.tasks`, and the KL divergence from the model's own next-token
 distribution and the perplexity on real text.
 
-    from bhqk.inspect import grade, tasks
+    from bhqk.evaluate import grade, tasks
     prompts = tasks.make_set(tok, ["needle", "multikey"], [1024, 2048], trials=40, seed=0)
     g = grade.grade(model, tok, prompts, {"full": None, "half": plan})
     print(g.table())                       # every accuracy with its 95 % interval, and the paired differences
     d = grade.divergence(model, tok, {"full": None, "half": plan}, length=4096, chunks=8)
     print(d.table())
 
-A configuration is ``None`` (the model as it is) or a plan: an object with ``.cache()`` (a transformers
-``Cache`` per forward, e.g. :class:`bhqk.budget.Plan`; its streaming heads see their sink and window
-in the prefill too) and optionally ``sink`` and ``window``.
+A configuration is ``None`` (the model as it is, on its own cache) or a :class:`bhqk.budget.Plan`
+(checked against the model before any forward; each reply and each text chunk runs on a fresh
+``plan.cache(model)``, so its streaming heads see their sink and window in the prefill too). Replies
+are greedy (:func:`bhqk.integrations.greedy.greedy`); the text chunks are :func:`bhqk.corpus.chunks`
+(each starts as the tokenizer starts a text: Gemma's ``<bos>``, nothing for SmolLM2).
 
 Intervals (95 %):
 
 - an accuracy k/n: Wilson's score interval (:func:`wilson`);
 - the difference of two configurations' accuracies on the same prompts: Newcombe's interval for
   paired proportions (his method 10: Wilson's intervals of each, combined with the correlation of the
-  pairs; :func:`paired`), and the exact two-sided McNemar p-value from the discordant prompts;
+  pairs; :func:`paired`), and the exact two-sided McNemar p-value from the discordant prompts.
+  Below ``MIN_PAIRS`` prompts the interval is not given (:class:`Paired` says the count is too small):
+  with a handful of pairs Newcombe's interval collapses to a point whenever they agree (2 prompts
+  both right: "+0.000 [+0.000, +0.000]"), which reads as certainty;
 - KL, perplexity and the perplexity ratio: a percentile bootstrap over the text chunks, the same
   resampled chunks for every configuration (paired).
 """
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +39,13 @@ from typing import Any
 
 import torch
 
+from ..budget import Plan
+from ..budget.scores import first_row
+from ..integrations.greedy import eos_ids, greedy
 from .tasks import Prompt
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile
+MIN_PAIRS = 10  # fewer paired prompts than this: no interval for a difference (module doc)
 LENGTHS = (1024, 2048, 4096)  # where SmolLM2-135M itself retrieves well (docs/benchmarks.md)
 
 
@@ -69,7 +77,8 @@ def mcnemar(b: int, c: int) -> float:
 class Paired:
     """Two configurations on the same n prompts: ``diff`` = accuracy of x − accuracy of y with its 95 %
     interval (``lo``, ``hi``), the counts ``both`` right, ``x_only``, ``y_only``, ``neither``, and the
-    McNemar ``p``."""
+    McNemar ``p``. With fewer than ``MIN_PAIRS`` prompts (``enough`` False) the interval is computed
+    but not shown: the text says the count is too small for one, and :meth:`Grades.summary` gives none."""
 
     diff: float
     lo: float
@@ -84,7 +93,15 @@ class Paired:
     def n(self) -> int:
         return self.both + self.x_only + self.y_only + self.neither
 
+    @property
+    def enough(self) -> bool:
+        """Whether there are enough prompts (``MIN_PAIRS``) for the interval to mean anything."""
+        return self.n >= MIN_PAIRS
+
     def __str__(self) -> str:
+        if not self.enough:
+            return (f"{self.diff:+.3f} (no interval: {self.n} prompts are too few, need {MIN_PAIRS}; {self.x_only} vs "
+                    f"{self.y_only} discordant, McNemar p={self.p:.2g})")
         return (f"{self.diff:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}] ({self.x_only} vs {self.y_only} discordant of "
                 f"{self.n}, McNemar p={self.p:.2g})")
 
@@ -128,59 +145,33 @@ def bootstrap(values: torch.Tensor, stat: Callable[[torch.Tensor], torch.Tensor]
 # ---- answers -----------------------------------------------------------------------------------
 
 
-def _eos(model, tok) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return ids
-
-
-def _cache(model, plan: Any):
-    """A fresh cache for one forward pass of ``plan`` (None: the model's own, keeping every position; a KV
-    budget plan, one with ``.check``: ``plan.cache(model)``, which follows the model's own layer types)."""
+def _cache(model, plan: Plan | None):
+    """A fresh cache for one forward pass of ``plan`` (None: the model's own, keeping every position)."""
     if plan is None:
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
-    return plan.cache(model) if callable(getattr(plan, "check", None)) else plan.cache()
+    return plan.cache(model)
 
 
-def reply(model, tok, prompt: Prompt, plan: Any = None) -> dict:
-    """Greedy-decode the reply to ``prompt`` (at most ``prompt.max_new_tokens``, up to end of turn) on
+def reply(model, tok, prompt: Prompt, plan: Plan | None = None) -> dict:
+    """Greedy-decode the reply to ``prompt`` (at most ``prompt.max_new_tokens``, up to an end token) on
     ``plan``'s cache: its entry (reply, correct, new tokens, prefill and decode seconds)."""
-    from ..integrations.transformers import cache_keyword
-
-    ids = torch.tensor([prompt.ids])  # [1, N]
-    kw = {cache_keyword(model): _cache(model, plan)}
-    stop = _eos(model, tok)
-    new: list[int] = []
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
-        nxt = out.logits[:, -1].argmax(-1)  # [1]
-        t1 = time.perf_counter()
-        while int(nxt) not in stop:
-            new.append(int(nxt))
-            if len(new) == prompt.max_new_tokens:
-                break
-            out = model(input_ids=nxt[:, None], use_cache=True, **kw)  # [1, 1]
-            nxt = out.logits[:, -1].argmax(-1)
-        t2 = time.perf_counter()
-    text = tok.decode(new, skip_special_tokens=True).strip()
+    r = greedy(model, prompt.ids, _cache(model, plan), max_new_tokens=prompt.max_new_tokens, eos=eos_ids(model, tok))
+    text = tok.decode(r.tokens, skip_special_tokens=True).strip()
     return {"task": prompt.task, "length": prompt.length, "trial": prompt.trial, "reply": text,
-            "correct": prompt.score(text), "new_tokens": len(new), "prefill_s": round(t1 - t0, 4),
-            "decode_s": round(t2 - t1, 4)}
+            "correct": prompt.score(text), "new_tokens": len(r.tokens), "prefill_s": round(r.prefill_s, 4),
+            "decode_s": round(r.decode_s, 4)}
 
 
-def _check(model, plans: dict[str, Any]) -> None:
+def _check(model, plans: dict[str, Plan | None]) -> None:
     if not plans:
         raise ValueError("grade: no configurations to grade (give {'full': None, ...}).")
     for name, plan in plans.items():
-        if plan is not None and not callable(getattr(plan, "cache", None)):
-            raise TypeError(f"grade: configuration {name!r} must be None (the model as it is) or a plan with .cache(), "
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"grade: configuration {name!r} must be None (the model as it is) or a bhqk.budget.Plan, "
                             f"got {type(plan).__name__}.")
-        if plan is not None and callable(getattr(plan, "check", None)):
+        if plan is not None:
             plan.check(model)  # a plan made for another model fails before any forward
 
 
@@ -268,7 +259,8 @@ class Grades:
                 row["accuracy"][name] = {"correct": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
                 if name != ref:
                     d = self.difference(name, ref, t, L)
-                    row["difference"][name] = {"diff": d.diff, "lo": d.lo, "hi": d.hi, "both": d.both,
+                    row["difference"][name] = {"diff": d.diff, "lo": d.lo if d.enough else None,
+                                               "hi": d.hi if d.enough else None, "both": d.both,
                                                "only_this": d.x_only, "only_reference": d.y_only,
                                                "neither": d.neither, "mcnemar_p": d.p}
             out.append(row)
@@ -285,10 +277,10 @@ class Grades:
         return path
 
 
-def grade(model, tok, prompts: Sequence[Prompt], plans: dict[str, Any], *, progress: bool = True) -> Grades:
+def grade(model, tok, prompts: Sequence[Prompt], plans: dict[str, Plan | None], *, progress: bool = True) -> Grades:
     """Every configuration of ``plans`` (name → None or a plan) replies to every prompt, prompt by
     prompt (so an interrupted run leaves complete pairs): a :class:`Grades`."""
-    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk needle)
+    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk grade)
 
     _check(model, plans)
     prompts = list(prompts)
@@ -308,23 +300,16 @@ def grade(model, tok, prompts: Sequence[Prompt], plans: dict[str, Any], *, progr
 
 
 def text_chunks(tok, length: int, chunks: int) -> torch.Tensor:
-    """``chunks`` consecutive pieces of ``length`` tokens of Python's documentation (the needle filler,
-    from its start): int64 [chunks, length]."""
-    from .needle import filler
+    """``chunks`` sequences of ``length`` tokens of Python's documentation, consecutive from its start, each
+    starting as the tokenizer starts a text: int64 [chunks, length] (:func:`bhqk.corpus.chunks`)."""
+    from ..corpus import chunks as text
 
-    ids = filler(tok)[0]
-    if chunks < 1 or length < 2:
-        raise ValueError(f"divergence: need chunks >= 1 and length >= 2, got chunks={chunks}, length={length}.")
-    if chunks * length > len(ids):
-        raise ValueError(f"divergence: {chunks} chunks of {length} tokens need {chunks * length} tokens; the text has "
-                         f"{len(ids)} (at most {len(ids) // length} chunks at this length).")
-    return torch.tensor(ids[: chunks * length]).reshape(chunks, length)  # [C, N]
+    return text(tok, length, chunks, who="divergence")
 
 
-def _hidden(model, ids: torch.Tensor, plan: Any) -> torch.Tensor:
+def _hidden(model, ids: torch.Tensor, plan: Plan | None) -> torch.Tensor:
     """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache)."""
-    from ..integrations.model_map import model_map
-    from ..integrations.transformers import cache_keyword
+    from ..integrations.model_map import cache_keyword, model_map
 
     dec = model_map(model).stack()
     kw: dict[str, Any] = {"use_cache": False}
@@ -340,11 +325,11 @@ def _log_probs(model, h: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model_map(model).logits(h).float(), -1)
 
 
-def start_of(plans: Iterable[Any]) -> int:
-    """The first position where a plan's streaming heads see less than every key: sink + window + 1,
-    the largest over the plans that have a sink and a window (0 when none has)."""
-    s = [int(p.sink) + int(p.window) + 1 for p in plans if p is not None and hasattr(p, "sink") and hasattr(p, "window")]
-    return max(s, default=0)
+def start_of(plans: Iterable[Plan | None]) -> int:
+    """The first position where a plan's streaming heads see less than every key
+    (:func:`bhqk.budget.scores.first_row`: sink + window + 1), the largest over the plans (0 when there
+    is no plan)."""
+    return max((first_row(p.sink, p.window) for p in plans if p is not None), default=0)
 
 
 @dataclass
@@ -406,14 +391,14 @@ class Divergence:
                 "summary": self.summary(), "kl": self.kl, "nll": self.nll, "reference_nll": self.reference_nll}
 
 
-def divergence(model, tok, plans: dict[str, Any], length: int = 4096, chunks: int = 4, *, start: int | None = None,
+def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, chunks: int = 4, *, start: int | None = None,
                block: int = 512, draws: int = 2000, seed: int = 0, progress: bool = True) -> Divergence:
     """KL(the model's next-token distribution ‖ each configuration's) and each configuration's perplexity on
     ``chunks`` pieces of ``length`` tokens of real text (:func:`text_chunks`), at the positions ``start`` …
     length − 2 (default :func:`start_of` the plans: where streaming changes anything). One forward per
     chunk and configuration, the model's own (no plan) first; the log-probabilities are taken from the
     final hidden states ``block`` positions at a time (never [length, vocabulary] at once)."""
-    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk needle)
+    from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk grade)
 
     _check(model, plans)
     x = text_chunks(tok, length, chunks)  # [C, N]
@@ -453,5 +438,5 @@ def divergence(model, tok, plans: dict[str, Any], length: int = 4096, chunks: in
     return Divergence(length, s, kl, nll, ref_nll, draws, seed)
 
 
-__all__ = ["wilson", "mcnemar", "paired", "Paired", "bootstrap", "reply", "grade", "Grades", "divergence", "Divergence",
-           "text_chunks", "start_of", "Z95"]
+__all__ = ["wilson", "mcnemar", "paired", "Paired", "MIN_PAIRS", "bootstrap", "reply", "grade", "Grades", "divergence",
+           "Divergence", "text_chunks", "start_of", "Z95"]
