@@ -391,21 +391,24 @@ class Divergence:
                 "summary": self.summary(), "kl": self.kl, "nll": self.nll, "reference_nll": self.reference_nll}
 
 
-def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, chunks: int = 4, *, start: int | None = None,
-               block: int = 512, draws: int = 2000, seed: int = 0, progress: bool = True) -> Divergence:
+BLOCK = 512  # positions of log-probabilities at a time: [512, V]
+
+
+def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, chunks: int = 4, *, draws: int = 2000,
+               seed: int = 0, progress: bool = True) -> Divergence:
     """KL(the model's next-token distribution ‖ each configuration's) and each configuration's perplexity on
-    ``chunks`` pieces of ``length`` tokens of real text (:func:`text_chunks`), at the positions ``start`` …
-    length − 2 (default :func:`start_of` the plans: where streaming changes anything). One forward per
-    chunk and configuration, the model's own (no plan) first; the log-probabilities are taken from the
-    final hidden states ``block`` positions at a time (never [length, vocabulary] at once)."""
+    ``chunks`` pieces of ``length`` tokens of real text (:func:`text_chunks`), at the positions
+    :func:`start_of` the plans (where streaming changes anything) … length − 2. One forward per chunk
+    and configuration, the model's own (no plan) first; the log-probabilities are taken from the final
+    hidden states ``BLOCK`` positions at a time (never [length, vocabulary] at once)."""
     from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk grade)
 
     _check(model, plans)
     x = text_chunks(tok, length, chunks)  # [C, N]
-    s = start_of(plans.values()) if start is None else start
+    s = start_of(plans.values())
     if not 0 <= s <= length - 2:
-        raise ValueError(f"divergence: start={s} leaves no position of a {length}-token chunk to measure (sink + "
-                         f"window must be below length − 1).")
+        raise ValueError(f"divergence: the plans' first changed row {s} leaves no position of a {length}-token chunk "
+                         f"to measure (sink + window must be below length − 1).")
     kl: dict[str, list[float]] = {name: [] for name in plans}
     nll: dict[str, list[float]] = {name: [] for name in plans}
     ref_nll: list[float] = []
@@ -422,12 +425,12 @@ def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, ch
                 bar.update()
             sums = {name: [0.0, 0.0] for name in plans}  # KL, NLL
             r_nll = 0.0
-            for i in range(0, h_ref.shape[0], block):
-                t = target[i : i + block, None]  # [b, 1]
-                lp = _log_probs(model, h_ref[i : i + block])  # [b, V]
+            for i in range(0, h_ref.shape[0], BLOCK):
+                t = target[i : i + BLOCK, None]  # [b, 1]
+                lp = _log_probs(model, h_ref[i : i + BLOCK])  # [b, V]
                 r_nll -= float(lp.gather(1, t).sum())
                 for name, plan in plans.items():
-                    lq = lp if plan is None else _log_probs(model, hs[name][i : i + block])  # [b, V]
+                    lq = lp if plan is None else _log_probs(model, hs[name][i : i + BLOCK])  # [b, V]
                     sums[name][0] += float((lp.exp() * (lp - lq)).sum())
                     sums[name][1] -= float(lq.gather(1, t).sum())
             n = h_ref.shape[0]
