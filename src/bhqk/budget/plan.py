@@ -202,7 +202,7 @@ class Plan:
         records it) before storing them, and a plan of more layers than the model at its next forward.
         ``bits`` (8 or 4): the full heads' keys and values older than the last ``residual`` positions
         (default 64) in integers, ``group`` channels a scale (default 32, or d), read ``block`` positions
-        at a time (default 512; :mod:`bhqk.budget.quant`); an all-full plan with ``bits`` is a quantized
+        at a time (default 1024; :mod:`bhqk.budget.quant`); an all-full plan with ``bits`` is a quantized
         cache for any model."""
         from .cache import BudgetCache
         from .quant import BLOCK, RESIDUAL
