@@ -29,6 +29,13 @@ a sliding layer of full heads past its window — runs instead as ONE call over 
 (``plan.emulate`` over a cache that keeps every position), so records and edits are that run's. It copies
 what the groups hold into [B, Hkv, N, ·] buffers: O(N·d) per K/V head and observed call.
 
+With ``bits`` (8 or 4; :mod:`bhqk.budget.quant`) the full heads keep their positions older than the last
+``residual`` as integers (per position, groups of channels with a float16 scale and zero point), every
+layer returns a :class:`GroupedKV`, and a group with quantized columns is read block by block
+(:func:`bhqk.budget.quant.attend`, merged by log-sum-exp), never as one float copy; streaming heads stay
+float. A call writing P … P+Q−1 reads positions < P − residual quantized; after it, positions
+< P + Q − residual are integers (past recording: at the next ``crop``).
+
 Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
 then every group keeps every new position until the next ``crop``, which removes the rejected
 positions and only then drops what no later query may see — exact. Without past recording a ``crop``
