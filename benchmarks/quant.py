@@ -57,7 +57,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="tokens for the bytes")
     ap.add_argument("--ppl", default="2048,4096", help="text lengths for the chunked perplexity (empty: none)")
     ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--measure", default="full:4,quarter:4", help="plan:bits whose nbytes is measured at --n")
+    ap.add_argument("--measure", default="full:4,quarter:4", help="plan:bits whose nbytes is measured at --n "
+                    "(own:0: the model's own cache)")
+    ap.add_argument("--steps", type=int, default=0, help="decode steps timed after each measured prefill (median)")
     ap.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = ap.parse_args()
     from transformers import DynamicCache
@@ -78,11 +80,24 @@ def main() -> None:
     ids = torch.tensor([text[:a.n]])  # [1, n]
     for spec in filter(None, a.measure.split(",")):
         pname, b = spec.split(":")
-        cache = ps[pname].cache(model, bits=int(b))
+        own_cache = pname == "own"
+        cache = DynamicCache(config=model.config) if own_cache else ps[pname].cache(model, bits=int(b))
+        key = "own cache" if own_cache else f"{pname} bits={b}"
         with torch.no_grad():
-            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        out["bytes"][f"{pname} bits={b}"]["measured"] = cache.nbytes()
-        print(f"measured {spec}: {cache.nbytes()} bytes", flush=True)
+            o = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            steps = []
+            nxt = o.logits[:, -1:].argmax(-1)  # [1, 1]
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                o = model(input_ids=nxt, cache=cache, use_cache=True)
+                steps.append(time.perf_counter() - t0)
+                nxt = o.logits[:, -1:].argmax(-1)
+        if steps:
+            out["bytes"][key]["step_median_s"] = sorted(steps)[len(steps) // 2]
+        held = sum(la.keys.nbytes + la.values.nbytes for la in cache.layers) if own_cache else cache.nbytes()
+        out["bytes"][key]["measured"] = held
+        print(f"measured {spec}: {held} bytes" + (f", decode step {1e3 * out['bytes'][key]['step_median_s']:.0f} ms"
+                                                  if steps else ""), flush=True)
     for n in [int(x) for x in a.ppl.split(",") if x]:
         ids = torch.tensor([text[:n]])
         row = {"own cache": perplexity(model, ids, DynamicCache(config=model.config), a.chunk)}
@@ -99,9 +114,10 @@ def main() -> None:
     path = RESULTS / f"quant-{a.tag}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"\nSmolLM2-135M, {out['meta']['cpu_model']}; bytes after {a.n} tokens (fp32 own cache {own / 2**20:.1f} MiB):")
-    print(f"{'configuration':<22}{'bytes':>14}{'× own':>8}{'measured':>14}")
+    print(f"{'configuration':<22}{'bytes':>14}{'× own':>8}{'measured':>14}{'step ms':>10}")
     for k, v in out["bytes"].items():
-        print(f"{k:<22}{v['predicted']:>14}{v['ratio']:>8.3f}{v.get('measured', ''):>14}")
+        step = f"{1e3 * v['step_median_s']:.0f}" if "step_median_s" in v else ""
+        print(f"{k:<22}{v['predicted']:>14}{v['ratio']:>8.3f}{v.get('measured', ''):>14}{step:>10}")
     for n, row in out["ppl"].items():
         base = row["own cache"]
         print(f"\nperplexity, {n} tokens in chunks of {a.chunk}:")
