@@ -200,3 +200,21 @@ def test_blockwise_attention_equals_attention_over_the_dequantized_keys_and_conf
         assert out[0, 2:4, 1].isnan().all() and out[0, :, 0].isfinite().all()  # K/V head 1 = query heads 2, 3
         assert not out[1, 0:2, 2].isfinite().all(-1).any() and out[1, :, 1].isfinite().all()
     assert isinstance(qk, Quantized)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "llama4"])
+@torch.no_grad()
+def test_chunks_after_quantized_positions_equal_the_emulation(name):
+    """Q > 1 over quantized positions (the model's mask taken per block of columns), past the windows."""
+    model = _model(name)
+    ids, am = _inputs(N=24)
+    plan = _mixed(model)
+    keeps = plan.full | plan.free(model_map(model).shape)
+    cache, ref_cache = plan.cache(model, bits=4, group=GROUP, residual=R, block=BLOCK), FakeQuantCache(keeps, 4, GROUP, R)
+    outs, refs, s = [], [], 0
+    for c in (9, 1, 6, 1, 7):
+        outs.append(model(input_ids=ids[:, s:s + c], attention_mask=am[:, :s + c], cache=cache).logits)  # [B, c, V]
+        with plan.emulate(model):
+            refs.append(model(input_ids=ids[:, s:s + c], attention_mask=am[:, :s + c], cache=ref_cache).logits)
+        s += c
+    assert_models_close(torch.cat(outs, 1), torch.cat(refs, 1), width=96, layers=model.config.num_hidden_layers, msg=name)
