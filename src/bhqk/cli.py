@@ -308,13 +308,13 @@ def add_needle_parser(sub) -> argparse.ArgumentParser:
                    help="generate with the KV cache of a head-wise budget plan (bhqk.budget.Plan.load)")
     p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
     for dest, flag in GRADED.items():  # refused by cmd_needle with a pointer to `bhqk grade`
-        p.add_argument(flag, dest=dest, nargs="*", default=None, help=argparse.SUPPRESS)
+        p.add_argument(flag, dest=dest, nargs="*", default=None, help=f"refused here: {flag} belongs to `bhqk grade`")
     p.set_defaults(func=cmd_needle)
     return p
 
 
 def add_grade_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("grade", help="grade plans on retrieval tasks and real text, with 95 % intervals",
+    p = sub.add_parser("grade", help="grade plans on retrieval tasks and real text, with 95 %% intervals",
                        description="Every configuration (the model as it is, every head streaming, plans) answers the "
                                    "same prompts of the tasks (needle, multikey, multivalue, vartrack; depths drawn "
                                    "from --seed); print every accuracy with its Wilson 95 % interval and each "

@@ -29,6 +29,13 @@ a sliding layer of full heads past its window — runs instead as ONE call over 
 (``plan.emulate`` over a cache that keeps every position), so records and edits are that run's. It copies
 what the groups hold into [B, Hkv, N, ·] buffers: O(N·d) per K/V head and observed call.
 
+With ``bits`` (8 or 4; :mod:`bhqk.budget.quant`) the full heads keep their positions older than the last
+``residual`` as integers (per position, groups of channels with a float16 scale and zero point), every
+layer returns a :class:`GroupedKV`, and a group with quantized columns is read block by block
+(:func:`bhqk.budget.quant.attend`, merged by log-sum-exp), never as one float copy; streaming heads stay
+float. A call writing P … P+Q−1 reads positions < P − residual quantized; after it, positions
+< P + Q − residual are integers (past recording: at the next ``crop``).
+
 Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
 then every group keeps every new position until the next ``crop``, which removes the rejected
 positions and only then drops what no later query may see — exact. Without past recording a ``crop``
@@ -38,6 +45,7 @@ is exact while the layer still holds what the next query needs, and is otherwise
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +59,9 @@ from ..integrations.hf_attention import model_mask
 from ..integrations.hf_mask import AllKeys
 from ..shapes import as_4d
 from .mask import at_columns, held_mask, one_call_mask, streaming_mask
+from .quant import BLOCK, RESIDUAL, Quantized, quantize
+from .quant import attend as attend_quantized
+from .quant import check as check_bits
 from .ring import fits_plan, own, spread, take_heads
 
 
@@ -65,6 +76,15 @@ class Group:
     values: torch.Tensor
     columns: torch.Tensor | None
     streaming: bool
+    qkeys: Quantized | None = None  # the frame's first columns 0 … nq − 1 in integers (``bits``); ``keys`` the rest
+    qvalues: Quantized | None = None
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) in float over every column held: the quantized columns dequantized (a copy)."""
+        if self.qkeys is None or self.qvalues is None:
+            return self.keys, self.values
+        return (torch.cat([self.qkeys.dequantize(), self.keys], dim=-2),  # [B, h, nq + n, d]
+                torch.cat([self.qvalues.dequantize(), self.values], dim=-2))
 
 
 class GroupedKV(torch.Tensor):
@@ -79,6 +99,7 @@ class GroupedKV(torch.Tensor):
     window: int
     first: int
     role: str
+    block: int = BLOCK  # quantized positions dequantized at a time (the layer's)
 
     @staticmethod
     def __new__(cls, groups: list[Group], shape: tuple[int, ...], like: torch.Tensor, sink: int, window: int,
@@ -127,10 +148,14 @@ class GroupedKV(torch.Tensor):
             qh = [kv * G + j for kv in g.kv for j in range(G)]
             qi = torch.tensor(qh, device=query.device)
             q = take_heads(query, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d] (a view where the heads are a run)
-            mask = self._mask(m, bias, B, Q, K, g) if g.streaming else attention_mask
             extra = {n: (None if s is None else take_heads(s.reshape(H), 0, qh))  # [H] -> [h]
                      for n, s in sinks.items()}
-            o, w = attend(module, q, g.keys, g.values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
+            if g.qkeys is not None and not want_w:  # block by block from the integers (never one float copy)
+                o, w = self._quantized(module, q, g, m, bias, B, Q, K, extra, kw), None  # [B, Q, h, dv]
+            else:
+                keys, values = g.dense()  # weights asked for: the float keys (a copy of the quantized ones)
+                mask = self._mask(m, bias, B, Q, K, g) if g.streaming else attention_mask
+                o, w = attend(module, q, keys, values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
             if out is None:
                 out = o.new_empty(B, Q, H, o.shape[-1])
             out.index_copy_(2, qi.to(o.device), o)  # [B, Q, h, dv] into the model's head order
@@ -143,6 +168,26 @@ class GroupedKV(torch.Tensor):
                 wt.index_copy_(1, qi.to(w.device), w)  # [B, h, Q, K] into the model's head order
         assert out is not None
         return out, wt
+
+    def _quantized(self, module, q: torch.Tensor, g: Group, m, bias, B: int, Q: int, K: int,
+                   sinks: dict[str, torch.Tensor | None], kw: dict[str, Any]) -> torch.Tensor:
+        """A full group whose first columns are quantized (:func:`bhqk.budget.quant.attend`): q [B, h, Q, d]
+        → out [B, Q, h, dv], the model's mask and bias taken per block of columns."""
+        assert g.qkeys is not None and g.qvalues is not None and g.columns is None
+        if kw.get("dropout") and getattr(module, "training", False):
+            raise ValueError("bhqk budget cache: a quantized cache is for inference; dropout is not supported.")
+        dev = q.device
+
+        def masks_at(a: int, b: int):  # columns a … b − 1 of the frame: ([#B, #H, #Q, b − a] bools or None, bias)
+            mk = None if m is None else as_4d(m.block(masks.Extent(B, 1, Q, K), 0, Q, a, b, dev))
+            return mk, (None if bias is None else bias[..., a:b])
+
+        s = next((t for t in sinks.values() if t is not None), None)  # [h] or None
+        ctx = contextlib.nullcontext() if observe.quiet() else observe.scope(module)
+        with ctx:
+            out = attend_quantized(q, g.qkeys, g.qvalues, g.keys, g.values, masks_at, scale=kw.get("scaling"),
+                                   softcap=kw.get("softcap"), sinks=s, block=self.block)  # [B, h, Q, dv]
+        return out.transpose(1, 2)  # [B, Q, h, dv]
 
     def _one_call(self, attend: Callable, module, query: torch.Tensor, m, bias,
                   **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,8 +206,9 @@ class GroupedKV(torch.Tensor):
         mask = one_call_mask(m, self.sink, self.window, stream_kv, H, Hkv)
         frame = torch.arange(o, N, device=dev)  # [K] the positions of the frame's columns
         held = [frame if g.columns is None else g.columns.to(dev) + o for g in self.groups]  # [K'] per group
-        keys = spread([(g.kv, g.keys, pos) for g, pos in zip(self.groups, held)], Hkv, N)  # [B, Hkv, N, d]
-        values = spread([(g.kv, g.values, pos) for g, pos in zip(self.groups, held)], Hkv, N)  # [B, Hkv, N, dv]
+        dense = [g.dense() for g in self.groups]  # quantized columns dequantized: what the emulated run attends
+        keys = spread([(g.kv, k, pos) for g, (k, _), pos in zip(self.groups, dense, held)], Hkv, N)  # [B, Hkv, N, d]
+        values = spread([(g.kv, v, pos) for g, (_, v), pos in zip(self.groups, dense, held)], Hkv, N)  # [B, Hkv, N, dv]
         kw["position_bias"] = bias
         out, w = attend(module, query, keys, values, AllKeys(N) if mask is None else mask, **kw)  # [B, Q, H, dv]
         return out, (None if w is None else w[..., o:])  # [B, H, Q, N] -> the frame's [B, H, Q, K], as the groups'
@@ -233,15 +279,19 @@ class BudgetLayer(CacheLayerMixin):
     is_croppable = True  # exactly, with activate_past_recording() (module doc)
 
     def __init__(self, full: list[int], stream: list[int], sink: int, window: int, index: int,
-                 span: int | None = None, expect: tuple[int, int | None] | None = None) -> None:
+                 span: int | None = None, expect: tuple[int, int | None] | None = None, bits: int | None = None,
+                 group: int | None = None, residual: int = RESIDUAL, block: int = BLOCK) -> None:
         super().__init__()
+        self.bits, self.group, self.residual, self.block = bits, group, residual, block  # quantized full heads (module doc)
+        self.qk: Quantized | None = None  # [B, h_full, nq, ·] the full heads' positions before fk's, in integers
+        self.qv: Quantized | None = None
         self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
         self.span = span
         self.is_sliding = span is not None  # transformers sizes the sliding and chunked masks by the first such layer
         self.expect = expect
         self.length = 0  # positions written
         self.record_past = False  # keep every new position until the next crop (assisted decoding)
-        self.fk: torch.Tensor | None = None  # [B, h_full, n_full, d]: positions length − n_full … length − 1
+        self.fk: torch.Tensor | None = None  # [B, h_full, n_full, d]: positions length − n_full … length − 1 (in float)
         self.fv: torch.Tensor | None = None
         self.sk: torch.Tensor | None = None  # [B, h_stream, len(held), d]: positions held
         self.sv: torch.Tensor | None = None
@@ -264,6 +314,10 @@ class BudgetLayer(CacheLayerMixin):
         """A ``ShapeError`` naming both shapes unless the keys [B, Hkv, Q, d] fit the plan."""
         fits_plan(key_states, value_states, len(self.full) + len(self.stream), None if self.expect is None else self.expect[1],
                   f"budget cache layer {self.index}")
+        if self.bits is not None:  # the head size, known now (a cache made without the model): before anything is stored
+            self.group = check_bits(self.bits, self.group, key_states.shape[-1], f"budget cache layer {self.index}")
+            if self.group is not None and value_states.shape[-1] % self.group:
+                check_bits(self.bits, self.group, value_states.shape[-1], f"budget cache layer {self.index} (values)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write Q new positions (key_states [B, Hkv, Q, d], value_states [B, Hkv, Q, dv]); return what
@@ -275,7 +329,7 @@ class BudgetLayer(CacheLayerMixin):
         P, Q = self.length, key_states.shape[-2]
         o = self.first(P)  # the frame of this call: positions o … P + Q − 1
         self.length = P + Q
-        if not self.stream:
+        if not self.stream and self.bits is None:
             keys, values = self._own_layer(key_states, value_states)  # [B, Hkv, P + Q − o, ·]
             if o == 0 or not (observe.active() or observe.editors()):
                 return keys, values
@@ -288,8 +342,22 @@ class BudgetLayer(CacheLayerMixin):
             fk = _cat(self.fk, take_heads(key_states, 1, self.full))  # [B, h_full, n + Q, d] (n ≥ P − o held)
             fv = _cat(self.fv, take_heads(value_states, 1, self.full))  # [B, h_full, n + Q, dv]
             K = P + Q - o
-            groups.append(Group(self.full, fk[..., fk.shape[-2] - K:, :], fv[..., fv.shape[-2] - K:, :], None, False))
+            nq = 0 if self.qk is None or self.qv is None else self.qk.n
+            a = P + Q - fk.shape[-2] - nq  # the first position held: a … a + nq − 1 quantized, then fk's
+            inq = max(0, a + nq - max(a, o))  # quantized positions in the frame (its first columns)
+            if inq and self.qk is not None and self.qv is not None:
+                groups.append(Group(self.full, fk, fv, None, False, self.qk.narrow(nq - inq, inq),
+                                    self.qv.narrow(nq - inq, inq)))  # columns 0 … inq − 1 quantized, the rest fk's
+            else:
+                groups.append(Group(self.full, fk[..., fk.shape[-2] - K:, :], fv[..., fv.shape[-2] - K:, :], None, False))
             self.fk, self.fv = fk, fv  # [B, h_full, n + Q, ·]: narrowed (and owned) below
+            if self.bits is not None and not self.record_past:  # else at the next crop, after the rejected are gone
+                self._age()
+        if not self.stream:
+            if not self.record_past:
+                self._evict()
+            self._own()
+            return self._grouped(groups, key_states, value_states, o)
         pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
         sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
         sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
@@ -302,10 +370,35 @@ class BudgetLayer(CacheLayerMixin):
         if not self.record_past:
             self._evict()
         self._own()
-        shape_k = (key_states.shape[0], len(self.full) + len(self.stream), P + Q - o, key_states.shape[-1])
+        return self._grouped(groups, key_states, value_states, o)
+
+    def _grouped(self, groups: list[Group], key_states: torch.Tensor, value_states: torch.Tensor,
+                 o: int) -> tuple[GroupedKV, GroupedKV]:
+        """The keys and values of the frame o … length − 1 as two :class:`GroupedKV` over ``groups``."""
+        shape_k = (key_states.shape[0], len(self.full) + len(self.stream), self.length - o, key_states.shape[-1])
         shape_v = (*shape_k[:3], value_states.shape[-1])
-        return (GroupedKV(groups, shape_k, key_states, self.sink, self.window, o, "keys"),
-                GroupedKV(groups, shape_v, value_states, self.sink, self.window, o, "values"))
+        k = GroupedKV(groups, shape_k, key_states, self.sink, self.window, o, "keys")
+        v = GroupedKV(groups, shape_v, value_states, self.sink, self.window, o, "values")
+        k.block = v.block = self.block
+        return k, v
+
+    def _age(self) -> None:
+        """Quantize the full heads' float positions older than the last ``residual`` (per position:
+        :func:`bhqk.budget.quant.quantize`); after the call that wrote up to ``length``, positions
+        < length − residual are integers, the rest float."""
+        assert self.fk is not None and self.fv is not None and self.bits is not None and self.group is not None
+        m = self.fk.shape[-2] - self.residual
+        if m <= 0:
+            return
+        nk = quantize(self.fk[..., :m, :], self.bits, self.group)  # [B, h_full, m, d] -> integers and scales
+        nv = quantize(self.fv[..., :m, :], self.bits, self.group)
+        self.qk = nk if self.qk is None else self.qk.cat(nk)  # [B, h_full, nq + m, ·]
+        self.qv = nv if self.qv is None else self.qv.cat(nv)
+        self.fk, self.fv = self.fk[..., m:, :], self.fv[..., m:, :]  # [B, h_full, residual, ·] (owned by _own)
+
+    def _n_full(self) -> int:
+        """Positions the full heads hold (quantized and float)."""
+        return (0 if self.fk is None else self.fk.shape[-2]) + (0 if self.qk is None else self.qk.n)
 
     def _own_layer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head full: the model's own layer, tensor for tensor (transformers' ``DynamicLayer``, or
@@ -330,9 +423,13 @@ class BudgetLayer(CacheLayerMixin):
         the positions between the sink and the last ``window``."""
         L = self.length
         f = self.first(L)
+        if self.qk is not None and self.qv is not None and self._n_full() > L - f:  # the oldest are the quantized ones
+            d = min(self.qk.n, self._n_full() - (L - f))
+            self.qk, self.qv = self.qk.narrow(d, self.qk.n - d), self.qv.narrow(d, self.qv.n - d)  # [B, h_full, nq − d, ·]
         n = 0 if self.fk is None else self.fk.shape[-2]
-        if self.fk is not None and self.fv is not None and n > L - f:
-            self.fk, self.fv = self.fk[..., n - (L - f):, :], self.fv[..., n - (L - f):, :]  # [B, h_full, L − f, ·]
+        m = n - (L - f) + (0 if self.qk is None else self.qk.n)  # float positions to drop
+        if self.fk is not None and self.fv is not None and m > 0:
+            self.fk, self.fv = self.fk[..., m:, :], self.fv[..., m:, :]  # [B, h_full, n − m, ·]
         if self.sk is None or self.sv is None:
             return
         p = self.held
@@ -350,6 +447,7 @@ class BudgetLayer(CacheLayerMixin):
         """What a layer with streaming heads stores owns its storage (a view of the call's [B, Hkv, N, d]
         would keep every head's keys alive, and ``nbytes`` would not be what is held)."""
         self.fk, self.fv, self.sk, self.sv = (None if t is None else own(t) for t in (self.fk, self.fv, self.sk, self.sv))
+        self.qk, self.qv = (None if t is None else t.map(own) for t in (self.qk, self.qv))
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep every new position until the next :meth:`crop` (which drops what no later query may see).
@@ -360,7 +458,7 @@ class BudgetLayer(CacheLayerMixin):
     def positions(self, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` holds now (int64, ascending)."""
         if kv in self.full:
-            n = 0 if self.fk is None else self.fk.shape[-2]
+            n = self._n_full()
             return torch.arange(self.length - n, self.length)
         if kv not in self.stream:
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
@@ -371,9 +469,9 @@ class BudgetLayer(CacheLayerMixin):
         return [t for t in (self.fk, self.fv, self.sk, self.sv) if t is not None]
 
     def nbytes(self) -> int:
-        """Bytes of memory this layer's keys and values keep allocated: the storages of the tensors it
-        holds, each once (:meth:`BudgetCache.nbytes`)."""
-        return _storage_bytes(self.tensors())
+        """Bytes of memory this layer's keys and values keep allocated: the storages of the float tensors it
+        holds, each once (:meth:`BudgetCache.nbytes`), and the quantized positions' integers, scales and zeros."""
+        return _storage_bytes(self.tensors()) + sum(t.nbytes() for t in (self.qk, self.qv) if t is not None)
 
     def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
         """(kv_length, kv_offset) as the model's own layer reports them: the frame o … length + Q − 1."""
@@ -387,12 +485,13 @@ class BudgetLayer(CacheLayerMixin):
         return -1 if self.span is None else self.span
 
     def reset(self, *args: Any, **kwargs: Any) -> None:
-        self.length, self.fk, self.fv, self.sk, self.sv = 0, None, None, None, None
+        self.length, self.fk, self.fv, self.sk, self.sv, self.qk, self.qv = 0, None, None, None, None, None, None
         self.held = torch.zeros(0, dtype=torch.long)
         self.is_initialized = False
 
     def _each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.fk, self.fv, self.sk, self.sv = (None if t is None else fn(t) for t in (self.fk, self.fv, self.sk, self.sv))
+        self.qk, self.qv = (None if t is None else t.map(fn) for t in (self.qk, self.qv))
 
     def reorder_cache(self, beam_idx: torch.LongTensor, *args: Any, **kwargs: Any) -> None:
         self._each(lambda t: t.index_select(0, beam_idx.to(t.device)))  # [B, h, n, d] rows reordered
@@ -416,7 +515,7 @@ class BudgetLayer(CacheLayerMixin):
             return target
         p = torch.arange(self.first(target), target)  # what the query at `target` may see under the model's mask
         lacking = []
-        if self.full and len(p) and int(p[0]) < L - (0 if self.fk is None else self.fk.shape[-2]):
+        if self.full and len(p) and int(p[0]) < L - self._n_full():
             lacking.append(("full", p))
         if self.stream:
             need = p[(p < self.sink) | (p >= target - self.window)]
@@ -443,13 +542,19 @@ class BudgetLayer(CacheLayerMixin):
             gone = L - target
             if self.fk is not None and self.fv is not None:
                 keep = max(0, self.fk.shape[-2] - gone)
+                gone_q = gone - (self.fk.shape[-2] - keep)  # the rest from the quantized positions (stay integers)
                 self.fk, self.fv = self.fk[..., :keep, :], self.fv[..., :keep, :]  # [B, h_full, keep, ·]
+                if self.qk is not None and self.qv is not None and gone_q > 0:
+                    q = max(0, self.qk.n - gone_q)
+                    self.qk, self.qv = self.qk.narrow(0, q), self.qv.narrow(0, q)  # [B, h_full, q, ·]
             if self.sk is not None and self.sv is not None:
                 keep = int((self.held < target).sum())  # the held positions are ascending
                 self.sk, self.sv, self.held = self.sk[..., :keep, :], self.sv[..., :keep, :], self.held[:keep]
             self.length = target
+        if self.bits is not None and self.fk is not None:
+            self._age()
         self._evict()
-        if self.stream:
+        if self.stream or self.bits is not None:
             self._own()
 
     def offload(self, *args: Any, **kwargs: Any):
@@ -485,10 +590,22 @@ class BudgetCache(Cache):
     before transformers 5.24): per layer, the plan's full K/V heads keep what the model's own cache
     keeps, the streaming heads their sink and window of it. The model must run bhqk's attention
     (``attn_implementation="bhqk"``). ``shape``: the model's :class:`~bhqk.budget.plan.ModelShape`
-    (default: what the plan records; without either, every layer full attention)."""
+    (default: what the plan records; without either, every layer full attention). ``bits`` (8 or 4): the
+    full heads' positions older than the last ``residual`` are stored in integers, ``group`` channels a
+    scale (default 32 where it divides d, else d), and read ``block`` positions at a time
+    (:mod:`bhqk.budget.quant`); None: float, as the model's own cache."""
 
-    def __init__(self, plan: Any, shape: Any = None) -> None:  # a bhqk.budget.Plan (not imported: plan.py imports this module)
+    def __init__(self, plan: Any, shape: Any = None, bits: int | None = None, group: int | None = None,
+                 residual: int = RESIDUAL, block: int = BLOCK) -> None:  # plan: a bhqk.budget.Plan (plan.py imports this module)
         shape = shape if shape is not None else plan.model
+        if bits is None:
+            if group is not None:
+                raise ValueError(f"budget cache: group={group!r} is the quantization's group; pass bits=8 or 4 with it.")
+        else:
+            group = check_bits(bits, group, None if shape is None else shape.head_dim, "budget cache")
+        for name, v, low in (("residual", residual, 0), ("block", block, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"budget cache: {name} must be an int >= {low} (positions), got {v!r}.")
         keeps = plan.full | plan.free(shape)  # [L, Hkv] a head within its layer's own window keeps what a full one does
         layers = []
         for li in range(plan.num_layers):
@@ -496,7 +613,7 @@ class BudgetCache(Cache):
             stream = [g for g in range(plan.num_kv_heads) if not bool(keeps[li, g])]
             span = None if shape is None else shape.windows[li]
             expect = (plan.num_kv_heads, None if shape is None else shape.head_dim)
-            layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li, span, expect))
+            layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li, span, expect, bits, group, residual, block))
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.plan, self.shape, self.budget_layers = plan, shape, layers
 
@@ -526,8 +643,9 @@ class BudgetCache(Cache):
         of the positions held; the two are equal but on a sliding or chunked layer whose heads are all
         full, which keeps its ``window − 1`` positions as a view of the ``window`` its last decode step
         wrote (as transformers' own ``DynamicSlidingWindowLayer`` does): one position more per such
-        layer (B·Hkv·(d + dv) elements)."""
-        return _storage_bytes([t for layer in self.budget_layers for t in layer.tensors()])
+        layer (B·Hkv·(d + dv) elements). Quantized positions count their integers, scales and zeros."""
+        return (_storage_bytes([t for layer in self.budget_layers for t in layer.tensors()])
+                + sum(q.nbytes() for layer in self.budget_layers for q in (layer.qk, layer.qv) if q is not None))
 
     def positions(self, layer: int, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` of ``layer`` holds now."""

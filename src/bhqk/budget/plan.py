@@ -174,7 +174,8 @@ class Plan:
         return total
 
     def nbytes(self, length: int, model: nn.Module | ModelMap, batch: int = 1,
-               dtype: torch.dtype | None = None) -> tuple[int, int]:
+               dtype: torch.dtype | None = None, bits: int | None = None, group: int | None = None,
+               residual: int | None = None) -> tuple[int, int]:
         """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
         transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
         layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
@@ -182,7 +183,11 @@ class Plan:
         own ``cache.nbytes()`` measures the memory its tensors keep allocated, which is this after a
         prefill and, after a decode step, one position (per sequence and K/V head) more on each sliding
         or chunked layer whose heads are all full (its window − 1 positions are a view of the window the
-        step wrote, as in transformers' own cache)."""
+        step wrote, as in transformers' own cache). ``bits``, ``group``, ``residual``: as :meth:`cache` (a full
+        head's positions older than the last ``residual`` in integers, scales and zero points included)."""
+        from .quant import RESIDUAL, position_bytes
+        from .quant import check as check_bits
+
         _count("Plan.nbytes", "length", length)
         _count("Plan.nbytes", "batch", batch, 1)
         m = self.check(model)
@@ -190,17 +195,40 @@ class Plan:
         dt = dtype or next(m.model.parameters()).dtype
         per = 2 * shape.head_dim * torch.empty((), dtype=dt).element_size() * batch  # key + value of one position
         own = sum(shape.kv_heads * kept_full(length, w) for w in shape.windows)
-        return self.held(length, shape) * per, own * per
+        if bits is None:
+            return self.held(length, shape) * per, own * per
+        g = check_bits(bits, group, shape.head_dim, "Plan.nbytes")
+        assert g is not None
+        r = RESIDUAL if residual is None else residual
+        _count("Plan.nbytes", "residual", r)
+        qper = 2 * position_bytes(shape.head_dim, bits, g) * batch  # key + value of one quantized position
+        keeps = self.full | self.free(shape)  # [L, Hkv] the heads the cache runs as full (quantized)
+        total = 0
+        for li, w in enumerate(shape.windows):
+            n_full = int(keeps[li].sum())
+            n = kept_full(length, w)
+            nq = max(0, n - r)  # held positions older than the last `residual`
+            total += n_full * (nq * qper + (n - nq) * per)
+            total += (self.num_kv_heads - n_full) * kept_streaming(length, w, self.sink, self.window) * per
+        return total, own * per
 
     # ---- use ------------------------------------------------------------------------------------
-    def cache(self, model: nn.Module | ModelMap | None = None):
+    def cache(self, model: nn.Module | ModelMap | None = None, bits: int | None = None, group: int | None = None,
+              residual: int | None = None, block: int | None = None):
         """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`),
         each layer as the model masks it. ``model``: checked against the plan first; without it, the
         cache checks the first keys the model writes (K/V heads, and the head size where the plan
-        records it) before storing them, and a plan of more layers than the model at its next forward."""
+        records it) before storing them, and a plan of more layers than the model at its next forward.
+        ``bits`` (8 or 4): the full heads' keys and values older than the last ``residual`` positions
+        (default 64) in integers, ``group`` channels a scale (default 32, or d), read ``block`` positions
+        at a time (default 1024; :mod:`bhqk.budget.quant`); an all-full plan with ``bits`` is a quantized
+        cache for any model."""
         from .cache import BudgetCache
+        from .quant import BLOCK, RESIDUAL
 
-        return BudgetCache(self, None if model is None else self.check(model).shape)
+        shape = None if model is None else self.check(model).shape  # a plan of another model: refused first
+        return BudgetCache(self, shape, bits, group, RESIDUAL if residual is None else residual,
+                           BLOCK if block is None else block)
 
     def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
         """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):

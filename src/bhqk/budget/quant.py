@@ -1,0 +1,241 @@
+"""Quantized keys and values for the budget cache (``plan.cache(model, bits=8 | 4)``, docs/design.md §9).
+
+One quantizer, :func:`quantize`, used by the cache and by whatever emulates it (:func:`fake_quantize`
+is ``dequantize(quantize(x))``, the same arithmetic bit for bit): asymmetric min-max over groups of
+``group`` consecutive channels of ONE position (per token, for keys and values alike), a scale and a
+zero point (the group's minimum) per group stored in float16, the integers in ``uint8`` — two per
+byte at 4 bits (channel 2i in the low nibble, 2i + 1 in the high one). Per token, every position is
+quantized on its own: a cache drops, crops and reorders positions without requantizing, and a NaN or
+inf in one key or value spoils only that position's groups (it reaches only the rows that may attend
+that position, as on every other path).
+
+:func:`attend` reads the quantized positions block by block: each block of ``block`` positions is
+dequantized into one reused float buffer and attended (bhqk's attention, ``return_lse=True``), and the
+partial results — blocks, then the float positions — are merged by log-sum-exp (:func:`bhqk.functional.
+merge.merge`, as the span path merges spans); sinks join once at the end. No float copy of the whole
+cache is ever made: a decode step reads the integers, and O(block·d) floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..functional import attention
+from ..functional.merge import lse_of, merge, with_sinks
+
+BITS = (8, 4)
+GROUP = 32  # channels per scale (the default where it divides d; else d)
+RESIDUAL = 64  # the most recent positions kept in float (plus the positions a call writes)
+BLOCK = 1024  # positions dequantized at a time by attend (SmolLM2 at 8k, 1 thread: 512 → 7.1 ms a layer, 1024 → 4.5, 2048 → 3.2)
+SCALE_DTYPE = torch.float16  # scales and zero points: 4 bytes a group
+
+
+def check(bits: object, group: object, d: int | None, where: str = "bits") -> int | None:
+    """The group size to use (``group`` or the default for head size ``d``), or a ``ValueError`` for bits
+    other than 8 and 4, or a group that is not a positive divisor of ``d`` (``d`` None: unknown yet)."""
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"{where}: bits must be one of {', '.join(map(str, BITS))} (or None: not quantized), got {bits!r}.")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"{where}: group must be a positive int (channels per scale), got {group!r}.")
+    if d is None:
+        return group
+    g = group if group is not None else (GROUP if d % GROUP == 0 else d)
+    if d % g:
+        raise ValueError(f"{where}: group={g} does not divide the head size d={d}; choose a divisor of {d} "
+                         f"(e.g. {', '.join(str(x) for x in (16, 32, 64, d) if d % x == 0 and x <= d)}).")
+    if bits == 4 and d % 2:
+        raise ValueError(f"{where}: bits=4 packs two channels a byte; the head size d={d} is odd.")
+    return g
+
+
+def position_bytes(d: int, bits: int, group: int) -> int:
+    """Bytes of one quantized position of one head (the integers, scales and zero points)."""
+    return d * bits // 8 + 2 * (d // group) * torch.empty((), dtype=SCALE_DTYPE).element_size()
+
+
+@dataclass
+class Quantized:
+    """Positions of some heads in integers: ``data`` uint8 [B, h, n, d·bits/8], ``scale`` and ``zero``
+    float16 [B, h, n, d/group]; ``dtype`` the float dtype they dequantize to."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group: int
+    dtype: torch.dtype
+    finite: bool = True  # every scale and zero point finite (then every value dequantizes finite); False: maybe not
+
+    @property
+    def n(self) -> int:
+        """Positions held."""
+        return int(self.data.shape[-2])
+
+    @property
+    def d(self) -> int:
+        return int(self.data.shape[-1]) * 8 // self.bits
+
+    def narrow(self, start: int, length: int) -> Quantized:
+        """Positions ``start`` … ``start + length − 1`` (views)."""
+        return self.map(lambda t: t.narrow(-2, start, length))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Quantized:
+        """``fn`` on each of data, scale and zero (the same [B, h, n, ·] leading axes)."""
+        return Quantized(fn(self.data), fn(self.scale), fn(self.zero), self.bits, self.group, self.dtype, self.finite)
+
+    def cat(self, other: Quantized) -> Quantized:
+        """These positions, then ``other``'s (copies)."""
+        return Quantized(torch.cat([self.data, other.data], dim=-2), torch.cat([self.scale, other.scale], dim=-2),
+                         torch.cat([self.zero, other.zero], dim=-2), self.bits, self.group, self.dtype,
+                         self.finite and other.finite)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float [B, h, n, d] (into ``out`` when given: a buffer of that shape, reused by :func:`attend`)."""
+        *lead, n, _ = self.data.shape
+        d, g = self.d, self.group
+        if out is None:
+            out = torch.empty(*lead, n, d, dtype=self.dtype, device=self.data.device)
+        if self.bits == 8:
+            out.copy_(self.data)  # uint8 [B, h, n, d] -> float
+        else:
+            out[..., 0::2].copy_(self.data & 15)  # [B, h, n, d/2] low nibbles: the even channels
+            out[..., 1::2].copy_(self.data >> 4)  # high nibbles: the odd channels
+        grouped = out.view(*lead, n, d // g, g)  # [B, h, n, d/g, g]
+        grouped.mul_(self.scale.to(out.dtype)[..., None]).add_(self.zero.to(out.dtype)[..., None])
+        return out
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> Quantized:
+    """x float [B, h, n, d] → :class:`Quantized`: per position, groups of ``group`` channels, each
+    ``round((x − min) / scale)`` in 0 … 2^bits − 1 with scale = (max − min) / (2^bits − 1), the scale and
+    min rounded to float16 first (so the integers are computed from what is stored)."""
+    *lead, n, d = x.shape
+    top = (1 << bits) - 1
+    xg = x.reshape(*lead, n, d // group, group)  # [B, h, n, d/g, g]
+    lo, hi = xg.amin(-1), xg.amax(-1)  # [B, h, n, d/g] (NaN in a group: NaN, and the group dequantizes to NaN)
+    zero = lo.to(SCALE_DTYPE)
+    scale = ((hi - zero.to(x.dtype)) / top).to(SCALE_DTYPE)
+    s = scale.to(x.dtype)
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every integer 0
+    q = ((xg - zero.to(x.dtype)[..., None]) / s[..., None]).round_().clamp_(0, top)  # [B, h, n, d/g, g]
+    q = torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(*lead, n, d)  # [B, h, n, d]
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)  # [B, h, n, d/2]: two channels a byte
+    return Quantized(q, scale, zero, bits, group, x.dtype, _finite(scale, zero))
+
+
+def _finite(scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether every value of these groups dequantizes finite (q·scale + zero, q ≤ 255: the float16 scale
+    and zero point finite; d/group numbers a position, not d)."""
+    return bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``quantize`` then ``dequantize``: the float values a quantized cache attends (x [.., n, d])."""
+    shape = x.shape
+    x4 = x.reshape(-1, 1, shape[-2], shape[-1]) if x.dim() != 4 else x  # [.., n, d] -> [B', 1, n, d]
+    return quantize(x4, bits, group).dequantize().reshape(shape)
+
+
+def attend(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torch.Tensor, values: torch.Tensor,
+           masks_at: Callable[[int, int], tuple[object, torch.Tensor | None]], *, scale: float | None,
+           softcap: float | None, sinks: torch.Tensor | None, block: int = BLOCK) -> torch.Tensor:
+    """Attention of ``query`` [B, H, Q, d] over positions held as ``qkeys``/``qvalues`` (columns 0 … nq − 1)
+    then ``keys``/``values`` float [B, h, K − nq, ·] (columns nq … K − 1) → out [B, H, Q, dv].
+    ``masks_at(a, b)``: (mask, additive bias) of columns a … b − 1. Each block of ``block`` quantized
+    positions is dequantized into one reused buffer and attended; the partials are merged by
+    log-sum-exp (sinks [H], if any, once at the end)."""
+    nq = qkeys.n
+    B, h = qkeys.data.shape[:2]
+    dt = torch.float64 if query.dtype == torch.float64 else torch.float32  # scores and sums (fp16/bf16 too)
+    kbuf = torch.empty(B, h, min(block, nq), qkeys.d, dtype=dt, device=query.device)  # reused per block
+    vbuf = torch.empty(B, h, min(block, nq), qvalues.d, dtype=dt, device=query.device)
+    qc = query.to(dt)
+    out: torch.Tensor | None = None  # [B, H, Q, dv]: the partials merged so far
+    lse: torch.Tensor | None = None  # [B, H, Q]
+    for a in range(0, nq, block):
+        b = min(nq, a + block)
+        kq, vq = qkeys.narrow(a, b - a), qvalues.narrow(a, b - a)
+        kb = kq.dequantize(kbuf[..., :b - a, :])  # [B, h, b − a, d]
+        vb = vq.dequantize(vbuf[..., :b - a, :])  # [B, h, b − a, dv]
+        m, bias = masks_at(a, b)
+        if (qkeys.finite or _finite(kq.scale, kq.zero)) and (qvalues.finite or _finite(vq.scale, vq.zero)):
+            o, lo = _block(qc, kb, vb, m, bias, scale, softcap)  # [B, H, Q, dv], [B, H, Q]
+        else:  # a NaN or inf: bhqk's attention confines it to the rows that may attend it
+            o, lo = attention(qc, kb, vb, m, bias=bias, scale=scale, softcap=softcap, return_lse=True)
+        out, lse = (o, lo) if out is None or lse is None else _merge(out, lse, o, lo)
+    K = nq + keys.shape[-2]
+    if K > nq:
+        m, bias = masks_at(nq, K)
+        o, lo = attention(query, keys, values, m, bias=bias, scale=scale, softcap=softcap, return_lse=True)
+        out, lse = (o, lo) if out is None or lse is None else _merge(out, lse, o, lo)
+    assert out is not None and lse is not None
+    if sinks is not None:
+        bad = _spoiled(out, lse)  # [B, H, Q]
+        out = torch.where(bad[..., None], out, with_sinks(out, lse, sinks)[0])
+    return out.to(query.dtype)
+
+
+def _heads(t: torch.Tensor | None, h: int, G: int) -> torch.Tensor | None:
+    """A mask or bias [#B, #H, #Q, n] in the grouped layout [#B, h or 1, G or 1, #Q, n] of :func:`_block`."""
+    if t is None:
+        return None
+    if t.dim() == 4 and t.shape[1] == h * G and h * G > 1:
+        return t.unflatten(1, (h, G))  # [#B, H, #Q, n] -> [#B, h, G, #Q, n]
+    return t.reshape(*([1] * (4 - t.dim())), *t.shape)[:, :, None]  # [#B, 1, #Q, n] -> [#B, 1, 1, #Q, n]
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m, bias: torch.Tensor | None, scale: float | None,
+           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, H, Q, d] over one block of finite keys k [B, h, n, d] and values v [B, h, n, dv]
+    → (out [B, H, Q, dv], lse [B, H, Q]), no sinks: two matmuls of the h K/V heads' G query heads each (no
+    per-call dispatch; a fully masked row gives out 0 and lse −inf)."""
+    B, H, Q, d = q.shape
+    h = k.shape[1]
+    G = H // h
+    s = torch.matmul(q.reshape(B, h, G * Q, d), k.transpose(-1, -2))  # [B, h, G·Q, n]
+    s = s.mul_(d ** -0.5 if scale is None else scale).view(B, h, G, Q, -1)  # [B, h, G, Q, n]
+    if softcap is not None:
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
+    b = _heads(bias, h, G)
+    if b is not None:
+        s = s + b.to(s.dtype)
+    mk = _heads(m if isinstance(m, torch.Tensor) else None, h, G)
+    if mk is not None:
+        s = s.masked_fill(~mk, float("-inf"))
+    top = s.amax(-1)  # [B, h, G, Q]
+    p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None])  # [B, h, G, Q, n]
+    total = p.sum(-1)  # [B, h, G, Q]
+    o = torch.matmul(p.view(B, h, G * Q, -1), v).view(B, h, G, Q, -1)  # [B, h, G, Q, dv]
+    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return o.reshape(B, H, Q, -1), lse_of(top, total).reshape(B, H, Q)  # [B, H, Q, dv], [B, H, Q]
+
+
+def _spoiled(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """bool [B, H, Q]: rows a NaN or inf reached (they attend a non-finite key or value)."""
+    return lse.isnan() | ~torch.isfinite(out).all(-1)
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~bhqk.functional.merge.merge`, keeping non-finite rows non-finite: a row a NaN or inf reached in
+    either part (bhqk's attention confines them to the rows that may attend them) takes the non-finite
+    parts' sum and lse NaN, where ``merge`` would read NaN as "saw nothing" (its partials are finite)."""
+    bad_a, bad_b = _spoiled(out_a, lse_a), _spoiled(out_b, lse_b)  # [B, H, Q]
+    out, lse = merge(out_a, lse_a, out_b, lse_b)  # [B, H, Q, dv], [B, H, Q]
+    if not bool((bad_a | bad_b).any()):
+        return out, lse
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    spoiled = torch.where(bad_a[..., None], out_a, zero) + torch.where(bad_b[..., None], out_b, zero)  # [B, H, Q, dv]
+    bad = bad_a | bad_b
+    return torch.where(bad[..., None], spoiled, out), torch.where(bad, torch.full_like(lse, float("nan")), lse)
+
+
+__all__ = ["BITS", "GROUP", "RESIDUAL", "BLOCK", "Quantized", "quantize", "fake_quantize", "attend", "check",
+           "position_bytes"]
