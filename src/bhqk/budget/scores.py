@@ -140,7 +140,7 @@ def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> 
         raise ShapeError(f"kl scores read the logits as the output embedding of the final hidden states (and Gemma's "
                          f"soft cap); {type(m.model).__name__} computes them otherwise (max difference "
                          f"{float((mine - end).abs().max()):.3g}).")
-    logp = torch.cat([torch.log_softmax(m.logits(hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
+    logp = torch.cat([m.log_probs(hidden[:, a:a + chunk])  # [B, c, V]
                       for a in range(start, N, chunk)], dim=1)  # [B, n, V]
     ref = Reference(ids, start, logp, hidden, inputs if len(inputs) == L else None)
     if ref.inputs is not None:  # a run from the middle must give the full run's states, else run whole
@@ -156,7 +156,7 @@ def next_token_kl(m: ModelMap, hidden: torch.Tensor, ref: Reference, chunk: int 
     ``ref.start`` … N−1, from this run's final hidden states [B, N, d], ``chunk`` rows of logits at a time."""
     out = []
     for a in range(ref.start, hidden.shape[1], chunk):
-        logp = torch.log_softmax(m.logits(hidden[:, a:a + chunk]).float(), -1)  # [B, c, V]
+        logp = m.log_probs(hidden[:, a:a + chunk])  # [B, c, V]
         r = ref.logp[:, a - ref.start:a - ref.start + logp.shape[1]]  # [B, c, V]
         out.append((r.exp() * (r - logp)).sum(-1))  # [B, c]
     return torch.cat(out, dim=1)  # [B, n]
@@ -210,7 +210,7 @@ def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: i
         grad = torch.zeros_like(hidden)  # d log-likelihood / d hidden, [1, N, d]
         for a in range(start, N, chunk):
             h = hidden[:, a:a + chunk].detach().requires_grad_(True)  # [1, c, d]
-            logp = torch.log_softmax(m.logits(h).float(), -1)  # [1, c, V]
+            logp = m.log_probs(h)  # [1, c, V]
             y = torch.multinomial(logp.detach()[0].exp().cpu(), 1, generator=gen).to(logp.device)  # [c, 1]
             grad[:, a:a + chunk] = torch.autograd.grad(logp[0].gather(-1, y).sum(), h)[0]
         hidden.backward(grad)

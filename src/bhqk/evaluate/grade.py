@@ -42,6 +42,7 @@ import torch
 from ..budget import Plan
 from ..budget.scores import first_row
 from ..integrations.greedy import eos_ids, greedy
+from ..integrations.model_map import cache_keyword, model_map
 from .tasks import Prompt
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile
@@ -309,20 +310,11 @@ def text_chunks(tok, length: int, chunks: int) -> torch.Tensor:
 
 def _hidden(model, ids: torch.Tensor, plan: Plan | None) -> torch.Tensor:
     """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache)."""
-    from ..integrations.model_map import cache_keyword, model_map
-
     dec = model_map(model).stack()
     kw: dict[str, Any] = {"use_cache": False}
     if plan is not None:
         kw = {"use_cache": True, cache_keyword(dec): _cache(model, plan)}
     return dec(input_ids=ids, **kw).last_hidden_state[0]  # [1, N, D] -> [N, D]
-
-
-def _log_probs(model, h: torch.Tensor) -> torch.Tensor:
-    """log softmax of the output head at hidden states h [n, D] → [n, V] float32 (Gemma's final soft cap applied)."""
-    from ..integrations.model_map import model_map
-
-    return torch.log_softmax(model_map(model).logits(h).float(), -1)
 
 
 def start_of(plans: Iterable[Plan | None]) -> int:
@@ -404,6 +396,7 @@ def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, ch
     from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk grade)
 
     _check(model, plans)
+    m = model_map(model)
     x = text_chunks(tok, length, chunks)  # [C, N]
     s = start_of(plans.values())
     if not 0 <= s <= length - 2:
@@ -427,10 +420,10 @@ def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, ch
             r_nll = 0.0
             for i in range(0, h_ref.shape[0], BLOCK):
                 t = target[i : i + BLOCK, None]  # [b, 1]
-                lp = _log_probs(model, h_ref[i : i + BLOCK])  # [b, V]
+                lp = m.log_probs(h_ref[i : i + BLOCK])  # [b, V]
                 r_nll -= float(lp.gather(1, t).sum())
                 for name, plan in plans.items():
-                    lq = lp if plan is None else _log_probs(model, hs[name][i : i + BLOCK])  # [b, V]
+                    lq = lp if plan is None else m.log_probs(hs[name][i : i + BLOCK])  # [b, V]
                     sums[name][0] += float((lp.exp() * (lp - lq)).sum())
                     sums[name][1] -= float(lq.gather(1, t).sum())
             n = h_ref.shape[0]

@@ -151,6 +151,11 @@ class ModelMap:
             z = cap * torch.tanh(z / cap)
         return z
 
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next-token log-probabilities of final hidden states [..., D] -> [..., V], in float32: the one
+        place the scores and grading read the model's distribution."""
+        return torch.log_softmax(self.logits(hidden).float(), -1)
+
     def stack(self) -> Any:
         """The decoder stack (a ``TypeError`` for a model that has none)."""
         if self.decoder is None:
