@@ -10,7 +10,8 @@ inf in one key or value spoils only that position's groups (it reaches only the 
 that position, as on every other path).
 
 :func:`attend` reads the quantized positions block by block: each block of ``block`` positions is
-dequantized into one reused float buffer and attended (bhqk's attention, ``return_lse=True``), and the
+dequantized into one reused float buffer and attended (two matmuls over the grouped query heads; a
+block whose scales or zero points are not all finite through bhqk's attention, which confines them), and the
 partial results — blocks, then the float positions — are merged by log-sum-exp (:func:`bhqk.functional.
 merge.merge`, as the span path merges spans); sinks join once at the end. No float copy of the whole
 cache is ever made: a decode step reads the integers, and O(block·d) floats.
@@ -29,7 +30,7 @@ from ..functional.merge import lse_of, merge, with_sinks
 BITS = (8, 4)
 GROUP = 32  # channels per scale (the default where it divides d; else d)
 RESIDUAL = 64  # the most recent positions kept in float (plus the positions a call writes)
-BLOCK = 1024  # positions dequantized at a time by attend (SmolLM2 at 8k, 1 thread: 512 → 7.1 ms a layer, 1024 → 4.5, 2048 → 3.2)
+BLOCK = 1024  # positions dequantized at a time by attend (the buffer is [B, Hkv, BLOCK, d] float32; docs/benchmarks.md)
 SCALE_DTYPE = torch.float16  # scales and zero points: 4 bytes a group
 
 
