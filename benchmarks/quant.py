@@ -6,7 +6,7 @@
   full plan and the quarter plan (``fisher-stored`` at 0.25, sink 64, window 256: benchmarks/budget.py's),
   ``bits`` None / 8 / 4 (group 32, a float window of 64): ``Plan.nbytes`` predicted, and for ``--measure``
   configurations the cache's ``nbytes()`` after a prefill of ``--n`` tokens (they must agree).
-- perplexity of the first N tokens of ``pydoc_data.topics`` (the needle filler) for each N of ``--ppl``,
+- perplexity of the first N tokens of ``pydoc_data.topics`` (``bhqk.corpus``) for each N of ``--ppl``,
   fed in chunks of ``--chunk`` tokens through the cache (each chunk reads the earlier ones from the cache,
   so the quantized positions are read as a decode step reads them), per configuration, and its ratio to
   the full cache's.
@@ -64,10 +64,10 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import DynamicCache
 
-    from bhqk.inspect import needle
+    from bhqk import corpus
 
     model, tok = load()
-    text = needle.filler(tok)[0]
+    text = corpus.prefix(tok) + corpus.filler(tok)  # the corpus's one rule: a text starts as its tokenizer starts one
     ps = plans(model, tok)
     own = ps["full"].nbytes(a.n, model)[1]
     out: dict = {"meta": {**machine.describe(), "model": "smollm2-135m (fp32)", "n": a.n, "chunk": a.chunk,
