@@ -513,7 +513,9 @@ def test_canonical_addresses_select_what_the_module_paths_select(kind):
             outs[sel] = (cap.records, m(ids).logits)
     (r1, l1), (r2, l2) = outs.values()
     assert [r.name for r in r2] == [LAYER[kind]] and [r.address for r in r2] == ["layers.1.attn"]
-    assert torch.equal(r1[0].weights, r2[0].weights) and torch.equal(l1, l2)
+    assert r1[0].weights.shape == r2[0].weights.shape  # the same call, computed twice: within rounding
+    assert_close(r2[0].weights, r1[0].weights, n=9)
+    assert_models_close(l2, l1, width=64, layers=2)
     with torch.no_grad(), bhqk.capture(model=m, layers="layers.*.attn", what=("lse",)) as every:
         m(ids)
     assert [r.address for r in every.records] == ["layers.0.attn", "layers.1.attn"]
