@@ -141,7 +141,7 @@ def fake_quantize(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """``quantize`` then ``dequantize``: the float values a quantized cache attends (x [.., n, d])."""
     shape = x.shape
     x4 = x.reshape(-1, 1, shape[-2], shape[-1]) if x.dim() != 4 else x  # [.., n, d] -> [B', 1, n, d]
-    return quantize(x4, bits, group).dequantize().reshape(shape)
+    return quantize(x4, bits, group).dequantize().reshape(shape)  # [B', 1, n, d] -> [.., n, d]
 
 
 def attend(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torch.Tensor, values: torch.Tensor,

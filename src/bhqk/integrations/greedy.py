@@ -46,7 +46,7 @@ def eos_ids(model, tok=None) -> set[int]:
     return ids
 
 
-def logits_of(out) -> torch.Tensor:
+def _logits(out) -> torch.Tensor:
     """A forward's logits [B, N, V] from a tensor, a tuple (logits first) or an object with ``.logits``."""
     if isinstance(out, torch.Tensor):
         return out
@@ -65,7 +65,7 @@ def forward_logits(model, ids: torch.Tensor, last_only: bool = False) -> torch.T
                 kw["logits_to_keep"] = 1
         except (TypeError, ValueError, AttributeError):
             pass
-    return logits_of(model(ids, **kw))
+    return _logits(model(ids, **kw))
 
 
 def _is_hf(model) -> bool:
@@ -126,4 +126,4 @@ def greedy(model, ids: torch.Tensor | list[int], cache: Any = None, *, max_new_t
         return Reply(new, t1 - t0, time.perf_counter() - t1, cache)
 
 
-__all__ = ["greedy", "eos_ids", "Reply", "logits_of", "forward_logits"]
+__all__ = ["greedy", "eos_ids", "Reply", "forward_logits"]

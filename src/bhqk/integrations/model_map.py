@@ -76,11 +76,6 @@ class ModelShape:
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layer_types": list(self.layer_types),
                 "windows": list(self.windows)}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelShape:
-        return cls(int(d["layers"]), int(d["heads"]), int(d["kv_heads"]), int(d["head_dim"]), tuple(d["layer_types"]),
-                   tuple(None if w is None else int(w) for w in d["windows"]), d.get("name"), d.get("model_type"))
-
 
 @dataclass(frozen=True, eq=False)
 class ModelMap:
