@@ -52,16 +52,12 @@ def forward(model, ids: torch.Tensor):
 
 
 # ---- text and needle prompts ----------------------------------------------------------------------
-def pydoc_text() -> str:
-    """Python's documentation topics (pydoc_data.topics), every topic in name order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
 def pydoc_ids(tok, n: int, offset: int = 0) -> torch.Tensor:
-    """[1, n] tokens of the pydoc text from token ``offset``."""
-    ids = tok(pydoc_text(), add_special_tokens=False)["input_ids"]
+    """[1, n] tokens of the corpus (``bhqk.corpus``: Python's documentation, the one rule for special
+    tokens) from token ``offset``."""
+    from bhqk import corpus
+
+    ids = corpus.prefix(tok) + corpus.filler(tok)
     if len(ids) < offset + n:
         raise SystemExit(f"the pydoc text has {len(ids)} tokens; {offset + n} asked")
     return torch.tensor(ids[offset: offset + n])[None]
