@@ -391,10 +391,10 @@ def test_masks_and_biases_are_staged_on_the_device(kind):
     b = bhqk.bias.alibi(H, "top_left") + bhqk.bias.dense(torch.randn(B, 1, Q, K))
     before = [t.device for t in _public_tensors(m) + _public_tensors(b)]
     meta = torch.device("meta")
-    sm, sb = tiled._staged(m, meta), tiled._staged(b, meta)
+    sm, sb = m.staged(meta), b.staged(meta)
     assert all(t.device == meta for t in _public_tensors(sm) + _public_tensors(sb))
     assert [t.device for t in _public_tensors(m) + _public_tensors(b)] == before  # the caller's are untouched
-    assert sb is not b and tiled._staged(b, torch.device("cpu")) is b  # nothing to move: the same object
+    assert sb is not b and b.staged(torch.device("cpu")) is b  # nothing to move: the same object
     ext = masks.Extent(B, H, Q, K)
     cpu = torch.device("cpu")
     for staged, orig, what in ((sm, m, "block"), (sb, b, "block")):

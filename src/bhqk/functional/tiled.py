@@ -1,90 +1,49 @@
 """The "tiled" backend: FlashAttention-2's online softmax in plain PyTorch, forward and backward,
 never building a tensor whose size grows with Q·K.
 
-The forward is Algorithm 1 of FlashAttention-2 (Dao, 2023): per query block Q_i a running max m,
-a running sum l and an unnormalized output O; per key block K_j, V_j one step, ``_step``:
+The forward is Algorithm 1 of FlashAttention-2 (Dao, 2023; the comment before :func:`forward`), the
+backward its Algorithm 2 (P recomputed per tile from the saved out and lse; before :func:`backward`),
+in PyTorch ops batched over B and H. Query heads are grouped by the key/value head they share
+(G = H / Hkv): the rows of a query block ("row group") are (query, group) pairs,
+``"b (hkv g) q d -> (b hkv) (q g) d"``, so one ``bmm`` per tile serves all G heads of a K/V head
+(GQA without copying K and V). ``tiled_plan`` chooses the rectangles ``[r0:r1, k0:k1]`` of the
+score grid that are computed (tall where the mask is full, single blocks where it is partial).
 
-    S = Q_i K_jᵀ;  m_new = max(m, rowmax S);  P̃ = exp(S - m_new)
-    l = exp(m - m_new)·l + rowsum P̃;  O = exp(m - m_new)·O + P̃ V_j;  m = m_new
+Deltas from Algorithm 1, each marked "Δ from Alg. 1" next to the code: on the CPU a pass over a
+score tile costs about as much as a matmul, so they save passes. Base 2 (log2 e and the scale
+folded into Q_i, ``exp2``; ``torch.exp`` on the CPU is up to 90× slower on -inf and underflow);
+-m folded into the Q·Kᵀ matmul as an extra column, with m starting at a stand-in 0; lazy
+rescaling (``_max_pass``, threshold ``TAU``); the optimistic exponent (CPU path); the plan's
+skipped, joined and partial-row rectangles. Fully masked rows give out 0 and lse -inf; sinks join
+each row's denominator at the end (lse includes them; gradient :func:`sinks_grad`); dropout
+zeroes P̃'s entries after its row sums by a keep-mask regenerated per tile (``tiled_dropout``).
 
-and at the end of the block O / l and L = m + log l (``_finish_group``). The backward is its
-Algorithm 2: P = exp(S - L) recomputed per tile from the saved out and lse. Both are written in
-PyTorch ops batched over B and H. Query heads are grouped by the key/value head they share
-(G = H / Hkv) and the rows of a query block ("row group") are (query, group) pairs,
-``"b (hkv g) q d -> (b hkv) (q g) d"``, so one ``bmm`` per tile serves all G heads of a K/V head:
-GQA without copying K and V. ``tiled_plan`` chooses the blocks: which rectangles ``[r0:r1, k0:k1]``
-of the score grid are computed (tall ones where the mask is full, single blocks where it is
-partial, none where it is empty).
+Every buffer is allocated once per call and filled with ``out=`` / in-place ops (fresh allocations
+cost page faults). On the CPU the (batch, key/value head) slices, or the row groups of a single
+slice, are shared out among worker threads running single-threaded ops (``tiled_threads``).
+fp16/bf16 are computed in float32 and rounded once at the end; float64 stays float64. NaN/inf in
+k or v (found by a check over them) take slow paths: the mask applied with masked_fill, key rows
+no row of a tile may attend zeroed, NaN/inf in v replaced by 0 and counted per row that may attend
+them (``nonfinite``). A bias's huge finite negative values (``finfo.min``) stay finite in base 2.
 
-Deltas from Algorithm 1, each marked "Δ from Alg. 1" next to the code that makes it. On the CPU
-every pass over a score tile costs about as much as a pass of the matmuls, so they save passes:
+Axes: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv] (docs/design.md §1). A worker's slice:
+``Bw``, ``Hkvw`` its batch elements and key/value heads (Hw = Hkvw·G query heads), ``n = Bw·Hkvw``
+the batch axis of every bmm; ``(q g)`` a row group's rows, R = (q1 - q0)·G of them (a rectangle's
+rows r0:r1 are a:b = G·(r0 - q0) : G·(r1 - q0)); ``kw`` a rectangle's keys k0:k1. Score tiles are
+[n, rows, kw]; queries carry a folded column, [n, rows, d+1]; keys a column of ones, [n, kw, d+1].
 
-- base 2: log2(e) and the scale are folded into Q_i once, and ``exp2`` replaces exp (as
-  FlashAttention does; here also because ``torch.exp`` on the CPU takes a slow path for -inf and
-  underflowing inputs, up to 90× slower);
-- folding: -m rides in the Q·Kᵀ matmul as an extra column, ``[q·scale, -m] · [k, 1]ᵀ = S - m``
-  (in the backward ``[q·scale, -lse]`` and ``[dO, -delta] · [v, 1]ᵀ = dP - delta``);
-- m starts at a stand-in 0, not -inf (the folded column must stay finite);
-- lazy rescaling: m is raised only where a tile's row max exceeds it by more than ``TAU`` (base 2)
-  or at a row's first finite score (``_max_pass``, the one max pass of every path);
-- the optimistic exponent: once every row of a group has a real m (``settled``), a rectangle is
-  exponentiated with the old m, skipping the max pass; if a row sum exceeds 2^24 (a max that grew
-  by more than 24), its scores are recomputed and it takes the max pass after all. Accepted tiles
-  hold entries 2^(S - m) < 2^24, so the result is exact to rounding (CPU path only);
-- the plan skips empty key blocks, joins full ones into tall rectangles (never evaluating the
-  mask on them), and a rectangle may cover only some rows of its group;
-- fully masked rows (l = 0) give out 0 and lse -inf; sinks add exp(sink[h]) to each row's
-  denominator at the end (the returned lse includes it, so the backward's P = exp(S - lse) and
-  delta = rowsum(dO ∘ O) are unchanged and the sinks' gradient is -Σ_rows exp(sink - lse)·delta,
-  :func:`sinks_grad`); dropout zeroes P̃'s entries after its row sums (lse has no dropout) by a
-  keep-mask each tile regenerates from the call's seed and its (b, h, q, k), never stored
-  (``tiled_dropout``).
-
-Around the algorithm: every buffer is allocated once per call and filled with ``out=`` / in-place
-ops (fresh allocations cost page faults); on the CPU the (batch, key/value head) slices, or the
-row groups of a single slice, are shared out among worker threads running single-threaded ops
-(``tiled_threads``); on any other device the whole call is one slice, queued from the calling
-thread (the device path, below), never the pool.
-
-Low precision (fp16/bf16) is computed in float32 and rounded once at the end, like PyTorch's math
-path; float64 stays float64.
-
-Non-finite input (the slow paths, taken only when a check over k and v finds NaN/inf): the mask is
-applied with masked_fill, key rows no row of a tile may attend are zeroed, and NaN/inf in v are
-replaced by 0 and counted per row that may attend them (``nonfinite``), so they reach exactly
-those rows. A bias's huge finite negative values (``finfo.min`` padding) are kept finite in base 2.
-
-Axes. The call keeps the names of docs/design.md §1: q [B, H, Q, d], k [B, Hkv, K, d], v [B, Hkv, K, dv],
-G = H / Hkv query heads per key/value head. A worker's slice has its own names, never B/H/Q:
-
-    Bw, Hkvw    the batch elements and key/value heads of one worker (Hw = Hkvw·G query heads)
-    n = Bw·Hkvw the batch axis of every bmm
-    (q g)       a row group's rows: its queries q0:q1 times the G heads that share a K/V head;
-                R = (q1 - q0)·G of them; a rectangle's rows r0:r1 are the range a:b = G·(r0 - q0) : G·(r1 - q0)
-    kw          the keys k0:k1 of a rectangle (a "key span" in the backward)
-
-Score tiles are [n, rows, kw]; queries carry a folded column, [n, rows, d+1]; keys a column of ones, [n, kw, d+1].
-
-The device path (tensors on any non-CPU device, e.g. CUDA; CPU tensors too inside
-``device_mode()``, a test tool from ``tiled_plan``): the CPU path above decides per rectangle on the
-host (the optimistic check, ``settled``, whether any row needs rescaling, whether every key row of
-a non-finite tile is reachable), each a device-to-host sync on a GPU. The device path makes none of
-those inside the tile loops (``_forward_part``, ``_backward_part``): one worker, so one job run
-inline (one ``bmm`` batch of every (batch, key/value head) slice); no optimistic path (every
-rectangle takes the max pass); the lazy rescaling decided with tensor ops (``_exponent_device``:
-the max pass without host reads, ``torch.where``: rows not raised get alpha = 1, m still moves only
-when a row's max grew by more than TAU or it sees its first finite score); unreachable key rows
-always masked on the non-finite path; the mask's and bias's tensors moved to the device once per
-pass (``_staged``), so no tile copies between devices.
-The plan comes from the device cost model (``tiled_plan.CUDA_MODEL``: a guess, not measured).
-Host syncs that remain, per call: the forward reads one bool per finiteness check of k, v and q
-(``all_finite``: a sum each; q only when k and v are finite; more on the non-finite slow path: a
-full check of each tensor whose sum is not finite, ``finite_part``'s check of v, and the checks
-again on the per-query-head copies when GQA heads are expanded); the backward the same. Planning
-reads a mask's device-held tensors where its classification needs them (a document mask's ids:
-the min and max of each range the planner visits; a dense mask's tile classes per candidate grid;
-both cached on the mask, so a mask reused across calls is read once; a predicate is classified on
-the CPU). Padding lengths and key-padding validity are read when the mask is built, a dense bias's
+The device path (any non-CPU device; CPU tensors too inside ``tiled_plan.device_mode()``, a test
+tool) makes no host sync inside the tile loops: one worker, its one job run inline; no optimistic
+exponent; the lazy rescaling decided with ``torch.where`` (``_exponent_device``); unreachable key
+rows always masked; the mask's and bias's tensors moved to the device once per pass (``staged``).
+Its plan comes from ``tiled_plan.CUDA_MODEL`` (a guess, not measured). Host syncs that remain, per
+call: one bool per finiteness check of k, v and q (``all_finite``: a sum each; q only when k and v
+are finite; on the non-finite slow path a full check of each tensor whose sum is not finite,
+``finite_part``'s check of v, and the checks again on the per-query-head copies under GQA), in the
+forward and again in the backward. Planning reads a mask's device-held tensors where its
+classification needs them (a document mask's ids: the min and max of each range visited; a dense
+mask's tile classes per candidate grid; both cached on the mask; a predicate is classified on the
+CPU). Padding lengths and key-padding validity are read when the mask is built, a dense bias's
 finite floor when the bias is built (``bias.Dense``: per call when a tensor is passed); the dropout
 seed is drawn on the CPU.
 """
@@ -96,7 +55,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -200,6 +159,16 @@ def _as5(t: torch.Tensor, kn: _Kernel) -> torch.Tensor:
     return t[:, kn.hq].unflatten(1, (kn.Hkvw, kn.G)).transpose(2, 3)  # [#Bw, (Hkvw G), #q, #k] -> [#Bw, Hkvw, #q, G, #k]
 
 
+def _row_block(kn: _Kernel, buf: _Buffer, x5: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Queries r0:r1 of a grouped [Bw, Hkvw, G, Q, x] tensor as rows (q g) [n, (q G), x+1] in ``buf``;
+    the last column is the caller's (a folded column)."""
+    x = x5.shape[-1]
+    t = buf.take(kn.n, kn.G * (r1 - r0), x + 1)
+    # [Bw, Hkvw, G, q, x] -> [Bw, Hkvw, q, G, x], a view of [n, (q G), x+1]
+    t.view(kn.Bw, kn.Hkvw, r1 - r0, kn.G, x + 1)[..., :x].copy_(x5[:, :, :, r0:r1].transpose(2, 3))
+    return t
+
+
 def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: _Buffer) -> None:
     """``acc += a @ b`` (batched). ``baddbmm_`` into a non-contiguous ``acc`` (a row slice) falls
     back to one ``addmm_`` per batch entry; then the product goes through a scratch buffer."""
@@ -256,18 +225,11 @@ def _reachable_rows(s: torch.Tensor, *blocks: torch.Tensor, device_path: bool = 
     return tuple(b.masked_fill(~reach[..., None], 0.0) for b in blocks)  # [n, kw, x]
 
 
-def _staged(x: Any, device: torch.device) -> Any:
-    """A mask or bias (or None) whose public tensors, and its parts', are on ``device`` (copied once
-    per pass). On the device path every tile's mask and bias then come from tensors on the device: a
-    CPU-held tensor (ALiBi's slopes, padding lengths from a list, document ids) would otherwise be
-    copied to the device per tile, a host sync each."""
-    return None if x is None else x.staged(device)
-
-
 def _staged_problem(p: Problem) -> Problem:
-    """The call with its mask and bias staged on q's device (the device path only)."""
-    dev = p.q.device
-    mask, bias = _staged(p.mask, dev), _staged(p.bias, dev)
+    """The call with its mask's and bias's tensors on q's device, copied once per pass (the device
+    path only): a CPU-held tensor (ALiBi's slopes, padding lengths, document ids) would otherwise be
+    copied to the device per tile, a host sync each."""
+    mask, bias = (None if x is None else x.staged(p.q.device) for x in (p.mask, p.bias))
     return p if mask is p.mask and bias is p.bias else dataclasses.replace(p, mask=mask, bias=bias)
 
 
@@ -418,12 +380,10 @@ def _start_group(kn: _Kernel, work: _ForwardWork, group: RowGroup, q5: torch.Ten
     """Alg. 1, lines 4-5: load Q_i (as q·scale·log2(e) and the folded column -m) and set O = 0, l = 0, m = 0.
     Δ from Alg. 1: m starts at a stand-in 0, not -inf, so that the folded column -m stays finite; a
     row's m becomes real at its first finite score (``has_max``; the max pass raises it then)."""
-    n, bq, d, dv = kn.n, group.q1 - group.q0, q5.shape[-1], kn.p.v.shape[-1]
-    R = bq * kn.G
-    queries = work.queries.take(n, R, d + 1)
-    qv = queries.view(kn.Bw, kn.Hkvw, bq, kn.G, d + 1)[..., :d]  # [n, (q G), d+1] as [Bw, Hkvw, q, G, d]
-    qv.copy_(q5[:, :, :, group.q0:group.q1].transpose(2, 3))  # [Bw, Hkvw, G, q, d] -> [Bw, Hkvw, q, G, d]
-    qv.mul_(kn.qscale)  # Δ from Alg. 1: the softmax scale and log2(e) folded into Q_i once: base 2, exp2
+    n, d, dv = kn.n, q5.shape[-1], kn.p.v.shape[-1]
+    R = (group.q1 - group.q0) * kn.G
+    queries = _row_block(kn, work.queries, q5, group.q0, group.q1)  # [n, R, d+1]
+    queries[..., :d].mul_(kn.qscale)  # Δ from Alg. 1: the softmax scale and log2(e) folded into Q_i once: base 2, exp2
     queries[..., d] = 0.0
     hits = work.hits.take(n, R, 3 * dv).zero_() if work.hits is not None else None
     return _Running(work.m.take(n, R).zero_(), work.l.take(n, R).zero_(), work.O.take(n, R, dv).zero_(),
@@ -615,13 +575,9 @@ def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.T
     return grad_q, grad_k, grad_v
 
 
+@torch.no_grad()
 def _backward(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases: tuple[DenseBias, ...]):
     """(grad_q, grad_k, grad_v, [grad of each dense bias in ``biases``])."""
-    with torch.no_grad():
-        return _backward_ng(p, out, lse, grad_out, grad_lse, plan, biases)
-
-
-def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
     B, H, Q, _ = p.q.shape
     Hkv = p.k.shape[1]
     G, dt = H // Hkv, compute_dtype(p.q)
@@ -633,7 +589,7 @@ def _backward_ng(p: Problem, out, lse, grad_out, grad_lse, plan: Plan, biases):
         p = _staged_problem(p)
     finite = all_finite(p.k, p.v)
     if not finite and G > 1:
-        gq, gk, gv, gb = _backward_ng(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
+        gq, gk, gv, gb = _backward(_per_query_head(p), out, lse, grad_out, grad_lse, plan, biases)
         return gq, gk.unflatten(1, (Hkv, G)).sum(2), gv.unflatten(1, (Hkv, G)).sum(2), gb  # [B, (Hkv G), K, ·] -> [B, Hkv, K, ·]
     finite_v = finite
     finite = finite and all_finite(p.q)  # scores are finite: masks may be added as 0 / -inf
@@ -731,16 +687,13 @@ def _backward_rect(kn: _Kernel, work: _BackwardWork, rect: Rect, q5, do5, terms:
     n, G, p = kn.n, kn.G, kn.p
     r0, r1, k0, k1, _ = rect
     a, b, kw, d, dv = G * r0, G * r1, k1 - k0, q5.shape[-1], do5.shape[-1]  # rows (q g) a:b of the slice
-    queries, gout = work.queries.take(n, b - a, d + 1), work.grad_out.take(n, b - a, dv + 1)  # [q·scale, -lse], [dO, -delta]
-    qv = queries.view(kn.Bw, kn.Hkvw, r1 - r0, G, d + 1)[..., :d]  # [n, (q G), d+1] as [Bw, Hkvw, q, G, d]
-    qv.copy_(q5[:, :, :, r0:r1].transpose(2, 3))  # [Bw, Hkvw, G, q, d] -> [Bw, Hkvw, q, G, d]
-    qv.mul_(kn.qscale)
+    queries = _row_block(kn, work.queries, q5, r0, r1)  # [n, rows, d+1]: q·scale and -lse
+    queries[..., :d].mul_(kn.qscale)
     if kn.fold:
         torch.neg(terms.lse2[:, a:b], out=queries[..., d])
     else:
         queries[..., d] = 0.0
-    # dO [Bw, Hkvw, G, q, dv] -> gout [n, (q G), dv+1] viewed [Bw, Hkvw, q, G, dv]
-    gout.view(kn.Bw, kn.Hkvw, r1 - r0, G, dv + 1)[..., :dv].copy_(do5[:, :, :, r0:r1].transpose(2, 3))
+    gout = _row_block(kn, work.grad_out, do5, r0, r1)  # [n, rows, dv+1]: dO and -delta
     drop = work.dropout
     if drop is None:
         torch.neg(terms.delta[:, a:b], out=gout[..., dv])
