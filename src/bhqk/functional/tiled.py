@@ -229,7 +229,8 @@ def _staged_problem(p: Problem) -> Problem:
     """The call with its mask's and bias's tensors on q's device, copied once per pass (the device
     path only): a CPU-held tensor (ALiBi's slopes, padding lengths, document ids) would otherwise be
     copied to the device per tile, a host sync each."""
-    mask, bias = (None if x is None else x.staged(p.q.device) for x in (p.mask, p.bias))
+    mask = None if p.mask is None else p.mask.staged(p.q.device)
+    bias = None if p.bias is None else p.bias.staged(p.q.device)
     return p if mask is p.mask and bias is p.bias else dataclasses.replace(p, mask=mask, bias=bias)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -281,31 +283,56 @@ def refine(*partitions: list[list[int]]) -> list[list[int]]:
     return sorted(out.values(), key=lambda g: g[0])
 
 
-class _Pair(Mask):
-    """``&`` and ``|``: what the fast paths ask, derived from the two parts."""
+class Composite(Mask):
+    """A mask made of other masks (:attr:`operands`): what the fast paths ask is derived from them."""
+
+    @property
+    def operands(self) -> tuple[Mask, ...]:
+        raise NotImplementedError
+
+    @property
+    def head_dependent(self) -> bool:  # type: ignore[override]
+        return any(m.head_dependent for m in self.operands)
+
+    @property
+    def shift_invariant(self) -> bool:  # type: ignore[override]
+        return all(m.shift_invariant for m in self.operands)
+
+    @property
+    def arithmetic(self) -> bool:  # type: ignore[override]
+        return all(m.arithmetic for m in self.operands)
+
+    @property
+    def whole_grid(self) -> bool:  # type: ignore[override]
+        return all(m.whole_grid for m in self.operands)
+
+    @property
+    def looks_inverted(self) -> bool:  # type: ignore[override]
+        return any(m.looks_inverted for m in self.operands)
+
+    def check(self, ext: Extent) -> None:
+        for m in self.operands:
+            m.check(ext)
+
+    def natural_size(self):
+        return next((s for m in self.operands if (s := m.natural_size()) is not None), None)
+
+    def natural_heads(self) -> int:
+        return max(m.natural_heads() for m in self.operands)
+
+
+class _Pair(Composite):
+    """``&`` and ``|``: ``op`` of the two parts' entries."""
+
+    op: Callable[..., Any]  # operator.and_ or operator.or_, on bool tensors
+    symbol: str
 
     def __init__(self, a: Mask, b: Mask) -> None:
         self.a, self.b = a, b
 
     @property
-    def head_dependent(self) -> bool:  # type: ignore[override]
-        return self.a.head_dependent or self.b.head_dependent
-
-    @property
-    def shift_invariant(self) -> bool:  # type: ignore[override]
-        return self.a.shift_invariant and self.b.shift_invariant
-
-    @property
-    def arithmetic(self) -> bool:  # type: ignore[override]
-        return self.a.arithmetic and self.b.arithmetic
-
-    @property
-    def whole_grid(self) -> bool:  # type: ignore[override]
-        return self.a.whole_grid and self.b.whole_grid
-
-    @property
-    def looks_inverted(self) -> bool:  # type: ignore[override]
-        return self.a.looks_inverted or self.b.looks_inverted
+    def operands(self) -> tuple[Mask, ...]:
+        return self.a, self.b
 
     def head_groups(self, H: int) -> list[list[int]]:
         return refine(self.a.head_groups(H), self.b.head_groups(H))
@@ -320,22 +347,27 @@ class _Pair(Mask):
         """The same combinator of other parts."""
         raise NotImplementedError
 
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return self.op(self.a.block(ext, q0, q1, k0, k1, device), self.b.block(ext, q0, q1, k0, k1, device))
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        fa, fb, op = self.a.mask_mod(B, H, Q, K, device), self.b.mask_mod(B, H, Q, K, device), self.op
+        return lambda b, h, q_idx, kv_idx: op(fa(b, h, q_idx, kv_idx), fb(b, h, q_idx, kv_idx))
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} {self.symbol} {self.b!r})"
+
 
 class And(_Pair):
     """May attend where both may attend."""
+
+    op, symbol = operator.and_, "&"
 
     def only_past(self, ext: Extent) -> bool:
         return self.a.only_past(ext) or self.b.only_past(ext)
 
     def like(self, a: Mask, b: Mask) -> Mask:
         return b if a.allows_all else a if b.allows_all else And(a, b)
-
-    def check(self, ext: Extent) -> None:
-        self.a.check(ext)
-        self.b.check(ext)
-
-    def block(self, ext, q0, q1, k0, k1, device=None):
-        return self.a.block(ext, q0, q1, k0, k1, device) & self.b.block(ext, q0, q1, k0, k1, device)
 
     def classify(self, ext, q0, q1, k0, k1):
         ta = self.a.classify(ext, q0, q1, k0, k1)
@@ -346,19 +378,6 @@ class And(_Pair):
             return Tile.EMPTY
         return Tile.FULL if ta is tb is Tile.FULL else Tile.PARTIAL
 
-    def natural_size(self):
-        return self.a.natural_size() or self.b.natural_size()
-
-    def natural_heads(self) -> int:
-        return max(self.a.natural_heads(), self.b.natural_heads())
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} & {self.b!r})"
-
-    def mask_mod(self, B, H, Q, K, device=None):
-        fa, fb = self.a.mask_mod(B, H, Q, K, device), self.b.mask_mod(B, H, Q, K, device)
-        return lambda b, h, q_idx, kv_idx: fa(b, h, q_idx, kv_idx) & fb(b, h, q_idx, kv_idx)
-
     def classify_grid(self, ext, block_q, block_k):
         (ea, fa), (eb, fb) = self.a.classify_grid(ext, block_q, block_k), self.b.classify_grid(ext, block_q, block_k)
         return ea | eb, fa & fb
@@ -367,18 +386,13 @@ class And(_Pair):
 class Or(_Pair):
     """May attend where either may attend."""
 
+    op, symbol = operator.or_, "|"
+
     def only_past(self, ext: Extent) -> bool:
         return self.a.only_past(ext) and self.b.only_past(ext)
 
     def like(self, a: Mask, b: Mask) -> Mask:
         return a if a.allows_all else b if b.allows_all else Or(a, b)
-
-    def check(self, ext: Extent) -> None:
-        self.a.check(ext)
-        self.b.check(ext)
-
-    def block(self, ext, q0, q1, k0, k1, device=None):
-        return self.a.block(ext, q0, q1, k0, k1, device) | self.b.block(ext, q0, q1, k0, k1, device)
 
     def classify(self, ext, q0, q1, k0, k1):
         ta = self.a.classify(ext, q0, q1, k0, k1)
@@ -389,47 +403,22 @@ class Or(_Pair):
             return Tile.FULL
         return Tile.EMPTY if ta is tb is Tile.EMPTY else Tile.PARTIAL
 
-    def natural_size(self):
-        return self.a.natural_size() or self.b.natural_size()
-
-    def natural_heads(self) -> int:
-        return max(self.a.natural_heads(), self.b.natural_heads())
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} | {self.b!r})"
-
-    def mask_mod(self, B, H, Q, K, device=None):
-        fa, fb = self.a.mask_mod(B, H, Q, K, device), self.b.mask_mod(B, H, Q, K, device)
-        return lambda b, h, q_idx, kv_idx: fa(b, h, q_idx, kv_idx) | fb(b, h, q_idx, kv_idx)
-
     def classify_grid(self, ext, block_q, block_k):
         (ea, fa), (eb, fb) = self.a.classify_grid(ext, block_q, block_k), self.b.classify_grid(ext, block_q, block_k)
         return ea & eb, fa | fb
 
 
-class Not(Mask):
+class Not(Composite):
     """May attend exactly where the inner mask may not."""
 
-    looks_inverted = False  # a tensor under ~ is read with the opposite polarity: on purpose
+    looks_inverted = False  # type: ignore[assignment]  # a tensor under ~ is read with the opposite polarity: on purpose
 
     def __init__(self, a: Mask) -> None:
         self.a = a
 
     @property
-    def head_dependent(self) -> bool:  # type: ignore[override]
-        return self.a.head_dependent
-
-    @property
-    def shift_invariant(self) -> bool:  # type: ignore[override]
-        return self.a.shift_invariant
-
-    @property
-    def arithmetic(self) -> bool:  # type: ignore[override]
-        return self.a.arithmetic
-
-    @property
-    def whole_grid(self) -> bool:  # type: ignore[override]
-        return self.a.whole_grid
+    def operands(self) -> tuple[Mask, ...]:
+        return (self.a,)
 
     def head_groups(self, H: int) -> list[list[int]]:
         return self.a.head_groups(H)
@@ -438,21 +427,12 @@ class Not(Mask):
         a = self.a.select_heads(heads, H)
         return None if a is None else self if a is self.a else Not(a)
 
-    def check(self, ext: Extent) -> None:
-        self.a.check(ext)
-
     def block(self, ext, q0, q1, k0, k1, device=None):
         return ~self.a.block(ext, q0, q1, k0, k1, device)
 
     def classify(self, ext, q0, q1, k0, k1):
         t = self.a.classify(ext, q0, q1, k0, k1)
         return {Tile.EMPTY: Tile.FULL, Tile.FULL: Tile.EMPTY}.get(t, Tile.PARTIAL)
-
-    def natural_size(self):
-        return self.a.natural_size()
-
-    def natural_heads(self) -> int:
-        return self.a.natural_heads()
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"
@@ -497,20 +477,14 @@ def and_masks(*masks: Mask) -> Mask:
     """All of ``masks`` (like FlexAttention's ``and_masks``)."""
     if not masks:
         raise MaskError("and_masks needs at least one mask.")
-    out = _as_mask(masks[0])
-    for m in masks[1:]:
-        out = out & m
-    return out
+    return functools.reduce(operator.and_, masks[1:], _as_mask(masks[0]))
 
 
 def or_masks(*masks: Mask) -> Mask:
     """Any of ``masks``."""
     if not masks:
         raise MaskError("or_masks needs at least one mask.")
-    out = _as_mask(masks[0])
-    for m in masks[1:]:
-        out = out | m
-    return out
+    return functools.reduce(operator.or_, masks[1:], _as_mask(masks[0]))
 
 
 def positions(q0: int, q1: int, k0: int, k1: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:

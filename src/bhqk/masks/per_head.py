@@ -23,7 +23,7 @@ import torch
 
 from ..errors import MaskError
 from ..shapes import as_4d
-from .base import Extent, Mask, Tile, _as_mask, refine
+from .base import Composite, Extent, Mask, Tile, _as_mask, refine
 
 
 class Everything(Mask):
@@ -51,7 +51,7 @@ class Everything(Mask):
 EVERYTHING = Everything()
 
 
-class PerHead(Mask):
+class PerHead(Composite):
     """Head h may attend where ``parts[h]`` (a mask of the whole call, read at head h) may."""
 
     def __init__(self, parts: Sequence[Mask | torch.Tensor | None]) -> None:
@@ -64,27 +64,16 @@ class PerHead(Mask):
             groups.setdefault(id(m), (m, []))[1].append(h)
         self._groups = list(groups.values())  # (part, its heads), in order of the first head
 
-    # ---- what the fast paths ask: derived from the parts -----------------------------------------
+    # ---- what the fast paths ask: derived from the parts (Composite) -------------------------------
+
+    @property
+    def operands(self) -> tuple[Mask, ...]:
+        """The distinct parts, in order of their first head."""
+        return tuple(m for m, _ in self._groups)
 
     @property
     def head_dependent(self) -> bool:  # type: ignore[override]
         return len(self._groups) > 1 or self._groups[0][0].head_dependent
-
-    @property
-    def shift_invariant(self) -> bool:  # type: ignore[override]
-        return all(m.shift_invariant for m, _ in self._groups)
-
-    @property
-    def arithmetic(self) -> bool:  # type: ignore[override]
-        return all(m.arithmetic for m, _ in self._groups)
-
-    @property
-    def whole_grid(self) -> bool:  # type: ignore[override]
-        return all(m.whole_grid for m, _ in self._groups)
-
-    @property
-    def looks_inverted(self) -> bool:  # type: ignore[override]
-        return any(m.looks_inverted for m, _ in self._groups)
 
     def only_past(self, ext: Extent) -> bool:
         return all(m.only_past(ext) for m, _ in self._groups)
@@ -121,8 +110,7 @@ class PerHead(Mask):
     def check(self, ext: Extent) -> None:
         if ext.H != len(self.parts):
             raise MaskError(f"per_head has {len(self.parts)} masks (one per head) but the call has H={ext.H} query heads.")
-        for m, _ in self._groups:
-            m.check(ext)
+        super().check(ext)
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         if len(self._groups) == 1:
@@ -163,9 +151,6 @@ class PerHead(Mask):
             return out
 
         return by_head
-
-    def natural_size(self):
-        return next((s for m, _ in self._groups if (s := m.natural_size()) is not None), None)
 
     def natural_heads(self) -> int:
         return len(self.parts)
