@@ -252,6 +252,27 @@ class Mask:
                                         mask_mod=self.mask_mod(B, H, Q, K, device), seq_lengths=(Q, K))
 
 
+class Arithmetic(Mask):
+    """A mask whose tile classes follow from a tile's edges by one formula, :meth:`edges`, that serves
+    one tile (ints: :meth:`classify`) and every tile of a grid at once (tensors: :meth:`classify_grid`)."""
+
+    arithmetic = True
+
+    def edges(self, ext: Extent, q0, q1, k0, k1) -> tuple[Any, Any]:
+        """(empty, full) of the tiles ``[q0:q1, k0:k1]``: bools for ints; bool tensors broadcastable to
+        [nq, nk] for the grid's edges q0, q1 [nq, 1] and k0, k1 [1, nk]. Never both for a tile with entries."""
+        raise NotImplementedError
+
+    def classify(self, ext, q0, q1, k0, k1):
+        empty, full = self.edges(ext, q0, q1, k0, k1)
+        return Tile.EMPTY if empty else Tile.FULL if full else Tile.PARTIAL
+
+    def classify_grid(self, ext, block_q, block_k):
+        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)  # [nq, 1], [1, nk]
+        empty, full = (torch.as_tensor(x).expand(q0.shape[0], k0.shape[1]) for x in self.edges(ext, q0, q1, k0, k1))
+        return empty, full  # [nq, nk] each
+
+
 _FROM_TENSOR: list[Callable[[torch.Tensor], Mask]] = []  # set by masks/__init__: register_tensor_mask(dense)
 
 

@@ -16,13 +16,13 @@ Q=3, K=5, ``bottom_right`` (the last query sees every key; FlashAttention ≥ 2.
 from __future__ import annotations
 
 from . import args
-from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bounds
+from .base import Arithmetic, Extent, causal_offset, positions, scalar
 
 
-class Causal(Mask):
+class Causal(Arithmetic):
     """Query i may attend to key j when ``j <= i + offset`` (offset from the alignment)."""
 
-    head_dependent, shift_invariant, arithmetic = False, True, True
+    head_dependent, shift_invariant = False, True
 
     def only_past(self, ext: Extent) -> bool:
         return self.align == "bottom_right" or ext.Q == ext.K
@@ -43,13 +43,9 @@ class Causal(Mask):
         qi, ki = positions(q0, q1, k0, k1, device)
         return ki <= qi + self.offset(ext)  # [q, k]
 
-    def classify(self, ext, q0, q1, k0, k1):
+    def edges(self, ext, q0, q1, k0, k1):
         off = self.offset(ext)
-        if k1 - 1 <= q0 + off:
-            return Tile.FULL
-        if k0 > q1 - 1 + off:
-            return Tile.EMPTY
-        return Tile.PARTIAL
+        return k0 > q1 - 1 + off, k1 - 1 <= q0 + off  # every key after the last row's position / at or before the first's
 
     def __repr__(self) -> str:
         return "causal()" if self.align is None else f"causal(align={self.align!r})"
@@ -57,12 +53,6 @@ class Causal(Mask):
     def mask_mod(self, B, H, Q, K, device=None):
         off = scalar(self.offset(Extent(B, H, Q, K)), device)
         return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + off
-
-    def classify_grid(self, ext, block_q, block_k):
-        off = self.offset(ext)
-        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)
-        full = k1 - 1 <= q0 + off  # [nq, nk]
-        return ~full & (k0 > q1 - 1 + off), full
 
 
 def top_left_count(Q: int, K: int) -> int:

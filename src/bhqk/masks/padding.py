@@ -12,13 +12,13 @@ import torch
 
 from ..errors import MaskError
 from . import args
-from .base import Extent, Mask, Tile, positions, scalar, tile_bounds
+from .base import Arithmetic, Extent, positions, scalar
 
 
-class KeysBelow(Mask):
+class KeysBelow(Arithmetic):
     """Key j is visible to batch element b when ``j < limit[b]`` (an int applies to every element)."""
 
-    head_dependent, arithmetic = False, True
+    head_dependent = False
 
     def __init__(self, limit: int | list[int] | torch.Tensor, name: str = "padding", arg: str = "lengths") -> None:
         self.name, self.arg = name, arg
@@ -41,12 +41,8 @@ class KeysBelow(Mask):
             return (ki < lim).expand(-1, 1, q1 - q0, -1)  # [B, 1, q, k]
         return (ki < self.limit).expand(q1 - q0, -1)  # [q, k]
 
-    def classify(self, ext, q0, q1, k0, k1):
-        if k1 <= self.lo:
-            return Tile.FULL
-        if k0 >= self.hi:
-            return Tile.EMPTY
-        return Tile.PARTIAL
+    def edges(self, ext, q0, q1, k0, k1):
+        return k0 >= self.hi, k1 <= self.lo  # past every element's limit / below all of them
 
     def natural_size(self):
         return (4, max(self.hi, 1) + 2)
@@ -62,11 +58,6 @@ class KeysBelow(Mask):
         lim = scalar(self.limit, device)
         return lambda b, h, q_idx, kv_idx: kv_idx < lim
 
-    def classify_grid(self, ext, block_q, block_k):
-        q0, _, k0, k1 = tile_bounds(ext, block_q, block_k)
-        full = (k1 <= self.lo).expand(q0.shape[0], -1)  # [nq, nk]
-        return ~full & (k0 >= self.hi), full
-
 
 def padding(lengths: int | list[int] | torch.Tensor) -> KeysBelow:
     """Per-batch valid key lengths ``[B]`` (an integer tensor or a list of ints; one int for the
@@ -74,10 +65,10 @@ def padding(lengths: int | list[int] | torch.Tensor) -> KeysBelow:
     return KeysBelow(lengths, "padding")
 
 
-class KeyPadding(Mask):
+class KeyPadding(Arithmetic):
     """A bool ``[B, K]`` with True = a real key that may be attended."""
 
-    head_dependent, arithmetic = False, True
+    head_dependent = False
 
     def __init__(self, valid: torch.Tensor) -> None:
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
@@ -102,13 +93,9 @@ class KeyPadding(Mask):
             v = v.to(device)
         return v[:, None, None, :].expand(-1, 1, q1 - q0, -1)  # [B, 1, q, k]
 
-    def classify(self, ext, q0, q1, k0, k1):
-        n = k1 - k0
-        if int(self._all[k1] - self._all[k0]) == n:
-            return Tile.FULL
-        if int(self._any[k1] - self._any[k0]) == 0:
-            return Tile.EMPTY
-        return Tile.PARTIAL
+    def edges(self, ext, q0, q1, k0, k1):
+        # no key valid anywhere in k0:k1 / every key valid everywhere (the counts are prefix sums)
+        return self._any[k1] - self._any[k0] == 0, self._all[k1] - self._all[k0] == k1 - k0
 
     def natural_size(self):
         return (4, self.valid.shape[1])
@@ -119,11 +106,6 @@ class KeyPadding(Mask):
     def mask_mod(self, B, H, Q, K, device=None):
         valid = self.valid.to(device).expand(B, -1).contiguous()  # [B, K]
         return lambda b, h, q_idx, kv_idx: valid[b, kv_idx]
-
-    def classify_grid(self, ext, block_q, block_k):
-        q0, _, k0, k1 = tile_bounds(ext, block_q, block_k)
-        full = (self._all[k1] - self._all[k0] == k1 - k0).expand(q0.shape[0], -1)  # [nq, nk]
-        return ~full & (self._any[k1] - self._any[k0] == 0), full
 
 
 def key_padding(valid: torch.Tensor) -> KeyPadding:

@@ -21,17 +21,16 @@ sum to less than 1).
 
 from __future__ import annotations
 
-import torch
-
 from . import args
-from .base import Extent, Mask, Tile, positions, scalar, tile_bounds
+from .base import Arithmetic, Extent, positions, scalar
 
 
-class Span(Mask):
+class Span(Arithmetic):
     """May attend everywhere except keys ``[k0, k1)`` for queries at positions ``[q0, q1)``
     (``q0=0, q1=None``: every query)."""
 
     head_dependent = False
+    arithmetic = False  # the tiled planner classifies it by its whole grid (grid_leaves), not top-down
 
     def __init__(self, k0: int, k1: int, q0: int = 0, q1: int | None = None, who: str = "block_span") -> None:
         self.k0 = args.count(who, "key start", k0)
@@ -52,23 +51,12 @@ class Span(Mask):
         out = ~((qi >= r0) & (qi < r1) & (ki >= self.k0) & (ki < self.k1))  # [q, k]
         return out
 
-    def classify(self, ext, q0, q1, k0, k1):
+    def edges(self, ext, q0, q1, k0, k1):
         r0, r1 = self._q(ext)
-        rows_in = max(q0, r0) < min(q1, r1)  # the tile meets the blocked rows
-        keys_in = max(k0, self.k0) < min(k1, self.k1)
-        if not (rows_in and keys_in):
-            return Tile.FULL
-        if r0 <= q0 and q1 <= r1 and self.k0 <= k0 and k1 <= self.k1:
-            return Tile.EMPTY
-        return Tile.PARTIAL
-
-    def classify_grid(self, ext, block_q, block_k):
-        r0, r1 = self._q(ext)
-        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)  # [nq, 1], [1, nk]
-        meets = (torch.maximum(q0, torch.tensor(r0)) < torch.minimum(q1, torch.tensor(r1))) & \
-                (torch.maximum(k0, torch.tensor(self.k0)) < torch.minimum(k1, torch.tensor(self.k1)))  # [nq, nk]
-        inside = (q0 >= r0) & (q1 <= r1) & (k0 >= self.k0) & (k1 <= self.k1)  # [nq, nk]
-        return inside, ~meets
+        inside = (q0 >= r0) & (q1 <= r1) & (k0 >= self.k0) & (k1 <= self.k1)  # every entry blocked
+        # full: the tile misses the blocked rows or the blocked keys (or they are none)
+        misses_rows = (r1 <= r0) | (r1 <= q0) | (q1 <= r0)
+        return inside, misses_rows | (self.k1 <= self.k0) | (self.k1 <= k0) | (k1 <= self.k0)
 
     def mask_mod(self, B, H, Q, K, device=None):
         r0, r1 = self._q(Extent(B, H, Q, K))

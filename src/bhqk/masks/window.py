@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 from . import args
-from .base import Extent, Mask, Tile, causal_offset, positions, scalar, tile_bounds
+from .base import Arithmetic, Extent, causal_offset, positions, scalar
 
 
-class SlidingWindow(Mask):
-    head_dependent, shift_invariant, arithmetic = False, True, True
+class SlidingWindow(Arithmetic):
+    head_dependent, shift_invariant = False, True
 
     def only_past(self, ext: Extent) -> bool:
         return (self.align == "bottom_right" or ext.Q == ext.K) and self.right == 0
@@ -37,14 +37,11 @@ class SlidingWindow(Mask):
         pos = qi + self.offset(ext)  # [q, 1] query position in key coordinates
         return (ki >= pos - self.left) & (ki <= pos + self.right)  # [q, k]
 
-    def classify(self, ext, q0, q1, k0, k1):
+    def edges(self, ext, q0, q1, k0, k1):
         off = self.offset(ext)
         first, last = q0 + off, q1 - 1 + off  # query positions at the tile's edges
-        if k1 - 1 < first - self.left or k0 > last + self.right:
-            return Tile.EMPTY
-        if k0 >= last - self.left and k1 - 1 <= first + self.right:
-            return Tile.FULL
-        return Tile.PARTIAL
+        empty = (k1 - 1 < first - self.left) | (k0 > last + self.right)
+        return empty, (k0 >= last - self.left) & (k1 - 1 <= first + self.right)
 
     def __repr__(self) -> str:
         a = "" if self.align is None else f", align={self.align!r}"
@@ -58,13 +55,6 @@ class SlidingWindow(Mask):
             return (kv_idx >= pos - left) & (kv_idx <= pos + right)
 
         return window
-
-    def classify_grid(self, ext, block_q, block_k):
-        off = self.offset(ext)
-        q0, q1, k0, k1 = tile_bounds(ext, block_q, block_k)
-        first, last = q0 + off, q1 - 1 + off  # [nq, 1]
-        empty = (k1 - 1 < first - self.left) | (k0 > last + self.right)  # [nq, nk]
-        return empty, ~empty & (k0 >= last - self.left) & (k1 - 1 <= first + self.right)
 
 
 def sliding_window(left: int, right: int = 0, align: str | None = None) -> SlidingWindow:
