@@ -70,6 +70,24 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _kv_steps(ring: Ring, k: torch.Tensor, v: torch.Tensor, a: int, b: int):
+    """The ring's steps over this rank's keys a…b-1: yields (step, the rank whose keys are held,
+    [k, v] held [B, Hkv, c, d], [B, Hkv, c, dv]); each step's K/V are sent on while the caller
+    computes with them, and the next ones received once it is done."""
+    cur = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]
+    spare: list[torch.Tensor] | None = None  # the receive buffers
+    for step in range(ring.size):
+        work = None
+        if step < ring.size - 1:
+            spare = spare or [torch.empty_like(t) for t in cur]
+            work = ring.start(cur, spare, _TAG_KV, "K/V", step)
+        yield step, (ring.rank - step) % ring.size, cur
+        if work is not None:
+            assert spare is not None  # work receives into it
+            ring.wait(work, "K/V", step)
+            cur, spare = spare, (cur if step > 0 else None)  # never receive into the caller's k, v
+
+
 def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, H, Q/P, dv] (q's dtype) and lse [B, H, Q/P] (float32/64) over all ranks' keys; the
     pieces are merged without sinks and ``sinks`` [H] joins once at the end (lse includes it)."""
@@ -80,25 +98,14 @@ def _forward(plan: Plan, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tenso
     out = torch.zeros(B, H, Ql, v.shape[-1], dtype=acc, device=q.device)  # [B, H, Q/P, dv]
     lse = torch.full((B, H, Ql), float("-inf"), dtype=acc, device=q.device)  # [B, H, Q/P]
     for a, b in plan.chunks:
-        cur = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]  # [B, Hkv, c, d], [B, Hkv, c, dv]
-        spare: list[torch.Tensor] | None = None  # the receive buffers
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size  # whose keys we hold now
-            work = None
-            if step < ring.size - 1:
-                spare = spare or [torch.empty_like(t) for t in cur]
-                work = ring.start(cur, spare, _TAG_KV, "K/V", step)
-            kw, vw = _wide(cur[0]), _wide(cur[1])
+        for _, src, (kc, vc) in _kv_steps(ring, k, v, a, b):
+            kw, vw = _wide(kc), _wide(vc)
             for q0, q1 in plan.qchunks:
                 p = plan.problem(qw[:, :, q0:q1], kw, vw, q0, q1, src, a, b)
                 if p is not None:
                     o_t, l_t = tiled.forward(p)  # [B, H, q, dv], [B, H, q]
                     merge_(out[:, :, q0:q1], lse[:, :, q0:q1], o_t, l_t)
                     del o_t, l_t
-            if work is not None:
-                assert spare is not None  # work receives into it
-                ring.wait(work, "K/V", step)
-                cur, spare = spare, (cur if step > 0 else None)  # never receive into the caller's k, v
     if sinks is not None:  # the sink is one more key with value 0, counted once
         nothing = torch.zeros((), dtype=acc, device=q.device).expand_as(out)  # [] -> [B, H, Q, dv]
         merge_(out, lse, nothing, sinks.to(acc)[None, :, None].expand_as(lse))  # sinks [H] -> [B, H, Q]
@@ -113,17 +120,11 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, H, Q/P, d]
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Hkv, K/P, d], [B, Hkv, K/P, dv]
     for a, b in plan.chunks:
-        cur = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]
-        spare: list[torch.Tensor] | None = None  # the receive buffers
-        grad = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in cur]  # dK, dV of the keys we hold
+        # dK, dV of the keys we hold: [B, Hkv, c, d], [B, Hkv, c, dv]
+        grad = [torch.zeros(t[:, :, a:b].shape, dtype=acc, device=t.device) for t in (k, v)]
         grad_spare: list[torch.Tensor] | None = None  # the receive buffers of dK, dV
         gwork = None
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            work = None
-            if step < ring.size - 1:
-                spare = spare or [torch.empty_like(t) for t in cur]
-                work = ring.start(cur, spare, _TAG_KV, "K/V", step)
+        for step, src, cur in _kv_steps(ring, k, v, a, b):
             kw, vw = _wide(cur[0]), _wide(cur[1])
             mine = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in cur] if len(plan.qchunks) > 1 else None
             for q0, q1 in plan.qchunks:
@@ -149,10 +150,6 @@ def _backward(plan: Plan, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.
             if ring.size > 1:  # pass them on; after the last step they reach the keys' owner
                 grad_spare = grad_spare or [torch.empty_like(t) for t in grad]
                 gwork = ring.start(grad, grad_spare, _TAG_GRAD, "dK/dV", step)
-            if work is not None:
-                assert spare is not None  # work receives into it
-                ring.wait(work, "K/V", step)
-                cur, spare = spare, (cur if step > 0 else None)
         if gwork is not None:
             assert grad_spare is not None  # gwork receives into it
             ring.wait(gwork, "dK/dV", ring.size)
