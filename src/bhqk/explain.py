@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .dims import DIMS
+from .dims import meaning
 from .errors import ShapeError
 
 _WORDS = {
@@ -90,8 +90,7 @@ def explain(*, B: int = 1, H: int | None = None, Q: int | None = None, K: int | 
     out = [f"{w['title']} ({', '.join(f'{k}={v}' for k, v in sizes.items())})",
            *([w["worked"]] if worked else []), w["self"] if Q == K else w["cross"], "", w["names"] + ":"]
     for name in ("B", "H", "Hkv", "Q", "K", "d", "dv", "D"):
-        dim = DIMS[name]
-        out.append(f"  {name:<4}= {sizes[name]:<6} {dim.zh if lang == 'zh' else dim.meaning}")
+        out.append(f"  {name:<4}= {sizes[name]:<6} {meaning(name, lang)}")
     steps = [
         (w["x"], "[B, Q, D]", [B, Q, D]),
         (w["ctx"], "[B, K, D]", [B, K, D]),

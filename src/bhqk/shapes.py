@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .dims import WHY_AGREE, meaning
+from .dims import meaning, why_agree
 from .errors import ShapeError
 from .shortcuts import Cache, declare
 from .text import named_shape
@@ -79,7 +79,7 @@ class Sizes:
                 if size == bound or (broadcast and size == 1):
                     continue
                 self.seen.append((arg, clean, shape))
-                why = WHY_AGREE.get(name, f"{name} must agree")
+                why = why_agree(name)
                 raise self.fail(
                     f"{arg} has {meaning(name)} {name}={size} but {self.bound_by[name]} has {name}={bound}; {why}."
                 )
