@@ -21,7 +21,7 @@ from bhqk.functional import prepare, tiled
 from bhqk.functional.merge import merge
 from bhqk.functional.tiled_plan import (
     BLOCK_K,
-    TILE_ELEMS,
+    CPU_MODEL,
     Rect,
     RowGroup,
     _pow2_floor,
@@ -543,8 +543,8 @@ def test_heuristic_tile_sizes(two_threads):
     plan = plan_for(prepare(q, q, q))
     parts = len(split(1, 8, workers()))
     assert plan.block_k == BLOCK_K  # the default key block
-    # a worker's score tile [B·H/workers, block_q, block_k] holds about TILE_ELEMS: block_q a power of two in 16 … 2048
-    assert plan.block_q == max(16, min(2048, _pow2_floor(TILE_ELEMS * parts / (8 * BLOCK_K))))
+    # a worker's score tile [B·H/workers, block_q, block_k] holds about CPU_MODEL.tile_elems: block_q a power of two in 16 … 2048
+    assert plan.block_q == max(16, min(2048, _pow2_floor(CPU_MODEL.tile_elems * parts / (8 * BLOCK_K))))
     small = torch.empty(2, 4, 100, 16)
     plan = plan_for(prepare(small, small, small))
     assert plan.block_q <= 100 and plan.block_k <= 100

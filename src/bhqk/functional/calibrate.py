@@ -69,7 +69,7 @@ def measure(device: torch.device, dtype: torch.dtype, grad: bool = False, old: C
     big, small = _inputs(device, dtype, N, grad=grad), _inputs(device, dtype, SMALL, 1, grad=grad)
     calls = [prepare(*big), prepare(*big, masks.sliding_window(N // 8)), prepare(*small, masks.causal())]
     plans = [tiled_plan.plan_for(p) for p in calls]
-    model = sum(pl.cost(p.ext.H, len(tiled_plan.split(1, p.ext.H, tiled_plan.workers(device)))) for p, pl in zip(calls, plans))
+    model = sum(pl.cost(p.ext.H, tiled_plan.shares(p)) for p, pl in zip(calls, plans))
     fns: dict[str, Callable[[], object]] = {f"tiled{i}": partial(tiled.forward, *c) for i, c in enumerate(zip(calls, plans))}
     entries, sdpa = H * N * N, torch_sdpa.run
     if old is None:

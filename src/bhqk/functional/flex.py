@@ -157,11 +157,6 @@ def uncompiled():
             fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = debug
 
 
-def uses_compile() -> bool:
-    """False inside :func:`uncompiled`."""
-    return _COMPILE
-
-
 # ---- the call's pieces: block mask, score_mod, kernel ------------------------------------------
 
 def block_mask(mask: Mask | None, B: int, H: int, Q: int, K: int, device):
@@ -288,11 +283,6 @@ def compiled(key: tuple, backward: bool = False) -> bool:
     """Whether the kernel for ``key`` has compiled (run once) in this process; ``backward``: and
     run with gradients (so its backward compiles, or has compiled, at the first backward)."""
     return key in (_WARM_BACKWARD if backward else _WARM)
-
-
-def compiled_any(device_type: str) -> bool:
-    """Whether any kernel for ``device_type`` has compiled in this process (the first pays extra)."""
-    return any(key[0] == device_type for key in _WARM)
 
 
 def forget(key: tuple) -> None:

@@ -79,10 +79,6 @@ CPU_MODEL = Model(tile_elems=1 << 21, call=3e-3, row=1.0e-6, tile=400e-6, block=
 CUDA_MODEL = Model(tile_elems=1 << 23, call=1e-3, row=1e-10, tile=200e-6, block=150e-6,
                      elem=1e-11, partial_elem=1e-11, partial_tile=60e-6)
 
-# The CPU model's values under their historical names (tests and the registry read them).
-TILE_ELEMS = CPU_MODEL.tile_elems
-COST_CALL, COST_ROW, COST_TILE, COST_BLOCK = CPU_MODEL.call, CPU_MODEL.row, CPU_MODEL.tile, CPU_MODEL.block
-COST_ELEM, COST_PARTIAL_ELEM, COST_PARTIAL_TILE = CPU_MODEL.elem, CPU_MODEL.partial_elem, CPU_MODEL.partial_tile
 BLOCK_K = 256  # default block_k; block_q follows from the model's tile_elems
 
 _FORCED = 0  # > 0 inside ``device_mode()``: CPU tensors take the device path
@@ -289,7 +285,7 @@ def make_plan(p: Problem, block_q: int, block_k: int, group_q: int | None = None
     ext, m = p.ext, model(p.q.device)
     group_q = block_q if group_q is None else max(block_q, group_q // block_q * block_q)
     qcuts, kcuts = _cuts(ext.Q, block_q), _cuts(ext.K, block_k)
-    per_q = max(1, ext.B * ext.H // len(split(ext.B, p.sizes["Hkv"], workers(p.q.device))))  # a worker's rows per query
+    per_q = max(1, ext.B * ext.H // shares(p))  # a worker's rows per query
     step = group_q // block_q  # blocks per row group
     groups: list[list[Rect]] = [[] for _ in range(0, max(1, len(qcuts) - 1), step)]
     for i0, i1, j0, j1, t in classify_leaves(p.mask, ext, qcuts, kcuts):
@@ -378,14 +374,18 @@ def split(B: int, Hkv: int, n_workers: int) -> list[tuple[slice, slice]]:
     return [(slice(None), slice(None))]
 
 
+def shares(p: Problem) -> int:
+    """Into how many worker slices the call ``p`` is divided (:func:`split`)."""
+    return len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device)))
+
+
 def default_blocks(p: Problem, block_k: int = BLOCK_K) -> tuple[int, int]:
     """The heuristic without a mask: ``block_k = 256``; ``block_q`` (and the row group) such that a
     worker's score tile [B·Hkv/workers, G·block_q, block_k] holds about the device model's
     ``tile_elems`` elements (16 … 2048)."""
     ext = p.ext
     bk = max(1, min(block_k, ext.K))
-    parts = len(split(ext.B, p.sizes["Hkv"], workers(p.q.device)))
-    bq = _pow2_floor(model(p.q.device).tile_elems * parts / max(1, ext.B * ext.H * bk))  # B·Hkv·G = B·H rows per query
+    bq = _pow2_floor(model(p.q.device).tile_elems * shares(p) / max(1, ext.B * ext.H * bk))  # B·Hkv·G = B·H rows per query
     bq = max(16, min(2048, bq))
     return max(1, min(bq, ext.Q)), bk
 
@@ -429,9 +429,8 @@ def _plan(p: Problem) -> Plan:
         for fk in (1, 2):
             bk = bk0 if bk_given else max(32, bk0 // fk)
             candidates.add((max(16, group // fq), min(bk, p.ext.K)))
-    rows_per_q, n = p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device)))
     plans = [make_plan(p, bq, bk, group) for bq, bk in sorted(candidates, reverse=True)]
-    return min(plans, key=lambda pl: pl.cost(rows_per_q, n))
+    return min(plans, key=lambda pl: pl.cost(p.ext.B * p.ext.H, shares(p)))
 
 
 def estimate(p: Problem, grad: bool, c: Costs) -> Estimate:
@@ -440,7 +439,7 @@ def estimate(p: Problem, grad: bool, c: Costs) -> Estimate:
     or ``tiled_backward`` for forward+backward). One scale for the whole model, so the estimate
     ranks plans as the planner does."""
     plan = plan_for(p)
-    fixed, entries, partial = plan.parts(p.ext.B * p.ext.H, len(split(p.ext.B, p.sizes["Hkv"], workers(p.q.device))))
+    fixed, entries, partial = plan.parts(p.ext.B * p.ext.H, shares(p))
     model_s = fixed + (entries + partial) * (p.sizes["d"] + p.sizes["dv"]) / 128
     scale = (c.tiled_backward or c.tiled_scale) if grad else c.tiled_scale
     return Estimate(model_s * scale, f"{plan.fraction(p.ext):.0%} of the scores in {plan.tiles} tiles", plan)
