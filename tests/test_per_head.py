@@ -14,7 +14,7 @@ import torch
 import bhqk
 from bhqk import masks
 from bhqk.errors import MaskError
-from bhqk.functional import flex, names, prepare, spans, spans_kernels
+from bhqk.functional import flex, names, prepare, spans, spans_kernels, spans_plan
 from bhqk.masks import Extent, Tile
 from conftest import qkv
 from tolerance import assert_close
@@ -166,7 +166,7 @@ def test_span_path_groups_heads_of_equal_structure(monkeypatch):
     plan = spans.plan_for(p)
     assert [g.heads for g in plan.by_heads] == [[0, 3], [1, 2, 4, 5, 6, 7]]
     full_plan, stream_plan = (g.plan for g in plan.by_heads)
-    assert full_plan.groups == [spans.Group(0, Q, 1, 0, 0, K, False, True)]  # causal alone: one is_causal call
+    assert full_plan.groups == [spans_plan.Group(0, Q, 1, 0, 0, K, False, True)]  # causal alone: one is_causal call
     assert stream_plan.fraction(p.ext) < 0.5  # the streaming heads compute their sink and window only
     calls = []
     real = spans_kernels._FWD

@@ -80,16 +80,16 @@ def test_a_band_gets_blocks_of_whole_kernel_tiles_at_most_a_quarter_of_its_width
     m = make(N)
     plan = spans.plan_for(problem(q, k, v, m))
     band = max((g for g in plan.groups if g.n > 1), key=lambda g: g.entries)  # (the ramp before it is one call)
-    default = spans.plan_for(problem(q, k, v, m, options={"block_q": spans.BLOCK_Q}))  # the band at the default blocks
+    default = spans.plan_for(problem(q, k, v, m, options={"block_q": spans_plan.BLOCK_Q}))  # the band at the default blocks
     mid = max((g for g in default.groups if g.n > 1), key=lambda g: g.entries)
     w = sum(g.L for g in default.groups if g.r0 <= mid.r0 + mid.rows < g.r0 + g.n * g.rows) - mid.rows
     assert band.kstep == band.rows and band.n > 1, "the band is one batched call"
-    assert band.rows % spans.KERNEL_TILE == 0 and band.rows <= max(spans.KERNEL_TILE, w // 4)
-    assert band.rows < spans.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
+    assert band.rows % spans_plan.KERNEL_TILE == 0 and band.rows <= max(spans_plan.KERNEL_TILE, w // 4)
+    assert band.rows < spans_plan.BLOCK_Q and plan.computed < default.computed  # smaller blocks skip more of the band
     assert len(plan.groups) <= len(default.groups) + 6  # key tiles divide the block: one chain, not one call per block
     assert plan.groups[0].r0 == 0 and plan.groups[0].rows == band.r0  # the ramp before the band: one call
     allowed = m.materialize(1, 1, N, N)[0, 0]  # [Q, K]
-    assert plan.backward is not None and spans.TILE_64_ROWS in {g.rows for g in plan.backward.groups}
+    assert plan.backward is not None and spans_plan.TILE_64_ROWS in {g.rows for g in plan.backward.groups}
     for part in (plan, plan.backward):  # the backward's own blocks: the kernel's 64-row tiles
         c = coverage(problem(q, k, v, m), part)
         assert (c[allowed] == 1).all() and (c <= 1).all(), "an allowed entry in no span, or an entry in two"
@@ -226,7 +226,7 @@ def test_large_calls_are_cut_into_calls_with_the_same_answer(monkeypatch, kind):
 
 @pytest.mark.parametrize("kstep, L", [(0, 5), (4, 12), (4, 4), (3, 5), (6, 4)])
 def test_key_gradients_of_a_group_land_on_their_keys(kstep, L):
-    g = spans.Group(r0=0, rows=2, n=4, k0=1, kstep=kstep, L=L, masked=False)
+    g = spans_plan.Group(r0=0, rows=2, n=4, k0=1, kstep=kstep, L=L, masked=False)
     part = torch.randn(2 * g.n, 3, L, 5, dtype=torch.float64)  # [B·n, Hkv, L, x]
     got = torch.zeros(2, 3, 40, 5, dtype=torch.float64)
     spans_kernels._add_keys(got, part, g, 2)
@@ -243,7 +243,7 @@ def test_a_band_with_a_bias_batch_and_gqa_equals_the_reference():
     bias = torch.randn(2, 1, N, N, dtype=torch.float64)  # every span masked, the ramp's mask per batch entry
     m = masks.sliding_window(150)
     plan = spans.plan_for(problem(q, k, v, m, bias=bias))
-    assert any(g.n > 1 and g.kstep == g.rows < spans.BLOCK_Q for g in plan.groups)  # the band's small blocks
+    assert any(g.n > 1 and g.kstep == g.rows < spans_plan.BLOCK_Q for g in plan.groups)  # the band's small blocks
     _compare(q, k, v, m, blocks={}, bias=bias)
 
 

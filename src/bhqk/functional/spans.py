@@ -10,7 +10,7 @@ Laid out like ``tiled`` / ``tiled_plan`` and flash-attention's layers: ``spans_p
 planner: blocks, spans, groups, kept plans), ``spans_kernels`` (the fused kernel and its backward
 over a plan's calls, the call masks, :func:`spans_kernels.fused_refuses`), and this module, the one
 autograd Function (:class:`_SpanAttention`) and the registry entry (``why_not``, ``hands_off``,
-``share``, ``plan_for``/``plan_key``, ``run(p, need_lse, plan)``).
+``share``, ``plan_for``, ``run(p, need_lse, plan)``).
 
 Refused (``why_not``): softcap, dropout, a bias that needs its gradient, non-CPU tensors, and an
 empty head dimension. NaN/inf in q, k or v: handed to the tiled backend (``hands_off``), as the
@@ -30,20 +30,7 @@ from . import nonfinite
 from . import spans_kernels as kernels
 from .merge import sinks_grad, with_sinks
 from .problem import Problem
-from .spans_plan import (
-    BLOCK_K,
-    BLOCK_Q,
-    KERNEL_TILE,
-    TILE_64_ROWS,
-    Group,
-    HeadGroup,
-    Plan,
-    on_heads,
-    plan_for,
-    plan_key,
-    share,
-    whole,
-)
+from .spans_plan import Plan, on_heads, plan_for, share, whole
 
 # ---- the registry entry -----------------------------------------------------------------------------
 
@@ -129,5 +116,4 @@ def _run_by_heads(p: Problem, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "Group", "HeadGroup", "KERNEL_TILE", "Plan", "TILE_64_ROWS", "hands_off", "on_heads",
-           "plan_for", "plan_key", "run", "share", "why_not"]
+__all__ = ["hands_off", "plan_for", "run", "share", "why_not"]

@@ -1,9 +1,6 @@
 """The span path's planner (pure: no kernel is called): which calls of PyTorch's fused CPU flash
-kernel compute an attention call, from its mask's tile classification.
-
-Laid out like ``tiled_plan`` (the tiled backend's planner) and flash-attention's layers: this module
-plans, ``spans_kernels`` wraps the fused kernel and its backward over a plan's calls, ``spans`` is
-the autograd Function and the registry entry.
+kernel compute an attention call, from its mask's tile classification (how the span path's three
+modules divide the work: ``spans``).
 
 The [Q, K] grid is cut into query blocks of ``block_q`` rows and, per block, into the runs of key
 tiles the mask allows: an empty tile is skipped; a run of full tiles is one span without a mask; a
