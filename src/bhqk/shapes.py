@@ -40,9 +40,8 @@ class Sizes:
         """A copy for a call whose q, k, v passed the same checks as the call these sizes were bound
         from, with K bound from ``k`` (a decode step's one more key) and this call's shapes seen."""
         qn, kn, vn = LAYOUTS[layout]
-        new = Sizes.__new__(Sizes)
-        new.size = {**self.size, "K": k.shape[kn.index("K")]}
-        new.bound_by = dict(self.bound_by)
+        new = self.copy()
+        new.size["K"] = k.shape[kn.index("K")]
         new.seen = [("q", qn, tuple(q.shape)), ("k", kn, tuple(k.shape)), ("v", vn, tuple(v.shape))]
         return new
 
@@ -175,12 +174,7 @@ def per_query_head(t: torch.Tensor, H: int, heads: Sequence[int] | None = None) 
 def all_finite(*ts: torch.Tensor) -> bool:
     """No NaN/inf in any of ``ts`` (:func:`finite`). Under ``torch.compile`` the check is skipped (a
     branch on data cannot be traced): compiled calls assume finite input."""
-    if torch.compiler.is_compiling():
-        return True
-    for t in ts:
-        if not finite(t):
-            return False
-    return True
+    return torch.compiler.is_compiling() or all(finite(t) for t in ts)
 
 
 def finite(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -88,9 +89,7 @@ def drop_(t: torch.Tensor, keep: torch.Tensor, out: torch.Tensor | None = None) 
 def dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float, device=None) -> torch.Tensor:
     """The keep-mask bool [B, H, Q, K] the tiled backend uses for a call with this seed and
     ``dropout_p = p`` (for tests and tools: the backend itself never builds it)."""
-    def ar(n: int) -> torch.Tensor:
-        return torch.arange(n, device=device, dtype=torch.int64)
-
+    ar = partial(torch.arange, device=device, dtype=torch.int64)
     rows = _row_keys(seed, ar(B)[:, None, None], ar(H)[None, :, None], ar(Q)[None, None, :], H, Q)  # [B, H, Q]
     cols = _col_keys(seed, K, device)  # [K]
     x = torch.empty(B, H, Q, K, dtype=torch.int32, device=device)
@@ -117,10 +116,7 @@ class KeepBits:
             return None
         seed, device = p.options["dropout_seed"], p.q.device
         B, H, Q = p.q.shape[:3]
-
-        def ar(n: int) -> torch.Tensor:
-            return torch.arange(n, device=device, dtype=torch.int64)
-
+        ar = partial(torch.arange, device=device, dtype=torch.int64)
         bs = ar(B)[b]
         rows = _row_keys(seed, bs.view(-1, 1, 1, 1),  # [Bw] -> [Bw, 1, 1, 1]
                          ar(H)[hq].view(1, Hkvw, 1, G),  # [Hw] -> [1, Hkvw, 1, G]: query head hkv·G + g

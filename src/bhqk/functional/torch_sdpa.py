@@ -122,13 +122,11 @@ class Call:
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, d), k, v, None, self.dropout_p, False,
                                                  scale=self.scale)  # [B, H, 1, d] -> [B, Hkv, G, d] -> [B, Hkv, G, dv]
             return out.reshape(B, H, 1, v.shape[-1])  # [B, Hkv, G, dv] -> [B, H, Q=1, dv]
-        if Hkv == H:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale)
-        if not HAS_GQA:
+        gqa = {"enable_gqa": True} if Hkv != H and HAS_GQA else {}
+        if Hkv != H and not HAS_GQA:
             k, v = per_query_head(k, H), per_query_head(v, H)  # [B, Hkv, K, x] -> [B, H, K, x]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale=self.scale,
-                                              enable_gqa=True)  # [B, H, Q, dv]
+                                              **gqa)  # [B, H, Q, dv]
 
     def on_finite(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """The call where its inputs are finite (q; and k, v unless ``every_key``), else None: such a

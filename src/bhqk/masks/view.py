@@ -81,10 +81,6 @@ class IndexMap:
         return f"IndexMap([{runs}] of {self.n_global})"
 
 
-def _as4(t: torch.Tensor) -> torch.Tensor:
-    return as_4d(t)  # [#B, #H, #q, #k]
-
-
 class View(Mask):
     """The part of ``base`` (a mask over the global ``ext``) that local queries and keys see."""
 
@@ -106,7 +102,7 @@ class View(Mask):
 
     def _tile(self, qp, kp, device) -> torch.Tensor:
         (qa, qb, gq, sq), (ka, kb, gk, sk) = qp, kp
-        t = _as4(self.base.block(self.ext, gq, gq + sq * (qb - qa - 1) + 1, gk, gk + sk * (kb - ka - 1) + 1, device))
+        t = as_4d(self.base.block(self.ext, gq, gq + sq * (qb - qa - 1) + 1, gk, gk + sk * (kb - ka - 1) + 1, device))
         if sq > 1 and t.shape[2] != 1:
             t = t[:, :, ::sq]  # covering global rows -> this run's rows
         if sk > 1 and t.shape[3] != 1:
