@@ -89,7 +89,7 @@ def main() -> None:
                 shapes[f"{name} {ev.input_shapes[:2]}"] = ev.self_cpu_time_total / 1e6 / calls
 
         from bhqk.functional import tiled_plan
-        plan = tiled_plan.plan_for(bhqk.functional.api.problem(q, k, v, mask))
+        plan = tiled_plan.plan_for(bhqk.functional.prepare(q, k, v, mask))
         wide = max((r for g in plan.rows for r in g.rects), key=lambda r: r.elems)
         R, kw = wide.r1 - wide.r0, wide.k1 - wide.k0
         qf, kf = torch.randn(H, R, d + 1), torch.randn(H, kw, d + 1)  # [n, rows, d+1], [n, kw, d+1]

@@ -17,7 +17,7 @@ import bhqk
 from bhqk import bias as biases
 from bhqk import masks, observe
 from bhqk.errors import ShapeError
-from bhqk.functional.api import problem
+from bhqk.functional import prepare as problem
 from bhqk.inspect import capture
 from bhqk.inspect.capture import recompute
 from conftest import concrete_backends, mask_kinds, qkv

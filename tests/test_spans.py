@@ -13,8 +13,8 @@ import torch
 
 import bhqk
 from bhqk import masks
+from bhqk.functional import prepare as problem
 from bhqk.functional import spans, spans_kernels, spans_plan
-from bhqk.functional.api import problem
 from conftest import mask_kinds, qkv
 from tolerance import assert_close, assert_low_precision_close
 

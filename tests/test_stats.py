@@ -10,7 +10,7 @@ import torch
 
 import bhqk
 from bhqk import masks
-from bhqk.functional.api import problem
+from bhqk.functional import prepare as problem
 from bhqk.inspect import capture
 from bhqk.inspect.rowstats import Want, row_lse, row_stats
 from conftest import mask_kinds, qkv

@@ -8,7 +8,7 @@ import torch
 from .. import observe
 from ..errors import BackendError
 from . import reference
-from .problem import Problem, prepare
+from .problem import prepare
 from .registry import fast, prepared, resolve
 
 
@@ -82,8 +82,3 @@ def attention_weights(q, k, mask=None, *, bias=None, scale=None, softcap=None, l
     p = prepare(q, k, v, mask, bias, scale, softcap, 0.0, layout, sinks=sinks)
     P, _ = reference.weights(p)
     return P.to(q.dtype)
-
-
-def problem(q, k, v, mask=None, **kw) -> Problem:
-    """The checked call that backends receive (for tools and tests)."""
-    return prepare(q, k, v, mask, **kw)
