@@ -1,34 +1,23 @@
 """The "flex" backend: PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), compiled.
 
-bhqk lowers its call to FlexAttention's two hooks:
-
-- the mask becomes a ``BlockMask`` built from the mask's own tile classification
-  (``mask.block_mask``: empty tiles skipped, full tiles without ``mask_mod``; no per-pair
-  evaluation as in ``create_block_mask``) and its ``mask_mod``;
-- softcap and the additive bias become a ``score_mod``: ``S → softcap·tanh(S/softcap) + bias``
-  (ALiBi from its slopes, a dense bias by indexing; FlexAttention applies ``scale`` first).
-
-Compiled kernels are cached per device, dtype, head dims, mask and bias structure (one
-``torch.compile`` per key, with its own code object, so each key has its own recompile budget);
-``dynamic=True``, the BlockMask's tile counts marked dynamic and every size-dependent number
-captured as a tensor, so a new length, window or padding does not recompile. A few size classes
-still compile once more each: dynamo specializes sizes of 1 (Q or K within one 128 tile) and,
-after a call with Q = K, shares one symbol between them (so the first Q ≠ K call compiles again).
-Compiling takes tens of seconds on a 2-core CPU (measured: benchmarks/attention.py, bhqk_flex).
-
-A call whose q, k or v holds NaN/inf is handed to the tiled backend (:func:`hands_off`):
-FlexAttention would let them cross the mask.
-
-Limits (``why_not`` says them in words): no dropout; on the CPU (torch 2.13) forward only and no
-log-sum-exp; torch.compile must work here (dynamo, and a C++ compiler on the CPU or Triton on
-CUDA). Sinks (``Problem.sinks``) join through the lse, since a ``score_mod`` cannot add a column
-to the softmax denominator: ``out · sigmoid(lse − sink[h])`` (0 for a fully masked row) and the
-returned lse includes the sink, as on every backend; the seam is in :func:`run`, and on the CPU it
+The mask becomes a ``BlockMask`` from the mask's own tile classification (``mask.block_mask``: no
+per-pair evaluation as in ``create_block_mask``) and its ``mask_mod``; softcap and the bias a
+``score_mod``, ``S → softcap·tanh(S/softcap) + bias`` (ALiBi from its slopes, a dense bias by
+indexing; FlexAttention applies ``scale`` first). Sinks join through the lse (a ``score_mod``
+cannot add a column to the denominator): ``merge.with_sinks`` after the kernel, which on the CPU
 needs the lse the compiled kernel lacks.
-``auto`` weighs this backend only where its costs were measured on this machine
-(``calibrate.measure_flex``, ``bhqk calibrate --flex``), and charges a kernel not yet compiled in
-this process its whole compile (:func:`estimate`): auto compiles only for a call that pays for it
-alone; a structure run once by name is compiled from then on.
+
+Compiled kernels are kept per structure (:data:`KERNELS`, :func:`kernel_key`; one ``torch.compile``
+per key, with its own code object and so its own recompile budget); ``dynamic=True``, the
+BlockMask's tile counts marked dynamic and every size-dependent number captured as a tensor, so a
+new length, window or padding does not recompile (dynamo still specializes sizes of 1, and Q = K
+against Q ≠ K). Compiling takes tens of seconds on a 2-core CPU.
+
+``why_not`` says the limits in words: no dropout; on the CPU (torch 2.13) forward only and no
+log-sum-exp; torch.compile must work here. NaN/inf in q, k or v: handed to the tiled backend
+(:func:`hands_off`). ``auto`` weighs it only where its costs were measured on this machine
+(``bhqk calibrate --flex``) and charges a kernel not yet compiled in this process its whole compile
+(:func:`estimate`).
 """
 
 from __future__ import annotations
@@ -323,21 +312,21 @@ def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Te
                         torch._dynamo.maybe_mark_dynamic(t, 2)
     else:
         fn = _call
-    sinks = p.sinks
-    if _COMPILE and key not in _WARM:  # its first call compiles
-        try:
-            out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
-        except Exception as e:  # noqa: BLE001 — any compile failure: refused from now on, in words
-            _BROKEN[key] = f"its kernel for this structure failed to compile here ({type(e).__name__}: {str(e)[:200]})"
-            forget(key)
-            raise BackendError(f"backend 'flex' cannot take this call: {_BROKEN[key]}.") from e
-        _WARM.add(key)
-    else:
+    first = _COMPILE and key not in _WARM  # its first call compiles
+    try:
         out, lse = fn(q, k, v, bm, mod, p.scale, gqa, with_lse)  # [B, H, Q, dv], [B, H, Q]
+    except Exception as e:  # noqa: BLE001 — any compile failure: refused from now on, in words
+        if not first:
+            raise
+        _BROKEN[key] = f"its kernel for this structure failed to compile here ({type(e).__name__}: {str(e)[:200]})"
+        forget(key)
+        raise BackendError(f"backend 'flex' cannot take this call: {_BROKEN[key]}.") from e
+    if first:
+        _WARM.add(key)
     if _COMPILE and p.needs_grad:
         _WARM_BACKWARD.add(key)
-    if sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
-        out, lse = with_sinks(out, lse, sinks)
+    if p.sinks is not None:  # the sink joins each row's denominator: weights shrink by sigmoid(lse - sink)
+        out, lse = with_sinks(out, lse, p.sinks)
     return out, (lse if need_lse else None)
 
 

@@ -1,31 +1,19 @@
 """Tile plans for the tiled backend: which rectangles ``[r0:r1, k0:k1]`` of the [Q, K] score grid
 are computed, and which of them need the mask evaluated (partial).
 
-The grid of ``block_q × block_k`` blocks is classified with the masks' own ``classify``: empty
-blocks are skipped, full ones need no mask, partial ones evaluate it. For the structured masks whose
-classification is arithmetic (causal, window, padding, document, prefix-LM and their ``& | ~``) the
-grid is classified top-down (a quadtree), so planning costs grow with the mask's boundary, not with
-the number of blocks, and full regions come out as large rectangles. Other masks (dense, predicate)
-are classified block by block.
+The grid of ``block_q × block_k`` blocks is classified with the mask's own ``classify``: empty
+blocks are skipped, full ones need no mask. Arithmetic masks (causal, window, padding, document,
+prefix-LM and their ``& | ~``) are classified top-down (a quadtree: cost grows with the mask's
+boundary, and full regions come out as large rectangles); the others by their whole grid at once.
+Query rows are processed in *row groups* of ``group_q`` rows that share the online-softmax state
+(Algorithm 1's query block Q_i, times the G query heads of a key/value head): full regions are
+computed as tall rectangles (up to a worker's ``tile_elems`` scores each), partial blocks one by
+one, nearest the diagonal first (:func:`_diagonal_first`), so causal attention runs its full part
+with the big matmuls of the unmasked case and only its diagonal with small tiles.
 
-Query rows are processed in *row groups* of ``group_q`` rows that share the online-softmax state.
-Full regions are computed as tall rectangles (up to a worker's ``tile_elems`` scores each), partial
-blocks one by one: causal attention then runs its full part with the big matmuls of the unmasked
-case and only its diagonal with small tiles.
-
-In the terms of FlashAttention-2's Algorithm 1 (``tiled.py``): a row group is a query block Q_i
-(its ``group_q`` queries times the G query heads of a key/value head), and each of its rectangles is
-one online-softmax step over a key block K_j. Three deltas come from here: the key blocks a mask
-leaves empty are never visited, adjacent full blocks are joined into one wider or taller rectangle
-(fewer, larger matmuls), and a rectangle may cover only some of its group's rows (the diagonal
-blocks of a causal mask are as tall as ``block_q``, the group's full part as tall as the group).
-A fourth: the steps run in the order of :func:`_diagonal_first`, not j = 1 … T_c.
-
-Costs and tile sizes come from a cost model per device type (:class:`Model`): ``CPU_MODEL`` was
-fitted on the 2-core reference CPU, where worker threads share a call; ``CUDA_MODEL`` is a guess,
-not measured (no GPU was available), that makes the plan prefer few large rectangles where every
-op is a kernel launch and one worker queues the whole call. :func:`on_device` decides which path a
-call takes (any non-CPU device; CPU tensors too inside :func:`device_mode`, a test tool).
+Costs and tile sizes come from a cost model per device type (:class:`Model`): ``CPU_MODEL`` fitted
+on the 2-core reference CPU, ``CUDA_MODEL`` a launch-bound guess (not measured). :func:`on_device`
+decides which path a call takes (any non-CPU device; CPU tensors too inside :func:`device_mode`).
 """
 
 from __future__ import annotations
@@ -404,13 +392,8 @@ def plan_for(p: Problem) -> Plan:
     """The tile plan for a call. ``block_q`` / ``block_k`` from ``p.options`` set the grid (and
     the row group is block_q rows); otherwise the row group comes from the heuristic and, with a
     mask, the grid is the candidate (``block_q`` = group/1 … /16, ``block_k`` = 256 or 128) whose
-    estimated cost is lowest, so masks that skip work get blocks small enough to skip it.
-    No queries or no keys: an empty plan (every row fully masked).
-
-    Plans are kept per mask object (every layer of a model shares one; for a dense mask, per
-    tensor, which callers hand to every layer) and call key: sizes, K/V heads, the block options,
-    the device path, the thread count and the version of every tensor the mask holds, so writing
-    into a mask's tensor in place makes a new plan."""
+    estimated cost is lowest. No queries or no keys: an empty plan. Kept per mask object and call
+    key (``plan_cache.PlanCache``, with :func:`plan_key`)."""
     return _PLANS.for_call(p, lambda: _plan(p))
 
 
