@@ -68,17 +68,6 @@ class Cache(Shortcut, Generic[T]):
                 del self._store[old]
         self._store[key] = value
 
-    def get(self, key: Hashable, make: Callable[[], T]) -> T:
-        """The value kept for ``key``, else ``make()``, kept."""
-        if (hit := self.lookup(key)) is not None:
-            return hit
-        value = make()
-        self.put(key, value)
-        return value
-
-    def discard(self, key: Hashable) -> None:
-        self._store.pop(key, None)
-
     def clear(self) -> None:
         self._store.clear()
 

@@ -135,8 +135,7 @@ def prepare(
     if type(dropout_p) is not float or dropout_p != 0.0:  # the default 0.0 needs no look
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}.")
-    if sinks is not None:
-        sinks = check_sinks(sizes, sinks, q.device)
+    sinks = check_sinks(sizes, sinks, q.device)
     return Problem(q, k, v, sizes, mask, bias, scale, softcap, float(dropout_p), dict(options) if options else {}, sinks)
 
 
