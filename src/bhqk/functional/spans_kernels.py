@@ -67,9 +67,7 @@ MASKS = declare(Shortcut(
 
 def _q_view(t: torch.Tensor, g: Group) -> torch.Tensor:
     """[B, H, Q, x] -> [B·n, H, rows, x]: the group's query blocks in the batch axis (a view when B = 1)."""
-    B = t.shape[0]
-    x = t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))  # [B, H, n, rows, x]
-    return x.transpose(1, 2).reshape(B * g.n, t.shape[1], g.rows, t.shape[-1])  # [B, n, H, rows, x] -> [B·n, H, rows, x]
+    return _rows(t, g).transpose(1, 2).flatten(0, 1)  # [B, H, n, rows, x] -> [B, n, H, rows, x] -> [B·n, H, rows, x]
 
 
 def _k_view(t: torch.Tensor, g: Group) -> torch.Tensor:

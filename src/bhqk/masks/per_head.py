@@ -23,23 +23,19 @@ import torch
 
 from ..errors import MaskError
 from ..shapes import as_4d
-from .base import Composite, Extent, Mask, Tile, _as_mask, refine
+from .base import Arithmetic, Composite, Extent, Mask, Tile, _as_mask, refine
 
 
-class Everything(Mask):
+class Everything(Arithmetic):
     """Every query may attend every key: the part ``None`` of a per-head mask."""
 
-    head_dependent, shift_invariant, arithmetic, allows_all = False, True, True, True
+    head_dependent, shift_invariant, allows_all = False, True, True
 
     def block(self, ext, q0, q1, k0, k1, device=None):
         return torch.ones(1, 1, dtype=torch.bool, device=device).expand(q1 - q0, k1 - k0)  # [q, k]
 
-    def classify(self, ext, q0, q1, k0, k1):
-        return Tile.FULL
-
-    def classify_grid(self, ext, block_q, block_k):
-        nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
-        return torch.zeros(nq, nk, dtype=torch.bool), torch.ones(nq, nk, dtype=torch.bool)
+    def edges(self, ext, q0, q1, k0, k1):
+        return False, True
 
     def mask_mod(self, B, H, Q, K, device=None):
         return lambda b, h, q_idx, kv_idx: kv_idx >= 0
