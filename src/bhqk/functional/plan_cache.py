@@ -17,11 +17,9 @@ KEPT = 16  # plans kept per mask (and without a mask); more: the oldest half is 
 
 
 class PlanCache(Shortcut, Generic[T]):
-    """Plans kept per mask object (every layer of a model shares one; a dense mask per tensor, which
-    callers hand to every layer and wrap anew at each call) and call key, with the version of every
-    tensor the mask holds in the key, so writing into it in place plans anew. A mask that holds an
-    inference tensor (no version counter), or a predicate given no ``key=`` (its function may read a
-    tensor the caller writes), is planned at every call. Declared in :mod:`bhqk.shortcuts`."""
+    """Plans kept per mask object (every layer of a model shares one; a dense mask's per tensor, which
+    callers hand to every layer and wrap anew at each call) and call key; its key, bound and
+    invalidation are declared in :mod:`bhqk.shortcuts` (below)."""
 
     def __init__(self, name: str, what: str, plan_key: Callable[[Problem], Hashable]) -> None:
         super().__init__(

@@ -6,11 +6,9 @@ is empty, full or partial (``Mask.classify_grid``), so this backend runs the ker
 key spans each block of queries may attend, merges the spans of a row by their log-sum-exp, and
 joins sinks once at the end (``merge.with_sinks``; their gradient ``merge.sinks_grad``).
 
-Laid out like ``tiled`` / ``tiled_plan`` and flash-attention's layers: ``spans_plan`` (the pure
-planner: blocks, spans, groups, kept plans), ``spans_kernels`` (the fused kernel and its backward
-over a plan's calls, the call masks, :func:`spans_kernels.fused_refuses`), and this module, the one
-autograd Function (:class:`_SpanAttention`) and the registry entry (``why_not``, ``hands_off``,
-``share``, ``plan_for``, ``run(p, need_lse, plan)``).
+Three modules, like ``tiled`` / ``tiled_plan``: ``spans_plan`` plans (pure), ``spans_kernels`` runs
+the fused kernel and its backward over a plan's calls, and this one is the autograd Function
+(:class:`_SpanAttention`) and the registry entry.
 
 Refused (``why_not``): softcap, dropout, a bias that needs its gradient, non-CPU tensors, and an
 empty head dimension. NaN/inf in q, k or v: handed to the tiled backend (``hands_off``), as the

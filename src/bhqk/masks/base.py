@@ -57,7 +57,6 @@ def causal_offset(align: str | None, Q: int, K: int, who: str) -> int:
     raise MaskError(f"{who}: align must be 'top_left' or 'bottom_right', got {align!r}.")
 
 
-
 def staged_copy(x: Any, device: torch.device) -> Any:
     """``x`` (a mask or a bias) with its public tensors on ``device``, and its public parts (anything
     with a ``staged`` method) staged too: a shallow copy where something had to move, else ``x``
@@ -76,14 +75,11 @@ def staged_copy(x: Any, device: torch.device) -> Any:
     vars(out).update(moved)
     return out
 
+
 class Mask:
     """Base of every mask. Subclasses implement :meth:`block` and, where they can, :meth:`classify`.
-
-    What the fast paths ask of a mask, each class declares for itself (``& | ~`` derive it from
-    their parts; the defaults are the safe answers for a mask that says nothing):
-    :attr:`head_dependent`, :attr:`shift_invariant`, :attr:`arithmetic`, :attr:`whole_grid`,
-    :attr:`looks_inverted`, :attr:`allows_all`, :meth:`only_past`, :meth:`causal_diagonal`, :meth:`head_groups` and
-    :meth:`select_heads`."""
+    What the fast paths ask of a mask (below), each class declares for itself (``Composite`` masks
+    derive it from their operands); the defaults are the safe answers for a mask that says nothing."""
 
     # ---- properties the fast paths read -----------------------------------------------------------
 
@@ -115,10 +111,8 @@ class Mask:
         return None if self.head_dependent else self
 
     def staged(self, device: torch.device) -> Mask:
-        """This mask with its public tensors, and its parts', on ``device``: a shallow copy where one
-        had to move, else the mask itself (the tiled device path then evaluates every tile from
-        tensors on the device). Private attributes (classification caches, read on the host by the
-        planners) stay where they are; a predicate's function is called as it is."""
+        """This mask with its public tensors, and its parts', on ``device`` (:func:`staged_copy`; the
+        tiled device path evaluates every tile from them). A predicate's function is called as it is."""
         return staged_copy(self, device)
 
     # ---- the mask itself --------------------------------------------------------------------------
