@@ -83,11 +83,6 @@ def _k_view(t: torch.Tensor, g: Group) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B * g.n, Hkv, g.L, t.shape[-1])  # [B, n, Hkv, L, x] -> [B·n, Hkv, L, x]
 
 
-def _k_index(g: Group) -> torch.Tensor:
-    """The key positions of the group's spans, block by block: [n·L]."""
-    return (g.k0 + g.kstep * torch.arange(g.n)[:, None] + torch.arange(g.L)[None, :]).reshape(-1)  # [n, L] -> [n·L]
-
-
 def _rows(t: torch.Tensor, g: Group) -> torch.Tensor:
     """[B, H, Q, ...] -> the group's rows [B, H, n, rows, ...] (a view)."""
     return t[:, :, g.r0:g.r0 + g.n * g.rows].unflatten(2, (g.n, g.rows))  # [B, H, n·rows, ·] -> [B, H, n, rows, ·]
@@ -275,7 +270,8 @@ def _add_keys(acc: torch.Tensor, part: torch.Tensor, g: Group, B: int) -> None:
             start = g.k0 + r * g.kstep
             acc[:, :, start:start + m * g.L] += blocks.flatten(2, 3)  # [B, Hkv, m·L, x]
     else:
-        acc.index_add_(2, _k_index(g).to(acc.device), part.flatten(2, 3).to(acc.dtype))  # [B, Hkv, n·L, x]
+        keys = g.k0 + g.kstep * torch.arange(g.n)[:, None] + torch.arange(g.L)[None, :]  # [n, L]: each span's positions
+        acc.index_add_(2, keys.reshape(-1).to(acc.device), part.flatten(2, 3).to(acc.dtype))  # [B, Hkv, n·L, x]
 
 
 __all__ = ["GRAD_ELEMS", "KEEP_ELEMS", "MASKS", "backward", "forward", "fused_refuses", "kept_for_backward",
