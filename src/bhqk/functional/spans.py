@@ -28,7 +28,7 @@ from . import nonfinite
 from . import spans_kernels as kernels
 from .merge import sinks_grad, with_sinks
 from .problem import Problem
-from .spans_plan import Plan, on_heads, plan_for, share, whole
+from .spans_plan import Plan, on_heads, plan_for, share
 
 # ---- the registry entry -----------------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ def hands_off(p: Problem, plan: Plan | None = None) -> tuple[str, str] | None:
     NaN/inf in k or v reach every row there as in the formula (as the torch adapter does).
     ``plan``: :func:`plan_for` of ``p`` (made here if not given)."""
     plan = plan if plan is not None else plan_for(p)
-    unmasked = len(plan.groups) == 1 and whole(plan.groups[0], p) and not (plan.groups[0].masked or plan.groups[0].causal)
+    unmasked = (g := plan.one_call(p)) is not None and not g.causal
     return nonfinite.hand_off(p, unmasked or not (plan.groups or plan.by_heads), "the fused kernel")
 
 

@@ -24,7 +24,7 @@ from ..shapes import as_4d
 from ..shortcuts import Shortcut, declare
 from .merge import merge_
 from .problem import Problem
-from .spans_plan import Group, Plan, chunks, sub_group, whole
+from .spans_plan import Group, Plan, chunks, sub_group
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -180,8 +180,7 @@ def forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) ->
     B, H, Q = p.ext.B, p.ext.H, p.ext.Q
     dv = v.shape[-1]
     ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if len(plan.groups) == 1 and whole(plan.groups[0], p) and not plan.groups[0].masked:
-        g = plan.groups[0]
+    if (g := plan.one_call(p)) is not None:
         out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
         return out, lse
     if plan.single:  # each row in at most one span: written in place, in q's dtype; rows in no span are 0, -inf
@@ -213,8 +212,7 @@ def backward(p: Problem, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, call
     """dq, dk, dv from the fused backward per span with the final out and lse (sinks included)."""
     B = p.ext.B
     g_lse = grad_lse if grad_lse is not None and bool((grad_lse != 0).any()) else None
-    if len(plan.groups) == 1 and g_lse is None and whole(plan.groups[0], p) and not plan.groups[0].masked:
-        g = plan.groups[0]  # one kernel call without a mask did it all (no mask, or causal)
+    if g_lse is None and (g := plan.one_call(p)) is not None:  # one kernel call without a mask did it all
         return _BWD(grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, g.causal, scale=p.scale)
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=lse.dtype, device=q.device)

@@ -86,6 +86,15 @@ class Plan:
     def fraction(self, ext: Extent) -> float:
         return self.computed / max(1, ext.Q * ext.K)
 
+    def one_call(self, p: Problem) -> Group | None:
+        """The group when the plan is one kernel call over every query row and key without a mask
+        (none, or the kernel's own ``is_causal``), else None."""
+        if len(self.groups) != 1:
+            return None
+        g = self.groups[0]
+        whole = g.n == 1 and g.r0 == 0 and g.rows == p.ext.Q and g.k0 == 0 and g.L == p.ext.K
+        return g if whole and not g.masked else None
+
 
 class HeadGroup(NamedTuple):
     """Query heads whose mask has one structure (``Mask.head_groups``), run as one call: ``mask`` is
@@ -321,10 +330,5 @@ def sub_group(g: Group, j0: int, j1: int) -> Group:
     return g._replace(r0=g.r0 + j0 * g.rows, n=j1 - j0, k0=g.k0 + j0 * g.kstep)
 
 
-def whole(g: Group, p: Problem) -> bool:
-    """The group is one call over every query row and key."""
-    return g.n == 1 and g.r0 == 0 and g.rows == p.ext.Q and g.k0 == 0 and g.L == p.ext.K
-
-
 __all__ = ["BLOCK_K", "BLOCK_Q", "Group", "HeadGroup", "KERNEL_TILE", "MASK_ELEMS", "Plan", "TILE_64_ROWS", "chunks",
-           "on_heads", "plan_for", "plan_key", "share", "sub_group", "whole"]
+           "on_heads", "plan_for", "plan_key", "share", "sub_group"]
