@@ -346,12 +346,9 @@ _Exponent = Callable[[_Kernel, _ForwardWork, _Running, _Tile], torch.Tensor]
 def _forward_part(kn: _Kernel, rows: list[RowGroup], v: torch.Tensor, flags: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """The row groups ``rows`` of one worker's slice (Alg. 1's outer loop, line 3), written into out and lse.
-
-    Like Triton's fused-attention ``_attn_fwd_inner`` (one inner loop per stage, each compiled for
-    its kind of block), the variant of line 9 is chosen here, once per call and kind of step, and
-    the loop body is the online-softmax step alone: the device path's exponent for every rectangle;
-    on the CPU the exact one until every row of the group has a real m (``settled``), then the
-    optimistic one for the group's remaining rectangles."""
+    The variant of line 9 is chosen here, outside the step loop (as Triton's ``_attn_fwd_inner``): the
+    device path's for every rectangle; on the CPU the exact one until the group is ``settled``, then
+    the optimistic one."""
     if not any(group.rects for group in rows):
         return  # every query of these groups is fully masked: out stays 0, lse -inf
     p = kn.p
@@ -565,11 +562,9 @@ def _finish_group(kn: _Kernel, st: _Running, group: RowGroup, out5: torch.Tensor
 
 def backward(p: Problem, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
              grad_lse: torch.Tensor | None = None, plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 backward from the given ``out`` [B, H, Q, dv] and ``lse`` [B, H, Q] (which
-    may be global ones when ``p`` covers only part of the keys): ``delta = rowsum(dO ∘ O) - dlse``;
-    per tile ``P = exp(S - lse)``, ``dV += Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - delta)``, ``dQ += dS·K·scale``,
-    ``dK += dSᵀ·Q·scale`` (softcap's tanh' applied to dS; GQA heads summed into Hkv).
-    Returns (grad_q [B, H, Q, d], grad_k [B, Hkv, K, d], grad_v [B, Hkv, K, dv]) in the input dtypes."""
+    """Algorithm 2 (above) from the given ``out`` [B, H, Q, dv] and ``lse`` [B, H, Q], which may be
+    global ones when ``p`` covers only part of the keys (ring attention). Returns (grad_q [B, H, Q, d],
+    grad_k [B, Hkv, K, d], grad_v [B, Hkv, K, dv]) in the input dtypes."""
     if p.dropout_p > 0 and "dropout_seed" not in p.options:
         raise ValueError("tiled.backward with dropout needs the forward's seed in p.options['dropout_seed'].")
     grad_q, grad_k, grad_v, _ = _backward(p, out, lse, grad_out, grad_lse, plan if plan is not None else plan_for(p), ())
