@@ -37,6 +37,7 @@ from ..bias import Sum as BiasSum
 from ..errors import BackendError, PerformanceHint, warn_user
 from ..masks import Mask
 from ..masks.base import index4, scalar, tensor_versions
+from ..shapes import compute_dtype
 from ..shortcuts import Store, declare
 from . import costs, nonfinite
 from .costs import Costs, Estimate, FlexCosts
@@ -200,7 +201,7 @@ def score_mod(p: Problem):
     """Softcap and bias as FlexAttention's ``score_mod`` (None when the call has neither)."""
     if p.softcap is None and p.bias is None:
         return None
-    dt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(p.q)
     e, dev = p.ext, p.q.device
     bias = None if p.bias is None else _bias_mod(p.bias, e.B, e.H, e.Q, e.K, dev, dt)
     cap = None if p.softcap is None else torch.tensor(p.softcap, dtype=dt, device=dev)
@@ -287,7 +288,7 @@ def run(p: Problem, need_lse: bool = False, plan: None = None) -> tuple[torch.Te
     e = p.ext
     dv = p.sizes["dv"]
     if 0 in (e.B, e.H, e.Q, e.K):  # nothing to attend: every row is fully masked (lse -inf, or its sink)
-        lse_dtype = torch.float64 if p.q.dtype == torch.float64 else torch.float32  # as the kernel's lse
+        lse_dtype = compute_dtype(p.q)  # as the kernel's lse
         out = p.q.new_zeros(e.B, e.H, e.Q, dv)  # [B, H, Q, dv]
         lse = p.q.new_full((e.B, e.H, e.Q), float("-inf"), dtype=lse_dtype)  # [B, H, Q]
         if p.sinks is not None:

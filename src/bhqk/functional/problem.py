@@ -10,7 +10,7 @@ import torch
 from ..bias import Bias, as_bias
 from ..errors import MaskError, ShapeError
 from ..masks import Extent, Mask, as_mask
-from ..shapes import Sizes, check_qkv
+from ..shapes import Sizes, check_qkv, compute_dtype
 from ..shortcuts import Cache, declare
 
 
@@ -70,7 +70,7 @@ class Problem:
         """The scale is a normal positive number in the fused kernels' arithmetic (float32, or float64
         for float64 inputs): their ``is_causal`` masks with -inf before scaling, so a scale <= 0 (or
         one that rounds to 0) would turn masked scores into NaN or +inf."""
-        return self.scale >= torch.finfo(torch.float64 if self.q.dtype == torch.float64 else torch.float32).tiny
+        return self.scale >= torch.finfo(compute_dtype(self.q)).tiny
 
     @property
     def groups(self) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..bias import Bias, in_dtype
-from ..shapes import as_4d
+from ..shapes import as_4d, compute_dtype
 from ..shortcuts import Shortcut, declare
 from .merge import merge_
 from .problem import Problem
@@ -179,7 +179,7 @@ def forward(p: Problem, plan: Plan, q, k, v, calls: list[Call] | None = None) ->
     """(out [B, H, Q, dv] in q's dtype, lse [B, H, Q] float32/64) without sinks."""
     B, H, Q = p.ext.B, p.ext.H, p.ext.Q
     dv = v.shape[-1]
-    ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ldt = compute_dtype(q)
     if (g := plan.one_call(p)) is not None:
         out, lse = _FWD(q, _k_view(k, g), _k_view(v, g), 0.0, g.causal, scale=p.scale)  # [B, H, Q, dv], [B, H, Q]
         return out, lse
