@@ -79,17 +79,17 @@ def explain(*, B: int = 1, H: int | None = None, Q: int | None = None, K: int | 
     dv = d if dv is None else dv
     Hkv = H if Hkv is None else Hkv
     D = H * d if D is None else D
-    for name, val in (("B", B), ("H", H), ("Hkv", Hkv), ("Q", Q), ("K", K), ("d", d), ("dv", dv), ("D", D)):
+    sizes = dict(B=B, H=H, Hkv=Hkv, Q=Q, K=K, d=d, dv=dv, D=D)
+    for name, val in sizes.items():
         if int(val) < 1:
             raise ShapeError(f"{name} must be >= 1, got {val}.")
     if H % Hkv:
         raise ShapeError(f"H={H} is not divisible by Hkv={Hkv}; each key/value head serves H/Hkv query heads.")
     w = _WORDS[lang]
     g = H // Hkv
-    sizes = dict(B=B, H=H, Hkv=Hkv, Q=Q, K=K, d=d, dv=dv, D=D)
     out = [f"{w['title']} ({', '.join(f'{k}={v}' for k, v in sizes.items())})",
            *([w["worked"]] if worked else []), w["self"] if Q == K else w["cross"], "", w["names"] + ":"]
-    for name in ("B", "H", "Hkv", "Q", "K", "d", "dv", "D"):
+    for name in sizes:
         out.append(f"  {name:<4}= {sizes[name]:<6} {meaning(name, lang)}")
     steps = [
         (w["x"], "[B, Q, D]", [B, Q, D]),
