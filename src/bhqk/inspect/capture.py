@@ -32,7 +32,7 @@ from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
 from .heads import HeadTable, head_table, received_curve, record_sums, sparkline
-from .layers import Selection, heads_rows, selected, sub_call, value_heads
+from .layers import Selection, heads_rows, sub_call, value_heads
 from .rowstats import STATISTICS, Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -282,9 +282,6 @@ class Capture:
         return self.selection.calls
 
     # ---- observer -------------------------------------------------------------------------
-    def selected(self, index: int, name: str) -> bool:
-        return selected(self.layers, index, name)
-
     def on_event(self, event: str, data: dict[str, Any]) -> None:
         if event != "attention":
             return

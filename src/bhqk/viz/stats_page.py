@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -209,12 +208,6 @@ def write(table: HeadTable, records: Sequence, out: str | Path, title: str = "at
     pg = out / "stats.html"
     pg.write_text(page(table, ov, rc, title, meta), encoding="utf-8")
     return {"overview": ov, "received": rc, "page": pg}
-
-
-def to_png_bytes(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
 
 
 __all__ = ["write", "page", "overview_png", "received_png", "received_peaks", "received_curves", "head_png", "head_series",
