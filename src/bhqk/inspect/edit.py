@@ -2,39 +2,22 @@
 of the selected attention calls do, and nothing else. Nothing is stored on modules: after the block
 the model is what it was.
 
-An edit is a list of steps, each a value or a function at a named point of the call (:mod:`bhqk.edits`:
-``mask`` → ``scores`` → ``weights`` → ``head_outputs``), given as ``do=edits.zero()`` (one step or a
-list) or as the keyword form, which is the same steps:
+An edit is a list of steps, each a value or a function at a named point of the call (:mod:`bhqk.edits`
+lists the points, the kinds, what each costs and how steps combine), given as ``do=edits.zero()`` (one
+step or a list) or as the keyword form, which is the same steps: ``zero=True`` (O_h = 0), ``scale=s``
+(O_h · s; a number or a tensor [] | [h] that may require gradients), ``mask=M`` (the heads' mask
+becomes ``mask & M``, the softmax renormalizes: knock out), ``bias=T`` (added to the heads' scores),
+``weights=P`` (P used as given instead of softmax(S), no renormalization) and ``output=O`` (O_h
+replaced, e.g. by a head output captured in another run: activation patching). One ``edit`` may
+combine steps as long as no value replaces a point after another step of the same edit (``weights=``
+with ``mask=``, ``output=`` with ``bias=``: a ValueError).
 
-- ``zero=True`` = ``edits.zero()``: the heads' outputs O_h are 0 (ablation).
-- ``scale=s`` = ``edits.scale(s)``: O_h · s; ``s`` a number or a tensor (0-d, or [h] one per named head)
-  that may require gradients (attribution patching: d loss / d s).
-- ``mask=M`` = ``edits.mask(M)``: the heads' mask becomes ``mask & M`` and the softmax renormalizes
-  over what is left ("knock out", e.g. ``masks.key_span(0, 1)``: the sink key's weight goes to the others).
-- ``bias=T`` = ``edits.bias(T)``: T (float, broadcastable to [B, h, Q, K]) is added to the heads' scores.
-- ``weights=P`` = ``edits.weights(P)``: the heads use P ([Q, K], broadcastable to [B, h, Q, K], ≥ 0) as
-  given instead of softmax(S): O_h = P·V, no renormalization. Zeros in P are not a knock-out: the row
-  then sums to less than 1 and nothing is given to the other keys.
-- ``output=O`` = ``edits.output(O)``: O_h is replaced by O ([Q, dv], broadcastable to [B, h, Q, dv]),
-  e.g. a head's output recorded by ``capture(what="head_outputs")`` in another run (activation patching).
-- ``do=edits.at("head_outputs", fn)``: ``fn(o) -> o'`` on o [B, h, Q, dv] (h = the edit's heads, in its
-  order); ``edits.at("scores", fn)``: P = softmax(fn(S)) with S [B, h, Q, K]; ``edits.at("weights", fn)``:
-  ``fn(P) -> P'`` on P [B, h, Q, K], then O_h = P'·V.
-
-One ``edit`` may combine steps as long as no value replaces a point after another step of the same
-edit (``weights=`` with ``mask=``, ``output=`` with ``bias=``: a ValueError).
-
-How it runs, and what it costs: every call runs as usual, all heads on its fast path; for a selected
-call the named heads alone are recomputed and stitched into the output out-of-place, so gradients
-flow to inputs, parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions.
-Zero, scale, a given output and functions at ``head_outputs``: no recomputation, one [B, h, Q, dv]
-copy. Masks and biases: a sub-call of those heads on the registry's backend, the mask kept
-structured. A given P, or a function at ``scores`` or ``weights``: the reference's S and P for those
-heads only (with the edits' masks and biases; S is not built for a given P that no function at
-``scores`` reads), then one P·V per head: O(Q·K) per edited head. GQA: an edited query head reads
-its own K/V head. Edits nest and compose: masks AND, biases add; a given P or O (the innermost
-one) replaces its point and makes the points before it moot; then the functions at each point
-run, the outer edit's first, each edit's in its order (scales multiply).
+How it runs: every call runs as usual, all heads on its fast path; for a selected call the named
+heads alone are recomputed and stitched into the output out-of-place, so gradients flow to inputs,
+parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions. GQA: an edited
+query head reads its own K/V head. Edits nest and compose: masks AND, biases add; a given P or O (the
+innermost one) replaces its point and makes the points before it moot; then the functions at each
+point run, the outer edit's first, each edit's in its order (scales multiply).
 
 Selection: ``layers`` takes call indices and module paths (globs; ``model=``); a call is named by its
 module's path, so ``layers="model.layers.1.self_attn"`` selects that layer's prefill and every

@@ -27,17 +27,24 @@ def _full(ext: Extent, H: int) -> Extent:
     return Extent(ext.B, H, ext.Q, ext.K)
 
 
-class HeadSubset(Mask):
-    """``base`` (a mask of an H-head call) read on the heads ``heads`` only: a mask of an h-head call."""
+class _Subset:
+    """``base`` (a mask or bias of an H-head call) read on the heads ``heads`` only: a value of an h-head call."""
 
-    def __init__(self, base: Mask, heads: list[int], H: int) -> None:
+    def __init__(self, base, heads: list[int], H: int) -> None:
         self.base, self.heads, self.H = base, list(heads), H
 
     def check(self, ext):
         self.base.check(_full(ext, self.H))
 
-    def block(self, ext, q0, q1, k0, k1, device=None):
-        return value_heads(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device), self.heads, self.H)  # [#B, #h, q, k]
+    def block(self, ext, q0, q1, k0, k1, *args, **kw):  # device (and a bias's dtype)
+        return value_heads(self.base.block(_full(ext, self.H), q0, q1, k0, k1, *args, **kw), self.heads, self.H)  # [#B, #h, q, k]
+
+    def __repr__(self) -> str:
+        return f"{self.base!r}[heads {self.heads}]"
+
+
+class HeadSubset(_Subset, Mask):
+    """A mask of an H-head call read on some heads: a mask of an h-head call."""
 
     def classify(self, ext, q0, q1, k0, k1):  # over every head of the call: never wrong for a subset
         return self.base.classify(_full(ext, self.H), q0, q1, k0, k1)
@@ -50,9 +57,6 @@ class HeadSubset(Mask):
         idx = torch.tensor(self.heads, dtype=torch.long, device=device)
         return lambda b, h, q_idx, kv_idx: f(b, idx[h], q_idx, kv_idx)
 
-    def __repr__(self) -> str:
-        return f"{self.base!r}[heads {self.heads}]"
-
 
 def mask_heads(m: Mask | None, heads: list[int], H: int) -> Mask | None:
     """The mask of the sub-call on ``heads``: ``m`` itself when it is the same for every head, the
@@ -62,19 +66,10 @@ def mask_heads(m: Mask | None, heads: list[int], H: int) -> Mask | None:
     return m.select_heads(heads, H) or HeadSubset(m, heads, H)
 
 
-class _BiasSubset(Bias):
+class _BiasSubset(_Subset, Bias):
     def __init__(self, base: Bias, heads: list[int], H: int) -> None:
-        self.base, self.heads, self.H = base, list(heads), H
+        super().__init__(base, heads, H)
         self.floor = base.floor
-
-    def check(self, ext):
-        self.base.check(_full(ext, self.H))
-
-    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
-        return value_heads(self.base.block(_full(ext, self.H), q0, q1, k0, k1, device, dtype), self.heads, self.H)
-
-    def __repr__(self) -> str:
-        return f"{self.base!r}[heads {self.heads}]"
 
 
 def bias_heads(b: Bias | None, heads: list[int], H: int) -> Bias | None:
@@ -109,24 +104,40 @@ def _stitch(base: torch.Tensor, tiles: list[torch.Tensor], parts: list[Part], H:
     return out
 
 
-class Edited(Mask):
-    """The call's mask with each part's heads ANDed with (or, ``replace``, replaced by) its mask."""
+class _Edited:
+    """The call's mask or bias ``base`` (None: none) with each part's heads combined with (``combine``; or,
+    ``replace``, replaced by) the part's value, read per tile."""
 
-    def __init__(self, base: Mask | None, H: int, parts: list[Part]) -> None:
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sign = ""
+
+    def __init__(self, base, H: int, parts: list[Part]) -> None:
         self.base, self.H, self.parts = base, H, parts
 
     def check(self, ext):
         if self.base is not None:
             self.base.check(ext)
-        for heads, m, _ in self.parts:
-            assert isinstance(m, Mask)
-            m.check(_full(ext, len(heads)))
+        for heads, v, _ in self.parts:
+            v.check(_full(ext, len(heads)))  # type: ignore[attr-defined]
+
+    def _block(self, none: torch.Tensor, ext, q0, q1, k0, k1, *args) -> torch.Tensor:
+        """The tile [B?, H, q, k]; ``none``: the base's tile when there is no base; ``args``: device (and dtype)."""
+        base = none if self.base is None else as_4d(self.base.block(ext, q0, q1, k0, k1, *args))  # [#B, #H, #q, #k]
+        tiles = [as_4d(v.block(_full(ext, len(h)), q0, q1, k0, k1, *args)) for h, v, _ in self.parts]  # type: ignore[attr-defined]
+        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, self.combine)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"heads {h}: {'=' if r else self.sign} {v!r}" for h, v, r in self.parts)
+        return f"edited({self.base!r}, {parts})"
+
+
+class Edited(_Edited, Mask):
+    """The call's mask with each part's heads ANDed with (or, ``replace``, replaced by) its mask."""
+
+    combine, sign = staticmethod(operator.and_), "&"
 
     def block(self, ext, q0, q1, k0, k1, device=None):
-        base = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if self.base is None else \
-            as_4d(self.base.block(ext, q0, q1, k0, k1, device))  # [#B, #H, #q, #k]
-        tiles = [as_4d(m.block(_full(ext, len(h)), q0, q1, k0, k1, device)) for h, m, _ in self.parts]  # type: ignore[union-attr]
-        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, operator.and_)  # [B?, H, q, k]
+        return self._block(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), ext, q0, q1, k0, k1, device)
 
     def classify(self, ext, q0, q1, k0, k1):
         if self.base is not None and not any(r for _, _, r in self.parts) and \
@@ -141,29 +152,15 @@ class Edited(Mask):
             return none, none
         return self.base.classify_grid(ext, block_q, block_k)[0], none
 
-    def __repr__(self) -> str:
-        return f"edited({self.base!r}, " + ", ".join(f"heads {h}: {'=' if r else '&'} {m!r}" for h, m, r in self.parts) + ")"
 
-
-class EditedBias(Bias):
+class EditedBias(_Edited, Bias):
     """The call's bias with each part's heads plus (or, ``replace``, replaced by) its bias."""
 
+    combine, sign = staticmethod(operator.add), "+"
+
     def __init__(self, base: Bias | None, H: int, parts: list[Part]) -> None:
-        self.base, self.H, self.parts = base, H, parts
+        super().__init__(base, H, parts)
         self.floor = min([0.0 if base is None else base.floor] + [b.floor for _, b, _ in parts])  # type: ignore[attr-defined]
 
-    def check(self, ext):
-        if self.base is not None:
-            self.base.check(ext)
-        for heads, b, _ in self.parts:
-            assert isinstance(b, Bias)
-            b.check(_full(ext, len(heads)))
-
     def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
-        base = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device) if self.base is None else \
-            as_4d(self.base.block(ext, q0, q1, k0, k1, device, dtype))  # [#B, #H, #q, #k]
-        tiles = [as_4d(b.block(_full(ext, len(h)), q0, q1, k0, k1, device, dtype)) for h, b, _ in self.parts]  # type: ignore[union-attr]
-        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, operator.add)  # [B?, H, q, k]
-
-    def __repr__(self) -> str:
-        return f"edited({self.base!r}, " + ", ".join(f"heads {h}: {'=' if r else '+'} {b!r}" for h, b, r in self.parts) + ")"
+        return self._block(torch.zeros(1, 1, 1, 1, dtype=dtype, device=device), ext, q0, q1, k0, k1, device, dtype)
