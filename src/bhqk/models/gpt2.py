@@ -65,8 +65,7 @@ class GPT2Config:
 def input_major(w: torch.Tensor) -> nn.Parameter:
     """The weight ``w`` [out, in] of a matrix-vector product stored input-major: [in, out] in memory,
     the parameter a transposed view of it (Hugging Face's Conv1D layout). Values and shape unchanged; a
-    decode step's products (one token: memory-bound) stream it faster so on this CPU: measured 10 % on
-    the blocks' linears and 27 % on the 50257 × 768 head (AMD EPYC, 2 threads, torch 2.13)."""
+    decode step's one-token products stream it faster (docs/benchmarks.md, "Decoding")."""
     if w.dim() != 2 or w.stride() != (w.shape[1], 1):
         return w if isinstance(w, nn.Parameter) else nn.Parameter(w)
     return nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)  # [out, in] view of [in, out]

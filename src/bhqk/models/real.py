@@ -79,6 +79,13 @@ def resolve(source: str | Path) -> str | Path:
     raise LoadError(f"no model {str(source)!r}: not a known name ({', '.join(sorted(NAMES))}), nor a file or folder.{hint}")
 
 
+def model_type(source: str | Path) -> str | None:
+    """config.json's ``model_type`` of the folder ``source`` names (:func:`resolve`), None when it has no
+    config.json (a name, a GGUF file): which of bhqk's own models (BERT, GPT-2) may run it."""
+    found = Path(resolve(source))
+    return read_config(found).get("model_type") if (found / "config.json").is_file() else None
+
+
 def is_decoder(config: dict) -> bool:
     """A causal language model by its config.json: ``is_decoder``, or an architecture ``…ForCausalLM`` /
     ``…LMHeadModel``. The one test every loader and command asks."""
@@ -165,5 +172,5 @@ def context_length(model: Any) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
-__all__ = ["load_model", "Loaded", "pretrained", "resolve", "is_decoder", "model_name", "encode", "context_length",
+__all__ = ["load_model", "Loaded", "pretrained", "resolve", "model_type", "is_decoder", "model_name", "encode", "context_length",
            "TOKENIZER_FILES"]

@@ -79,13 +79,10 @@ def _limit(max_tokens: int | None, limit: int) -> int:
 
 
 def _is_bert_folder(model: str | Path) -> bool:
-    """``model`` (what ``--model`` names in every command: :func:`bhqk.models.real.resolve`) is a BERT folder,
-    read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
-    from ..models.loading import read_config
-    from ..models.real import resolve
+    """A BERT folder is read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
+    from ..models.real import model_type
 
-    found = Path(resolve(model))
-    return (found / "config.json").is_file() and read_config(found).get("model_type") == "bert"
+    return model_type(model) == "bert"
 
 
 def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
