@@ -157,11 +157,12 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     return loaded.model, loaded.tokenizer
 
 
-def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
-    """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens."""
+def encode(loaded: Loaded, text: str, **options: Any) -> tuple[dict, list[str]]:
+    """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens; ``options``
+    go to the tokenizer."""
     if loaded.tokenizer is None:
         raise LoadError(f"{loaded.folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass token ids instead.")
-    enc = loaded.tokenizer(text, return_tensors="pt")
+    enc = loaded.tokenizer(text, return_tensors="pt", **options)
     inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     return inputs, loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
 

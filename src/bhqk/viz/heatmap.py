@@ -15,6 +15,7 @@ import torch
 
 from ..masks import Mask
 from ..text import named_shape
+from .labels import check_labels
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -106,7 +107,7 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     (and per key, unless ``key_tokens`` is given), else a ShapeError. Saved as PNG when ``path`` is given."""
     P, rec = _select(src, layer, head, b)
     Q, K = P.shape
-    _check_labels(tokens, key_tokens, rec.sizes["Q"] if rec is not None else Q, K, rec.name if rec is not None else None)
+    check_labels("heatmap", tokens, key_tokens, Q if rec is None else rec.sizes["Q"], K, None if rec is None else rec.name)
     positions = rec.query_positions if rec is not None else None
     q_labels = _labels(tokens, Q, positions)
     k_labels = _labels(key_tokens if key_tokens is not None else tokens, K)
@@ -138,19 +139,6 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
     return fig
-
-
-def _check_labels(tokens: Sequence[str] | None, key_tokens: Sequence[str] | None, Q: int, K: int, call: str | None) -> None:
-    """One token per query of the call (Q, not only the captured rows) and one per key (``key_tokens``,
-    else ``tokens`` labels the keys too)."""
-    from .labels import check_tokens
-
-    check_tokens("heatmap", tokens, Q, axis="Q", call=call)
-    if key_tokens is not None:
-        check_tokens("heatmap", key_tokens, K, arg="key_tokens", axis="K", call=call)
-    else:
-        check_tokens("heatmap", tokens, K, axis="K", call=call, hint=" (tokens labels the keys too; pass key_tokens= "
-                                                                   "when they are not the queries)")
 
 
 def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None, path: str | Path | None = None,

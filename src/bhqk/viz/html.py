@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..text import named_shape
-from .labels import check_tokens
+from .labels import check_labels
 from .template import asset, fill, script_json
 
 if TYPE_CHECKING:
@@ -64,30 +63,20 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
     above the views (e.g. that the input was cut). ``tokens`` needs one token per query of every call
     and, unless ``key_tokens`` is given, one per key too (else a ShapeError)."""
     from ..inspect.stats import head_stats
+    from ..inspect.trace import call_shapes
 
     if not cap.records:
         raise ValueError("html: the capture holds no records; run the model inside `with capture(...)`.")
     weights = [_weights(r) for r in cap.records]  # each [B, h, r, K]
     keys = key_tokens if key_tokens is not None else tokens
     for rec in cap.records:  # one token per query and per key of every call the page shows
-        check_tokens("html", tokens, rec.sizes["Q"], axis="Q", call=rec.name)
-        check_tokens("html", keys, rec.sizes["K"], arg="key_tokens" if key_tokens is not None else "tokens", axis="K",
-                     call=rec.name, hint="" if key_tokens is not None else " (tokens labels the keys too; pass "
-                                                                           "key_tokens= when they are not the queries)")
+        check_labels("html", tokens, key_tokens, rec.sizes["Q"], rec.sizes["K"], rec.name)
     special = tuple(s for s in special if keys is not None and s in keys)  # shares only of tokens that are there
     stats = head_stats(cap, keys, b=b, special=special)
     by = {(s.index, s.head): s for s in stats}
     layers: list[dict[str, Any]] = []
     for rec, weights_b in zip(cap.records, weights):
-        s = rec.sizes
-        Q, K = s["Q"], s["K"]
-        shapes = [
-            ("q", named_shape(("B", "H", "Q", "d"), (s["B"], s["H"], Q, s["d"]))),
-            ("k", named_shape(("B", "Hkv", "K", "d"), (s["B"], s["Hkv"], K, s["d"]))),
-            ("v", named_shape(("B", "Hkv", "K", "dv"), (s["B"], s["Hkv"], K, s["dv"]))),
-            ("S, P", named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], Q, K))),
-            ("out", named_shape(("B", "H", "Q", "dv"), (s["B"], s["H"], Q, s["dv"]))),
-        ]
+        shapes = list(call_shapes(rec.sizes).items())
         W = weights_b[b].float().cpu()  # [B, h, r, K] -> [h, r, K]
         heads = []
         for h, (scale, text), masked in zip(rec.heads, encode_heads(W), masked_rows(W)):
@@ -98,8 +87,8 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
                           **{f"on {t}": round(v, 3) for t, v in st.special.items()}},
             })
         layers.append({"index": rec.index, "name": rec.name, "backend": rec.backend, "shapes": shapes,
-                       "rows": rec.query_positions, "K": K, "mask": repr(rec.mask) if rec.mask is not None else "none",
-                       "heads": heads})
+                       "rows": rec.query_positions, "K": rec.sizes["K"],
+                       "mask": repr(rec.mask) if rec.mask is not None else "none", "heads": heads})
     Kmax = max(la["K"] for la in layers)
     Qmax = max(la["rows"][-1] + 1 if la["rows"] else 0 for la in layers)
     qt = list(tokens) if tokens is not None else [str(i) for i in range(Qmax)]
