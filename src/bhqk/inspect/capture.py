@@ -229,20 +229,11 @@ def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
 class Capture:
     """An observer that keeps the selected intermediates of each attention call (see :func:`capture`)."""
 
-    def __init__(
-        self,
-        layers: int | str | Iterable[int | str] | None = None,
-        heads: int | Iterable[int] | None = None,
-        rows: int | Iterable[int] | None = None,
-        what: str | Iterable[str] = ("weights",),
-        model: nn.Module | None = None,
-        offsets: Iterable[int] = (),
-        window: int | None = None,
-        topk: int = 0,
-        block_q: int | None = None,
-        block_k: int | None = None,
-        who: str = "capture",
-    ) -> None:
+    def __init__(self, layers: int | str | Iterable[int | str] | None = None,
+                 heads: int | Iterable[int] | None = None, rows: int | Iterable[int] | None = None,
+                 what: str | Iterable[str] = ("weights",), model: nn.Module | None = None,
+                 offsets: Iterable[int] = (), window: int | None = None, topk: int = 0, block_q: int | None = None,
+                 block_k: int | None = None, who: str = "capture") -> None:
         self.what = (what,) if isinstance(what, str) else tuple(what)
         bad = [w for w in self.what if w not in WHAT]
         if bad:
@@ -429,19 +420,10 @@ def load_records(path: str | Path) -> list[Record]:
 
 
 @contextlib.contextmanager
-def capture(
-    layers: int | str | Iterable[int | str] | None = None,
-    heads: int | Iterable[int] | None = None,
-    what: str | Iterable[str] = ("weights",),
-    *,
-    rows: int | Iterable[int] | None = None,
-    model: nn.Module | None = None,
-    offsets: Iterable[int] = (),
-    window: int | None = None,
-    topk: int = 0,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> Iterator[Capture]:
+def capture(layers: int | str | Iterable[int | str] | None = None, heads: int | Iterable[int] | None = None,
+            what: str | Iterable[str] = ("weights",), *, rows: int | Iterable[int] | None = None,
+            model: nn.Module | None = None, offsets: Iterable[int] = (), window: int | None = None, topk: int = 0,
+            block_q: int | None = None, block_k: int | None = None) -> Iterator[Capture]:
     """Record attention intermediates of the calls inside the block.
 
     ``layers``: call indices (order of the attention calls in the block, from 0) and/or module-path

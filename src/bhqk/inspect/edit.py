@@ -59,20 +59,11 @@ class Edit:
     """One ``bhqk.edit`` block: which calls and heads, and the steps to apply to them (see the module
     doc). ``steps`` lists them; ``hits`` the (call index, name) of every call it edited."""
 
-    def __init__(
-        self,
-        layers: int | str | Iterable[int | str] | None = None,
-        heads: int | Iterable[int] | None = None,
-        *,
-        model: nn.Module | None = None,
-        zero: bool = False,
-        scale: float | torch.Tensor | None = None,
-        mask: Mask | torch.Tensor | None = None,
-        bias: Bias | torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
-        output: torch.Tensor | None = None,
-        do: Step | Iterable[Step] | None = None,
-    ) -> None:
+    def __init__(self, layers: int | str | Iterable[int | str] | None = None,
+                 heads: int | Iterable[int] | None = None, *, model: nn.Module | None = None, zero: bool = False,
+                 scale: float | torch.Tensor | None = None, mask: Mask | torch.Tensor | None = None,
+                 bias: Bias | torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                 output: torch.Tensor | None = None, do: Step | Iterable[Step] | None = None) -> None:
         self.selection = Selection("edit", layers, heads, model)  # the same selection and errors as capture
         self.layers, self.heads = self.selection.layers, self.selection.heads
         steps = keyword_steps("edit", zero=zero, scale=scale, mask=mask, bias=bias, weights=weights, output=output)
@@ -449,19 +440,11 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
 
 
 @contextlib.contextmanager
-def edit(
-    layers: int | str | Iterable[int | str] | None = None,
-    heads: int | Iterable[int] | None = None,
-    *,
-    model: nn.Module | None = None,
-    zero: bool = False,
-    scale: float | torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    bias: Bias | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    do: Step | Iterable[Step] | None = None,
-) -> Iterator[Edit]:
+def edit(layers: int | str | Iterable[int | str] | None = None, heads: int | Iterable[int] | None = None, *,
+         model: nn.Module | None = None, zero: bool = False, scale: float | torch.Tensor | None = None,
+         mask: Mask | torch.Tensor | None = None, bias: Bias | torch.Tensor | None = None,
+         weights: torch.Tensor | None = None, output: torch.Tensor | None = None,
+         do: Step | Iterable[Step] | None = None) -> Iterator[Edit]:
     """Edit the named heads of the selected attention calls inside the block (module doc: kinds,
     cost, composition). ``layers``: call indices and/or module-path globs (names need ``model=``),
     as in ``capture``; ``heads``: query-head indices (None: all). What to do: the keywords, and/or

@@ -35,16 +35,10 @@ def _one(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def retrieval(
-    model: nn.Module | Callable[[torch.Tensor], object],
-    ids: torch.Tensor | Sequence[torch.Tensor],
-    needle: tuple[int, int] | Sequence[tuple[int, int]],
-    *,
-    answer: torch.Tensor | Sequence[torch.Tensor] | None = None,
-    max_new_tokens: int = 16,
-    eos: Iterable[int] = (),
-    names: nn.Module | None = None,
-) -> HeadTable:
+def retrieval(model: nn.Module | Callable[[torch.Tensor], object], ids: torch.Tensor | Sequence[torch.Tensor],
+              needle: tuple[int, int] | Sequence[tuple[int, int]], *,
+              answer: torch.Tensor | Sequence[torch.Tensor] | None = None, max_new_tokens: int = 16,
+              eos: Iterable[int] = (), names: nn.Module | None = None) -> HeadTable:
     """Every head's retrieval score (module docstring) while ``model`` copies a needle.
 
     ``ids``: a prompt [N] or [1, N] (or a list of prompts, one trial each); ``needle``: the needle's

@@ -131,15 +131,9 @@ class BertEncoder(nn.Module):
         load_bert(model, folder)
         return model.eval()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        *,
-        output_hidden_states: bool = False,
-    ):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                output_hidden_states: bool = False):
         """input_ids [B, N]; attention_mask [B, N] (Hugging Face: 1 = real token, 0 = padding) →
         last hidden state [B, N, D], or with ``output_hidden_states`` the list of the embeddings'
         and every layer's output (L + 1 tensors [B, N, D]), as ``BertModel``'s ``hidden_states``."""

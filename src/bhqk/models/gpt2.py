@@ -115,15 +115,9 @@ class GPT2(nn.Module):
         budget's: ``plan.kv_cache(model)``)."""
         return KVCache(len(self.blocks), capacity=capacity)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        *,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """input_ids [B, N] → logits [B, N, V] ([B, 1, V] with ``last_only``). With ``cache``, the N
         tokens follow the cached ones (keys are appended in place). ``attention_mask`` [B, K] covers
         cached + new tokens (1 = real token). Positions default to the count of real tokens before
@@ -168,19 +162,10 @@ class GPT2(nn.Module):
         return F.linear(self.final_norm(x), self.tokens.weight)  # [B, N, V], the head tied to the embedding
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
-        use_cache: bool = True,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None, use_cache: bool = True,
+                 cache: KVCache | None = None) -> torch.Tensor:
         """prompt_ids [B, N] (left-padded with ``attention_mask`` [B, N] for ragged prompts) →
         [B, N + max_new_tokens]. ``temperature=0``: greedy; otherwise sample from
         softmax(logits / temperature), restricted to the ``top_k`` best when given, with

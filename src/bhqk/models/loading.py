@@ -295,15 +295,8 @@ def _remap_gpt2(state_dict: StateDict) -> tuple[StateDict, dict[str, str]]:
 
 # --- strict load ---------------------------------------------------------------------------------
 
-def load_checked(
-    model: nn.Module,
-    state_dict: StateDict,
-    source: dict[str, str] | None = None,
-    *,
-    folder=None,
-    origin: Callable[[str], str] | None = None,
-    raw_shapes: dict[str, torch.Size] | None = None,
-) -> None:
+def load_checked(model: nn.Module, state_dict: StateDict, source: dict[str, str] | None = None, *, folder=None,
+                 origin: Callable[[str], str] | None = None, raw_shapes: dict[str, torch.Size] | None = None) -> None:
     """Copy ``state_dict`` into ``model``: every key present, none unexpected, every shape equal.
     Otherwise one LoadError listing what is wrong. ``source`` maps each key to its checkpoint key and
     ``origin`` names the checkpoint key a missing one should have come from; ``raw_shapes`` are the
