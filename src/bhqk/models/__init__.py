@@ -21,10 +21,8 @@ def load(folder: str | Path, *, backend: str = "auto"):
     """The bhqk model for a local Hugging Face folder, chosen by config.json's model_type."""
     kind = read_config(folder).get("model_type")
     if kind not in ARCHITECTURES:
-        raise LoadError(
-            f"unknown architecture: {Path(folder) / 'config.json'} has model_type={kind!r}; "
-            f"bhqk.models loads {sorted(ARCHITECTURES)}."
-        )
+        raise LoadError(f"unknown architecture: {Path(folder) / 'config.json'} has model_type={kind!r}; "
+                        f"bhqk.models loads {sorted(ARCHITECTURES)}.")
     return ARCHITECTURES[kind].from_pretrained(folder, backend=backend)
 
 

