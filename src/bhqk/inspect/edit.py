@@ -73,13 +73,7 @@ class Edit:
                              "do=bhqk.edits.<kind>(...) (a step or a list of them).")
         check_steps(steps, "edit")
         self.steps: list[Step] = steps
-        # The keyword form's view of the steps (what each kind holds; masks ANDed, biases added).
-        self.zero = any(s.kind == "zero" for s in steps)
-        self.scale = next((s.value for s in steps if s.kind == "scale"), None)
-        self.mask: Mask | None = _fold([s.value for s in steps if s.how == "and"], operator.and_)
-        self.bias: Bias | None = _fold([s.value for s in steps if s.how == "add"], operator.add)
-        self.weights = next((s.value for s in steps if s.kind == "weights"), None)
-        self.output = next((s.value for s in steps if s.kind == "output"), None)
+        self.mask: Mask | None = _fold([s.value for s in steps if s.how == "and"], operator.and_)  # the masks ANDed
         self.dense = any(s.point == "weights" or (s.point == "scores" and s.how == "apply") for s in steps)  # builds P
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
         self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in

@@ -14,11 +14,8 @@ random sequence and on a non-repeating control (:mod:`bhqk.inspect.detect`) and 
   key of a left-padded row); ``local``: P within ``window`` keys; ``entropy``, ``distance``: as in capture;
 - ``received@p``: the mean P each row gives to key p (chosen positions).
 
-Rows of the table are layers named by the model: ``layers`` holds the module paths and ``ids`` the
-model's layer index of each (the first number in the path: ``model.layers.1.self_attn`` → 1;
-``attention.<i>`` for calls without ``model=`` → i); :meth:`HeadTable.roles` and :meth:`HeadTable.top`
-report that index, with the path as ``.name``. :data:`ROLE_THRESHOLDS` holds the score each role
-must reach; ``roles(thresholds={...})`` overrides only the roles it names.
+Rows of the table are layers named by the model: module paths, and the model's layer index of each
+(:func:`layer_id`), which :meth:`HeadTable.roles` and :meth:`HeadTable.top` report.
 """
 
 from __future__ import annotations

@@ -43,12 +43,10 @@ def retrieval(model: nn.Module | Callable[[torch.Tensor], object], ids: torch.Te
 
     ``ids``: a prompt [N] or [1, N] (or a list of prompts, one trial each); ``needle``: the needle's
     span ``(start, end)`` in the prompt (one per prompt). ``answer``: the tokens to teacher-force
-    ([T], one per prompt); None: the model's greedy continuation
-    (:func:`bhqk.integrations.greedy.greedy`: ``max_new_tokens``, cut at ``eos`` and the model's own
-    end-of-sequence tokens). ``model(ids)`` must return logits (a tensor,
-    a tuple or an output with ``.logits``) and run its attention through bhqk (a Hugging Face model
-    on ``attn_implementation="bhqk"``, or bhqk's modules). ``names``: the module whose paths name the
-    layers (default ``model``).
+    ([T], one per prompt); None: the model's greedy continuation (:func:`bhqk.integrations.greedy.greedy`:
+    ``max_new_tokens``, cut at ``eos`` and the model's own end-of-sequence tokens). ``model(ids)`` must
+    return logits (a tensor, a tuple or an output with ``.logits``) and run its attention through bhqk.
+    ``names``: the module whose paths name the layers (default ``model``).
 
     Returns a :class:`HeadTable` [layers, heads] with column ``retrieval`` (hits / copied) and
     ``retrieval hits`` (the hit counts); ``notes`` say how many needle tokens were copied. A ValueError

@@ -2,25 +2,14 @@
 what ``bhqk.models.pretrained`` takes) and gives one :class:`Loaded` (model, tokenizer, whether it is a
 decoder, its name, its folder), on the attention implementation asked for.
 
-``source``, resolved the same everywhere (:func:`resolve`):
-
-- a name of :data:`~bhqk.models.gguf.NAMES` (``"smollm2-135m"``, ``"gemma3-270m"``), a local ``.gguf``
-  file, or a folder holding exactly one (and no ``config.json``): converted once into the cache
-  (:mod:`bhqk.models.gguf`), then loaded from there;
-- a local Hugging Face folder (``config.json`` + weights, tokenizer files where it has them), loaded as
-  it is, offline.
-
-A decoder (:func:`is_decoder`) loads as transformers' ``AutoModelForCausalLM``, any other model as
-``AutoModel``; fp32, eval mode. ``model.config.name_or_path`` is set to the name the user gave
-(``smollm2-135m``, or the file's or folder's name), so what records the model (a KV budget plan's
-"made for") names it, not a cache path.
-
-``pretrained(source)`` is ``(model, tokenizer)`` of a causal language model::
-
-    model, tok = bhqk.models.pretrained("smollm2-135m")
-
-Every failure to find or read a model is a :class:`~bhqk.errors.LoadError` that says what to install
-or delete.
+``source`` (:func:`resolve`, the same everywhere) is a name of :data:`~bhqk.models.gguf.NAMES`
+(``"smollm2-135m"``, ``"gemma3-270m"``), a local ``.gguf`` file or a folder holding exactly one (and no
+``config.json``): converted once into the cache (:mod:`bhqk.models.gguf`) and loaded from there; or a
+local Hugging Face folder, loaded as it is, offline. A decoder (:func:`is_decoder`) loads as
+transformers' ``AutoModelForCausalLM``, any other model as ``AutoModel``; fp32, eval mode;
+``model.config.name_or_path`` is the name the user gave, so what records the model (a KV budget plan's
+"made for") names it, not a cache path. Every failure to find or read a model is a
+:class:`~bhqk.errors.LoadError` that says what to install or delete.
 """
 
 from __future__ import annotations
