@@ -17,7 +17,6 @@ import torch
 from . import masks
 from .console import (
     BACKEND_HELP,
-    attention_progress,
     backend_name,
     fraction_list,
     int_at_least,
@@ -147,16 +146,6 @@ def cmd_demo(a: argparse.Namespace) -> str:
     from .demo import run
 
     return run(a.out)
-
-
-def with_attention_progress(func, desc: str):
-    """``func`` with a bar that counts the attention calls it runs (a layer each, for a model)."""
-
-    def run(a: argparse.Namespace) -> str:
-        with attention_progress(desc, unit=" attention call"):
-            return func(a)
-
-    return run
 
 
 # --- bhqk needle, bhqk grade ---------------------------------------------------------------------
@@ -415,8 +404,7 @@ def parser() -> Parser:
 
     add_embed_parser(sub)
     add_generate_parser(sub).set_defaults(load_plan=load_plan)  # --plan: bhqk.budget sits above models
-    s = add_show_parser(sub)
-    s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
+    add_show_parser(sub)
     add_trace_parser(sub)
     from .viz.stats_cli import add_stats_parser
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..console import BACKEND_HELP, backend_name
+from ..console import BACKEND_HELP, attention_progress, backend_name
 from ..console import text as text_arg
 from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
@@ -168,8 +168,9 @@ def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path 
 
 def cmd_show(a: argparse.Namespace) -> str:
     report: list[str] = []
-    paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend,
-                 max_tokens=a.max_tokens, report=report)
+    with attention_progress("show"):  # a bar that counts the attention calls (a layer each)
+        paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend,
+                     max_tokens=a.max_tokens, report=report)
     return "\n".join(report + ["wrote:"] + [f"  {p}" for p in paths])
 
 

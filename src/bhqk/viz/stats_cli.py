@@ -155,15 +155,10 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> str:
-    with lines_off_terminal():  # off a terminal: a line per stage and per attention call on stderr
-        return stats(args)
-
-
-def stats(args: argparse.Namespace) -> str:
     plan = None if args.plan is None else args.load_plan(args.plan)  # before the model: a bad plan fails at once
-    report, _ = run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
-                    backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)
-    return report
+    with lines_off_terminal():  # off a terminal: a line per stage and per attention call on stderr
+        return run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
+                   backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)[0]
 
 
 def add_stats_parser(sub) -> argparse.ArgumentParser:
@@ -195,4 +190,4 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "stats", "top_heads"]
+__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "top_heads"]
