@@ -346,10 +346,7 @@ class Divergence:
         """Per configuration: KL, perplexity and perplexity ÷ the model's, each with its bootstrap interval."""
         ref = torch.tensor(self.reference_nll, dtype=torch.float64)  # [C]
 
-        def mean(s: torch.Tensor) -> torch.Tensor:  # [draws, C] -> [draws]
-            return s.mean(1)
-
-        def ci(v: torch.Tensor, stat=mean) -> tuple[float, float]:
+        def ci(v: torch.Tensor, stat=lambda s: s.mean(1)) -> tuple[float, float]:  # stat: [draws, C] -> [draws]
             return bootstrap(v, stat, self.draws, self.seed)
 
         out: dict[str, Any] = {"reference_ppl": math.exp(float(ref.mean())),

@@ -146,7 +146,8 @@ class Edit:
         observed = bool(observe.active())
         full_lse = lse
         if observed and lse is None and any(ed.dense for ed, _, _ in named):
-            full_lse = _lse(p, backend)  # capture reads a built pattern as exp(S − lse): it needs every head's lse
+            with torch.no_grad():  # capture reads a built pattern as exp(S − lse): it needs every head's lse
+                full_lse = _run(p, backend, True)[1]
         parts = []
         for hs in groups.values():
             edits = touch[hs[0]]
@@ -288,11 +289,6 @@ def _spans(m: Mask | None) -> list[masks.Span]:
         a, b = _spans(m.a), _spans(m.b)
         return a + b if a and b else []
     return []
-
-
-def _lse(p: Problem, backend: str) -> torch.Tensor:
-    with torch.no_grad():
-        return _run(p, backend, True)[1]  # type: ignore[return-value]
 
 
 def _run(p: Problem, backend: str, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,11 +1,7 @@
-"""Masks and biases restricted to, or changed on, some query heads of a call (for ``bhqk.edit``).
-
-``mask_heads`` / ``bias_heads``: a call's mask or bias seen by a sub-call that runs only the heads
-``heads`` (H = len(heads)); structured, head-independent values pass through unchanged (the fast
-path still skips their empty tiles), dense ones are sliced, anything else is wrapped and evaluated
-per tile. ``Edited`` / ``EditedBias``: the call's mask or bias with some heads' entries combined
-with (or replaced by) another value, evaluated per tile: what observers (capture) see of an
-edited call. Nothing here builds a [B, H, Q, K] tensor.
+"""Masks and biases restricted to, or changed on, some query heads of a call (for ``bhqk.edit``):
+``mask_heads`` / ``bias_heads`` for a sub-call that runs only some heads (structured values stay
+structured where they can), ``Edited`` / ``EditedBias`` for what observers (capture) see of an edited
+call. Nothing here builds a [B, H, Q, K] tensor.
 """
 
 from __future__ import annotations

@@ -7,11 +7,9 @@ when its most-attended key j (the argmax of its row of P) lies inside the needle
 (``ids[j] == w``; a token that occurs twice in the needle may be copied from either place, as in the
 paper). A head's retrieval score is hits / needle tokens copied, over every trial.
 
-The answer is either teacher-forced (``answer=``: e.g. the needle itself) or the model's own greedy
-continuation. Either way the score is read from one forward over prompt + answer inside
-``bhqk.capture(rows=..., topk=1)``: only the copying rows' argmax keys are computed, tile by tile on
-the fast path (never an eager [Q, K] matrix). The attention of the row that produced token t in a
-greedy run is the attention of that row in the teacher-forced forward over the same tokens.
+The answer is either teacher-forced (``answer=``) or the model's own greedy continuation; either way
+the score is read from one forward over prompt + answer inside ``bhqk.capture(rows=..., topk=1)``:
+only the copying rows' argmax keys are computed, tile by tile (never an eager [Q, K] matrix).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """One self-contained interactive HTML page of captured attention (inline CSS and JS, no network;
-the HTML, CSS and JS are package data in ``viz/assets/attention.*``).
-
-Choose a layer and a head (or click a thumbnail in the layers × heads overview); hover a token or a
-heatmap cell to see where it attends, click to pin. Heatmaps are drawn on a <canvas> from weights
-stored 8 bits per cell (each head scaled by its largest weight, deflated, base64), so a 256-token
-page of a 6-layer, 12-head model stays near 1.5 MB. The named shapes of the call are shown above
-the views. Needs no matplotlib.
+package data in ``viz/assets/attention.*``; no matplotlib). Choose a layer and a head (or click a
+thumbnail in the layers × heads overview); hover a token or a heatmap cell to see where it attends,
+click to pin. Heatmaps are drawn on a <canvas> from weights stored 8 bits per cell
+(:func:`encode_weights`); the named shapes of the call are shown above the views.
 """
 
 from __future__ import annotations
