@@ -201,14 +201,9 @@ def checkpoint_key(name: str, rules: list[Rule], prefix: str = "") -> str:
 
 
 BERT_PREFIXES = ("bert.",)
-BERT_IGNORE = [
-    r"pooler\..*", r"cls\..*", r"embeddings\.position_ids", r"embeddings\.token_type_ids", r"classifier\..*",
-    r"qa_outputs\..*",
-]
-BERT_RULES: list[Rule] = [
-    (r"(.*)\.gamma", r"\1.weight"),  # old TF-converted LayerNorm names
-    (r"(.*)\.beta", r"\1.bias"),
-]
+BERT_IGNORE = [r"pooler\..*", r"cls\..*", r"embeddings\.position_ids", r"embeddings\.token_type_ids", r"classifier\..*",
+               r"qa_outputs\..*"]
+BERT_RULES: list[Rule] = [(r"(.*)\.gamma", r"\1.weight"), (r"(.*)\.beta", r"\1.bias")]  # old TF-converted LayerNorm names
 BERT_TABLE: list[Rule] = [
     (r"embeddings\.word_embeddings\.(weight)", r"embeddings.word.\1"),
     (r"embeddings\.position_embeddings\.(weight)", r"embeddings.position.\1"),
