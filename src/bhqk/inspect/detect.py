@@ -81,12 +81,10 @@ def detect(forward: Callable[[torch.Tensor], object], vocab: int, *, length: int
     out.values["induction"] = second_rep[col] - second_ctl[col]
     out.values["induction (repeated)"] = second_rep[col]
     out.values["induction (control)"] = second_ctl[col]
-    out.notes = {
-        "prev": "P on the previous token (control sequence)",
-        "induction": "P on the token after the earlier match, repeated minus control",
-        "sink": "P on the first key each row may attend", "local": f"P within {window} keys", "entropy": "nats",
-        "distance": "mean |query position − key|",
-    }
+    out.notes = {"prev": "P on the previous token (control sequence)",
+                 "induction": "P on the token after the earlier match, repeated minus control",
+                 "sink": "P on the first key each row may attend", "local": f"P within {window} keys", "entropy": "nats",
+                 "distance": "mean |query position − key|"}
     return out
 
 

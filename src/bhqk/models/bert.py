@@ -65,16 +65,14 @@ class BertConfig:
             raise LoadError(f"{where}: is_decoder/add_cross_attention is not supported: bhqk's BERT is an encoder.")
         D, H = config_heads(config, "hidden_size", "num_attention_heads", where)
         pad = config.get("pad_token_id")
-        c = cls(
-            vocab_size=config_int(config, "vocab_size", where), hidden_size=D,
-            num_layers=config_int(config, "num_hidden_layers", where, minimum=0), num_heads=H,
-            intermediate_size=config_int(config, "intermediate_size", where),
-            max_positions=config_int(config, "max_position_embeddings", where),
-            type_vocab_size=config_int(config, "type_vocab_size", where, default=2),
-            layer_norm_eps=config_float(config, "layer_norm_eps", where, 1e-12),
-            hidden_act=config_str(config, "hidden_act", where, "gelu"),
-            pad_token_id=0 if pad is None else config_int(config, "pad_token_id", where, minimum=0),
-        )
+        c = cls(vocab_size=config_int(config, "vocab_size", where), hidden_size=D,
+                num_layers=config_int(config, "num_hidden_layers", where, minimum=0), num_heads=H,
+                intermediate_size=config_int(config, "intermediate_size", where),
+                max_positions=config_int(config, "max_position_embeddings", where),
+                type_vocab_size=config_int(config, "type_vocab_size", where, default=2),
+                layer_norm_eps=config_float(config, "layer_norm_eps", where, 1e-12),
+                hidden_act=config_str(config, "hidden_act", where, "gelu"),
+                pad_token_id=0 if pad is None else config_int(config, "pad_token_id", where, minimum=0))
         activation(c.hidden_act, "hidden_act", where)
         return c
 

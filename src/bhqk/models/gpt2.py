@@ -41,9 +41,7 @@ class GPT2Config:
         field for a missing or impossible value, or an option bhqk's GPT-2 does not do."""
         if not isinstance(config, dict):
             raise LoadError(f"{where} must be a JSON object, got {type(config).__name__}.")
-        unsupported = {
-            "scale_attn_by_inverse_layer_idx": True, "add_cross_attention": True, "scale_attn_weights": False,
-        }
+        unsupported = {"scale_attn_by_inverse_layer_idx": True, "add_cross_attention": True, "scale_attn_weights": False}
         for key, bad in unsupported.items():
             if config.get(key, not bad) == bad:
                 raise LoadError(f"{where}: {key}={bad} is not supported by bhqk.models.gpt2.")
@@ -51,13 +49,11 @@ class GPT2Config:
             raise LoadError(f"{where}: tie_word_embeddings=false is not supported: bhqk's LM head is the token embedding.")
         D, H = config_heads(config, "n_embd", "n_head", where)
         inner = config.get("n_inner")
-        c = cls(
-            vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),
-            n_embd=D, n_layer=config_int(config, "n_layer", where, minimum=0), n_head=H,
-            n_inner=4 * D if inner is None else config_int(config, "n_inner", where),
-            layer_norm_epsilon=config_float(config, "layer_norm_epsilon", where, 1e-5),
-            activation_function=config_str(config, "activation_function", where, "gelu_new"),
-        )
+        c = cls(vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),
+                n_embd=D, n_layer=config_int(config, "n_layer", where, minimum=0), n_head=H,
+                n_inner=4 * D if inner is None else config_int(config, "n_inner", where),
+                layer_norm_epsilon=config_float(config, "layer_norm_epsilon", where, 1e-5),
+                activation_function=config_str(config, "activation_function", where, "gelu_new"))
         activation(c.activation_function, "activation_function", where)
         return c
 
