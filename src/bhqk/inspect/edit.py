@@ -73,7 +73,8 @@ class Edit:
                              "do=bhqk.edits.<kind>(...) (a step or a list of them).")
         check_steps(steps, "edit")
         self.steps: list[Step] = steps
-        self.mask: Mask | None = _fold([s.value for s in steps if s.how == "and"], operator.and_)  # the masks ANDed
+        ands = [s.value for s in steps if s.how == "and"]
+        self.mask: Mask | None = reduce(operator.and_, ands) if ands else None  # the masks ANDed
         self.dense = any(s.point == "weights" or (s.point == "scores" and s.how == "apply") for s in steps)  # builds P
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
         self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in
@@ -219,10 +220,6 @@ def _starts(parts: list) -> list[int]:
         out.append(a)
         a += len(g.hs)
     return out
-
-
-def _fold(values: list, op: Callable):
-    return reduce(op, values) if values else None
 
 
 def _fits(arg: str, t: torch.Tensor, last: tuple[str, str], s, n: int, name: str) -> None:

@@ -254,13 +254,6 @@ class HeadTable:
         return text
 
 
-def _groups(records: Iterable[_Record]) -> dict[str, list[_Record]]:
-    out: dict[str, list[_Record]] = {}
-    for r in records:
-        out.setdefault(r.name, []).append(r)
-    return out
-
-
 def record_sums(r: _Record, rows: slice | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One record's real rows counted per head, and each captured per-row statistic summed over them
     (float64 [h] each; ``offset o`` named ``prev`` for o = 1). ``rows``: only these rows."""
@@ -285,7 +278,9 @@ def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: 
     if rows is not None and positions:
         raise ValueError("head_table: received@p sums over every row of a record; it cannot be restricted to rows= "
                          "(pass positions= without rows=, or rows= without positions=).")
-    groups = _groups(records)
+    groups: dict[str, list[_Record]] = {}  # the records of each layer (by name), in order
+    for r in records:
+        groups.setdefault(r.name, []).append(r)
     if positions:
         bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, int) or p < 0]
         if bad:

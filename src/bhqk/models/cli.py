@@ -45,14 +45,10 @@ def own_model(load: Callable[[], Any], what: str, folder: str | Path | None) -> 
 # --- bhqk embed ---------------------------------------------------------------------------------
 
 
-def _short(text: str, width: int = 48) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def similarity_table(sentences: list[str], sim: torch.Tensor) -> str:
     """The numbered sentences, then the [S, S] cosine-similarity matrix."""
     n = len(sentences)
-    lines = [f"[{i}] {_short(s)}" for i, s in enumerate(sentences)]
+    lines = [f"[{i}] {s if len(s) <= 48 else s[:47] + '…'}" for i, s in enumerate(sentences)]
     lines.append("")
     lines.append("cosine similarity".ljust(18) + "".join(f"[{j}]".rjust(8) for j in range(n)))
     for i in range(n):

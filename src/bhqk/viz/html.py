@@ -21,7 +21,7 @@ from .labels import check_labels
 from .template import asset, fill, script_json
 
 if TYPE_CHECKING:
-    from ..inspect.capture import Capture, Record
+    from ..inspect.capture import Capture
 
 
 def encode_weights(w: torch.Tensor) -> tuple[float, str]:
@@ -64,7 +64,8 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
 
     if not cap.records:
         raise ValueError("html: the capture holds no records; run the model inside `with capture(...)`.")
-    weights = [_weights(r) for r in cap.records]  # each [B, h, r, K]
+    if any(r.weights is None for r in cap.records):
+        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
     keys = key_tokens if key_tokens is not None else tokens
     for rec in cap.records:  # one token per query and per key of every call the page shows
         check_labels("html", tokens, key_tokens, rec.sizes["Q"], rec.sizes["K"], rec.name)
@@ -72,9 +73,9 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
     stats = head_stats(cap, keys, b=b, special=special)
     by = {(s.index, s.head): s for s in stats}
     layers: list[dict[str, Any]] = []
-    for rec, weights_b in zip(cap.records, weights):
+    for rec in cap.records:
         shapes = list(call_shapes(rec.sizes).items())
-        W = weights_b[b].float().cpu()  # [B, h, r, K] -> [h, r, K]
+        W = rec["weights"][b].float().cpu()  # [B, h, r, K] -> [h, r, K]
         heads = []
         for h, (scale, text), masked in zip(rec.heads, encode_heads(W), masked_rows(W)):
             st = by[(rec.index, h)]
@@ -91,12 +92,6 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
     qt = list(tokens) if tokens is not None else [str(i) for i in range(Qmax)]
     kt = list(keys) if keys is not None else [str(i) for i in range(Kmax)]
     return {"tokens": qt, "keyTokens": kt, "b": b, "layers": layers, "notice": notice}
-
-
-def _weights(rec: Record) -> torch.Tensor:
-    if rec.weights is None:
-        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
-    return rec.weights
 
 
 def render(data: dict, title: str = "bhqk · attention") -> str:
