@@ -48,11 +48,12 @@ from ..errors import BackendError, MaskError, ShapeError
 from ..functional import reference
 from ..functional.problem import Problem
 from ..functional.registry import resolve
-from ..masks import Mask
+from ..masks import Mask, Tile
 from ..shapes import all_finite, as_4d, compute_dtype, per_query_head
-from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
 from .edits import EDITS, Step, as_steps, check_steps, keyword_steps
-from .layers import Selection, heads_rows, sub_call, value_heads
+from .layers import Selection, bias_heads, heads_extent, heads_rows, mask_heads, sub_call, value_heads
+
+Part = tuple[list[int], object, bool]  # (heads, value of an h-head call, replace: True = instead of the base)
 
 
 class Edit:
@@ -424,6 +425,83 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
     if extra_bias is not None:
         bias = extra_bias if bias is None else bias + extra_bias
     return sub_call(p, hs, mask, bias)
+
+
+# ---- the edited call as observers see it ---------------------------------------------------------------
+
+def _stitch(base: torch.Tensor, tiles: list[torch.Tensor], parts: list[Part], H: int, q: int, k: int,
+            combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The call's tile ``base`` [#B, #H, #q, #k] with each part's heads combined (``combine``) with, or
+    replaced by, the part's tile [#B, #h, #q, #k]: [B?, H, q, k]."""
+    B = max([base.shape[0]] + [t.shape[0] for t in tiles])
+    out = base.expand(B, H, q, k).clone()  # [B?, H, q, k]
+    for (heads, _, replace), t in zip(parts, tiles):
+        idx = torch.tensor(heads, device=out.device)
+        new = t.expand(B, len(heads), q, k)  # [B?, h, q, k]
+        out[:, idx] = new if replace else combine(out[:, idx], new)
+    return out
+
+
+class _Edited:
+    """The call's mask or bias ``base`` (None: none) with each part's heads combined with (``combine``; or,
+    ``replace``, replaced by) the part's value, read per tile."""
+
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sign = ""
+
+    def __init__(self, base, H: int, parts: list[Part]) -> None:
+        self.base, self.H, self.parts = base, H, parts
+
+    def check(self, ext):
+        if self.base is not None:
+            self.base.check(ext)
+        for heads, v, _ in self.parts:
+            v.check(heads_extent(ext, len(heads)))  # type: ignore[attr-defined]
+
+    def _block(self, none: torch.Tensor, ext, q0, q1, k0, k1, *args) -> torch.Tensor:
+        """The tile [B?, H, q, k]; ``none``: the base's tile when there is no base; ``args``: device (and dtype)."""
+        base = none if self.base is None else as_4d(self.base.block(ext, q0, q1, k0, k1, *args))  # [#B, #H, #q, #k]
+        tiles = [as_4d(v.block(heads_extent(ext, len(h)), q0, q1, k0, k1, *args)) for h, v, _ in self.parts]  # type: ignore[attr-defined]
+        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, self.combine)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"heads {h}: {'=' if r else self.sign} {v!r}" for h, v, r in self.parts)
+        return f"edited({self.base!r}, {parts})"
+
+
+class Edited(_Edited, Mask):
+    """The call's mask with each part's heads ANDed with (or, ``replace``, replaced by) its mask."""
+
+    combine, sign = staticmethod(operator.and_), "&"
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return self._block(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), ext, q0, q1, k0, k1, device)
+
+    def classify(self, ext, q0, q1, k0, k1):
+        if self.base is not None and not any(r for _, _, r in self.parts) and \
+                self.base.classify(ext, q0, q1, k0, k1) is Tile.EMPTY:
+            return Tile.EMPTY
+        return Tile.PARTIAL
+
+    def classify_grid(self, ext, block_q, block_k):
+        nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
+        none = torch.zeros(nq, nk, dtype=torch.bool)
+        if self.base is None or any(r for _, _, r in self.parts):
+            return none, none
+        return self.base.classify_grid(ext, block_q, block_k)[0], none
+
+
+class EditedBias(_Edited, Bias):
+    """The call's bias with each part's heads plus (or, ``replace``, replaced by) its bias."""
+
+    combine, sign = staticmethod(operator.add), "+"
+
+    def __init__(self, base: Bias | None, H: int, parts: list[Part]) -> None:
+        super().__init__(base, H, parts)
+        self.floor = min([0.0 if base is None else base.floor] + [b.floor for _, b, _ in parts])  # type: ignore[attr-defined]
+
+    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
+        return self._block(torch.zeros(1, 1, 1, 1, dtype=dtype, device=device), ext, q0, q1, k0, k1, device, dtype)
 
 
 @contextlib.contextmanager
