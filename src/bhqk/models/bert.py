@@ -245,10 +245,5 @@ def cosine_similarity(emb: torch.Tensor) -> torch.Tensor:
     return e @ e.T  # [S, S]
 
 
-def embed(sentences: list[str], folder: str | Path | None = None) -> torch.Tensor:
-    """Sentence embeddings [S, D] from a BERT folder (default: the bundled all-MiniLM-L6-v2)."""
-    return SentenceEncoder.from_pretrained(folder).encode(sentences)
-
-
-__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "mean_pool", "cosine_similarity", "embed",
+__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "mean_pool", "cosine_similarity",
            "load_tokenizer", "bundled_model_dir"]
