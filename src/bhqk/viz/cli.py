@@ -35,11 +35,10 @@ def run_sentence(sentence: str, model: str | Path | None = None, backend: str = 
                  specials: list[str] | None = None) -> tuple[Capture, list[str]]:
     """Capture every layer and head of ``sentence``, cut to ``max_tokens`` tokens (special tokens
     included; default and upper bound: the model's limit, 256 at most). ``model``: None (the bundled
-    MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or a model name, a GGUF file or any
-    other local Hugging Face folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
-    [tokens before the cut, tokens kept] is appended to it; when ``specials`` is given, the special
-    tokens of the model's tokenizer that are among the kept tokens (none for GPT-2's text, [CLS] and
-    [SEP] for a BERT's). Blank text is refused (a ValueError) before any model is loaded."""
+    MiniLM) or a BERT folder on bhqk's own encoder, else any ``--model`` through transformers on bhqk.
+    When ``cut`` is given, [tokens before the cut, tokens kept] is appended to it; when ``specials`` is
+    given, the tokenizer's special tokens among the kept tokens. Blank text is refused (a ValueError)
+    before any model is loaded."""
     check_text(sentence)
     if model is not None and not _is_bert_folder(model):
         return _run_hf(sentence, model, backend, max_tokens=max_tokens, cut=cut, specials=specials)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..inspect.trace import call_shapes
 from ..masks import Mask
 from ..text import named_shape
 from .labels import check_labels
@@ -129,9 +130,8 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     ax.set_xlabel(f"key (K={K})")
     if title is None:
         if rec is not None:
-            s = rec.sizes
             named = "" if rec.name in (f"attention.{rec.index}", str(rec.index)) else f"{rec.name}, "
-            shape = named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"]))
+            shape = call_shapes(rec.sizes)["S, P"]
             title = (f"layer {rec.index}, head {head}  ({named}backend {rec.backend})\n"
                      f"P = softmax(Q·Kᵀ·scale) {shape}; shown P[b={b}, h={head}] {named_shape(('Q', 'K'), (Q, K))}")
         else:
@@ -172,8 +172,7 @@ def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None,
                 ax.set_ylabel(f"layer {rec.index}", fontsize=8)
     if im is not None:  # (some record holds a head)
         fig.colorbar(im, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="weight P")
-    s = recs[0].sizes
-    shape = named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"]))
+    shape = call_shapes(recs[0].sizes)["S, P"]
     fig.suptitle(title or f"attention weights, {L} layers × {H} heads; each cell is P {shape} at b={b} "
                           f"(rows = queries, columns = keys)", fontsize=10)
     _save(fig, path)
