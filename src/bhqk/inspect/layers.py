@@ -201,7 +201,7 @@ class _Subset:
         return f"{self.base!r}[heads {self.heads}]"
 
 
-class HeadSubset(_Subset, Mask):
+class HeadSubset(_Subset, Mask):  # a mask of an H-head call read on some heads: a mask of an h-head call
     def classify(self, ext, q0, q1, k0, k1):  # over every head of the call: never wrong for a subset
         return self.base.classify(heads_extent(ext, self.H), q0, q1, k0, k1)
 
