@@ -172,7 +172,7 @@ def load_plan(path: str):
 def named_plans(names: list[str], model, sink: int, window: int) -> dict:
     """``--compare``'s configurations by name: ``full`` (the model as it is: None), ``streaming`` (every
     K/V head keeps ``sink`` + ``window``) or a plan's JSON file (``bhqk.budget.Plan.load``)."""
-    import importlib
+    from .budget import Plan, model_map
 
     out: dict = {}
     for name in names:
@@ -181,10 +181,8 @@ def named_plans(names: list[str], model, sink: int, window: int) -> dict:
         if name == "full":
             out[name] = None
         elif name == "streaming":
-            plan = importlib.import_module("bhqk.budget.plan")
-            shape = plan.model_map(model).shape
-            out[name] = plan.Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window,
-                                  model=shape)
+            shape = model_map(model).shape
+            out[name] = Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window, model=shape)
         else:
             out[name] = load_plan(name)
     return out
