@@ -17,7 +17,6 @@ import torch
 from . import masks
 from .console import (
     BACKEND_HELP,
-    attention_progress,
     backend_name,
     fraction_list,
     int_at_least,
@@ -149,16 +148,6 @@ def cmd_demo(a: argparse.Namespace) -> str:
     return run(a.out)
 
 
-def with_attention_progress(func, desc: str):
-    """``func`` with a bar that counts the attention calls it runs (a layer each, for a model)."""
-
-    def run(a: argparse.Namespace) -> str:
-        with attention_progress(desc, unit=" attention call"):
-            return func(a)
-
-    return run
-
-
 # --- bhqk needle, bhqk grade ---------------------------------------------------------------------
 
 
@@ -183,7 +172,7 @@ def load_plan(path: str):
 def named_plans(names: list[str], model, sink: int, window: int) -> dict:
     """``--compare``'s configurations by name: ``full`` (the model as it is: None), ``streaming`` (every
     K/V head keeps ``sink`` + ``window``) or a plan's JSON file (``bhqk.budget.Plan.load``)."""
-    import importlib
+    from .budget import Plan, model_map
 
     out: dict = {}
     for name in names:
@@ -192,10 +181,8 @@ def named_plans(names: list[str], model, sink: int, window: int) -> dict:
         if name == "full":
             out[name] = None
         elif name == "streaming":
-            plan = importlib.import_module("bhqk.budget.plan")
-            shape = plan.model_map(model).shape
-            out[name] = plan.Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window,
-                                  model=shape)
+            shape = model_map(model).shape
+            out[name] = Plan(torch.zeros(shape.layers, shape.kv_heads, dtype=torch.bool), sink, window, model=shape)
         else:
             out[name] = load_plan(name)
     return out
@@ -415,8 +402,7 @@ def parser() -> Parser:
 
     add_embed_parser(sub)
     add_generate_parser(sub).set_defaults(load_plan=load_plan)  # --plan: bhqk.budget sits above models
-    s = add_show_parser(sub)
-    s.set_defaults(func=with_attention_progress(s.get_default("func"), "show"))
+    add_show_parser(sub)
     add_trace_parser(sub)
     from .viz.stats_cli import add_stats_parser
 

@@ -191,12 +191,6 @@ class Lines:
             yield x
             self.update(1)
 
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def set_description(self, desc: str, refresh: bool = True) -> None:
-        self.desc = desc
-
     def close(self) -> None:
         pass
 

@@ -8,16 +8,13 @@ from .functional import attention, attention_weights
 from .inspect import trace
 from .nn import MultiHeadAttention
 from .text import number_grid
-
-# The worked example: n = 4 tokens of width d = 3 (the example the project grew from).
-SEED_Q = [[1.1, 2.2, 3.3], [4.4, 5.5, 6.6], [7.7, 8.8, 9.9], [1.2, 2.3, 3.4]]
-SEED_K = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9], [1.0, 1.1, 1.2]]
+from .viz.walkthrough import EXAMPLE_K, EXAMPLE_Q  # the worked example: n = 4 tokens of width d = 3
 
 
 def seed_example() -> str:
     """S = Q·Kᵀ, P = softmax(S), O = P·V for the worked 4×3 matrices (scale 1, so the table is Q·Kᵀ itself)."""
-    q = torch.tensor(SEED_Q, dtype=torch.float64)[None, None]  # [B=1, H=1, Q=4, d=3]
-    k = torch.tensor(SEED_K, dtype=torch.float64)[None, None]  # [B=1, H=1, K=4, d=3]
+    q = torch.tensor(EXAMPLE_Q, dtype=torch.float64)[None, None]  # [B=1, H=1, Q=4, d=3]
+    k = torch.tensor(EXAMPLE_K, dtype=torch.float64)[None, None]  # [B=1, H=1, K=4, d=3]
     v = k.clone()  # the example gives no V; use V = K so O keeps width d = 3
     S = (q @ k.transpose(-2, -1))[0, 0]  # [Q, K] = Q @ Kᵀ
     P = attention_weights(q, k, scale=1.0)[0, 0]  # [Q, K]

@@ -219,22 +219,17 @@ class Grades:
         from ..text import table
 
         ref = reference or self.names[0]
-        rows = []
-        for t, L in self.groups():
-            row = [t or "all", "all" if L is None else str(L)]
-            for name in self.names:
-                k, n, lo, hi = self.accuracy(name, t, L)
-                row.append(f"{k}/{n} = {k / n:.2f} [{lo:.2f}, {hi:.2f}]")
-            rows.append(row)
-        out = ["accuracy (95 % Wilson interval)", table(["task", "length", *self.names], rows)]
         others = [n for n in self.names if n != ref]
+        accuracy, difference = [], []
+        for t, L in self.groups():
+            where = [t or "all", "all" if L is None else str(L)]
+            accuracy.append(where + [f"{k}/{n} = {k / n:.2f} [{lo:.2f}, {hi:.2f}]"
+                                     for k, n, lo, hi in (self.accuracy(name, t, L) for name in self.names)])
+            difference.append(where + [str(self.difference(name, ref, t, L)) for name in others])
+        out = ["accuracy (95 % Wilson interval)", table(["task", "length", *self.names], accuracy)]
         if others:
-            rows = []
-            for t, L in self.groups():
-                rows.append([t or "all", "all" if L is None else str(L),
-                             *(str(self.difference(name, ref, t, L)) for name in others)])
             out += ["", f"difference from {ref} on the same prompts (95 % Newcombe interval; discordant prompts: "
-                        f"right only here vs only in {ref})", table(["task", "length", *others], rows)]
+                        f"right only here vs only in {ref})", table(["task", "length", *others], difference)]
         return "\n".join(out)
 
     def cost(self) -> dict[int, dict[str, float]]:
@@ -346,10 +341,7 @@ class Divergence:
         """Per configuration: KL, perplexity and perplexity ÷ the model's, each with its bootstrap interval."""
         ref = torch.tensor(self.reference_nll, dtype=torch.float64)  # [C]
 
-        def mean(s: torch.Tensor) -> torch.Tensor:  # [draws, C] -> [draws]
-            return s.mean(1)
-
-        def ci(v: torch.Tensor, stat=mean) -> tuple[float, float]:
+        def ci(v: torch.Tensor, stat=lambda s: s.mean(1)) -> tuple[float, float]:  # stat: [draws, C] -> [draws]
             return bootstrap(v, stat, self.draws, self.seed)
 
         out: dict[str, Any] = {"reference_ppl": math.exp(float(ref.mean())),

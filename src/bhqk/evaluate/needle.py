@@ -4,17 +4,10 @@
     result = needle.grid(model, tok, lengths=[1024, 2048], depths=[0, 0.5, 1], trials=2, seed=0)
     print(result.table()); result.save("out")  # out/needle.json, out/needle.png
 
-Each trial's prompt (exactly ``length`` tokens, chat template included; :func:`bhqk.corpus.make_trial`)
-is the user message
-
-    Below is some text with a pass key hidden in it. Find it. / <haystack> / What is the pass key? ...
-
-where the haystack is Python's own documentation (:mod:`bhqk.corpus`) from a random sentence on,
-with ``The pass key is 48213. Remember it. 48213 is the pass key.`` inserted after ``depth`` × its
-filler tokens. The key (5–6 digits) and the start are drawn from ``random.Random`` seeded by (seed,
-length, depth, trial): a cell's prompts do not depend on which other cells the grid has. The answer
-is at most ``max_new_tokens`` greedy tokens (:func:`bhqk.integrations.greedy.greedy`); ``found``: the
-key appears in it as a whole number.
+Each trial's prompt is exactly ``length`` tokens, chat template included, with the pass key hidden
+after ``depth`` × its filler (:mod:`bhqk.corpus`: :func:`~bhqk.corpus.make_trial`); a cell's prompts do
+not depend on which other cells the grid has. The answer is at most ``max_new_tokens`` greedy tokens
+(:func:`bhqk.integrations.greedy.greedy`); ``found``: the key appears in it as a whole number.
 
 Hooks for grading a change to the model on the same grid: ``edit`` (a factory of context managers
 entered around each generation, e.g. :func:`bhqk.inspect.edit.zero_heads`, or a dict of

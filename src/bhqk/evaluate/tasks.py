@@ -7,12 +7,9 @@ one prompt per (task, length, trial), generated from a seed and Python's own doc
     p.score("The special magic number for river is 48213.")  # True when the rule below holds
 
 Every prompt is the user message ``<intro> / <haystack> / <question>`` through the tokenizer's chat
-template (``add_generation_prompt``), with a few sentences inserted into the haystack (Python's
-documentation, ``pydoc_data.topics``, from a random sentence on; :func:`bhqk.corpus.chat_prompt`, the
-construction the needle grid's prompts share).
-Each sentence goes at a depth drawn uniformly from ``depth`` (default 0.1 … 0.9 of the filler),
-moved back to the nearest sentence end within 64 tokens. Keys, values, words, names, depths and the
-haystack's start are drawn from ``random.Random`` seeded by (task, seed, length, trial), so a prompt
+template with a few sentences inserted into the haystack (:func:`bhqk.corpus.chat_prompt`, as the
+needle grid's), each at a depth drawn uniformly from ``depth`` (default 0.1 … 0.9 of the filler).
+Everything random is drawn from ``random.Random`` seeded by (task, seed, length, trial), so a prompt
 does not depend on which others are made with it.
 
 =============  ===========================================================  =======================================

@@ -1,17 +1,12 @@
 """``with bhqk.capture(...) as cap: model(x)`` records attention scores, weights, log-sum-exp,
 per-head outputs and attention statistics of the selected calls, heads and query rows. Nothing is
-stored on modules.
+stored on modules, and the forward runs on whatever backend it chose.
 
-Statistics (``what=("entropy", "distance", "sink", "received")``, ``offsets=(1,)``, ``window=``,
-``topk=``) are computed tile by tile from q, k and the lse (:mod:`bhqk.inspect.rowstats`): per row
-[B, h, r] and per key [B, h, K], never a [Q, K] matrix, so every layer and head of a long sequence
-can be captured at once.
-
-The forward is not changed: it runs on whatever backend it chose (tiled, torch, reference). For each
-selected call the capture recomputes S and P from q and k for the selected heads and rows only
-(``[B, h, r, K]``, h = selected heads, r = selected rows), using the call's saved log-sum-exp when the
-backend returned one. Capturing one head of one layer therefore costs O(Q·K) for that head alone.
-Outside a ``with capture`` block nothing is observed and nothing is computed.
+For each selected call S and P are recomputed from q and k for the selected heads and rows only
+([B, h, r, K]), with the call's log-sum-exp when the backend returned one: one head of one layer
+costs O(Q·K) for that head alone. Statistics are computed tile by tile (:mod:`bhqk.inspect.rowstats`:
+per row [B, h, r] and per key [B, h, K], never a [Q, K] matrix), so every layer and head of a long
+sequence can be captured at once. Outside a ``with capture`` block nothing is computed.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from ..functional.problem import Problem
 from ..masks import Mask
 from ..shapes import as_4d, compute_dtype
 from .heads import HeadTable, head_table, received_curve, record_sums, sparkline
-from .layers import Selection, heads_rows, selected, sub_call, value_heads
+from .layers import Selection, heads_rows, sub_call, value_heads
 from .rowstats import STATISTICS, Want, row_stats, runs
 from .stats import head_stats, summary_table
 
@@ -58,16 +53,10 @@ class Record:
     ``heads`` are the query-head indices kept (axis H of every tensor here), ``rows`` the query indices
     kept (axis Q; ``None`` = all). ``scores`` S and ``weights`` P are [B, h, r, K] (float32, float64
     for float64 inputs; S is -inf where masked; P is before dropout), ``lse`` [B, h, r],
-    ``head_outputs`` O [B, h, r, dv] (what the backend returned, before heads are merged).
-
-    Statistics (row i of the call sits at key position pos(i) = i + K − Q): ``entropy`` [B, h, r]
-    −Σ_k P log P (nats), ``distance`` [B, h, r] Σ_k P·|pos(i) − k|, ``sink`` [B, h, r] P on the first
-    key the row may attend (key 0 unless masked: a left-padded row's first real key),
-    :meth:`offset` (o) [B, h, r] P on key pos(i) − o, ``local`` [B, h, r] P within ``window`` keys
-    (|pos(i) − k| < window), ``topk_weights`` / ``topk_keys`` [B, h, r, t], ``received`` [B, h, K]
-    Σ over the captured real rows of P, ``max`` [B, h, r] max_k P, ``mass`` [B, h, r] Σ_k P (1 − a sink
-    logit's share), ``real`` [B, h, r] the rows that count (they may attend a key and are not padding).
-    Every name and its axes: :data:`AXES` (from :data:`bhqk.inspect.rowstats.STATISTICS`).
+    ``head_outputs`` O [B, h, r, dv] (what the backend returned, before heads are merged). The
+    statistics (``entropy``, ``distance``, ``sink``, :meth:`offset`, ``local``, ``topk_weights`` /
+    ``topk_keys``, ``received``, ``max``, ``mass``, ``real``) are those of :mod:`bhqk.inspect.rowstats`;
+    every name and its axes: :data:`AXES`.
     """
 
     index: int  # order of the attention call inside the capture block
@@ -240,20 +229,11 @@ def recompute(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
 class Capture:
     """An observer that keeps the selected intermediates of each attention call (see :func:`capture`)."""
 
-    def __init__(
-        self,
-        layers: int | str | Iterable[int | str] | None = None,
-        heads: int | Iterable[int] | None = None,
-        rows: int | Iterable[int] | None = None,
-        what: str | Iterable[str] = ("weights",),
-        model: nn.Module | None = None,
-        offsets: Iterable[int] = (),
-        window: int | None = None,
-        topk: int = 0,
-        block_q: int | None = None,
-        block_k: int | None = None,
-        who: str = "capture",
-    ) -> None:
+    def __init__(self, layers: int | str | Iterable[int | str] | None = None,
+                 heads: int | Iterable[int] | None = None, rows: int | Iterable[int] | None = None,
+                 what: str | Iterable[str] = ("weights",), model: nn.Module | None = None,
+                 offsets: Iterable[int] = (), window: int | None = None, topk: int = 0, block_q: int | None = None,
+                 block_k: int | None = None, who: str = "capture") -> None:
         self.what = (what,) if isinstance(what, str) else tuple(what)
         bad = [w for w in self.what if w not in WHAT]
         if bad:
@@ -282,9 +262,6 @@ class Capture:
         return self.selection.calls
 
     # ---- observer -------------------------------------------------------------------------
-    def selected(self, index: int, name: str) -> bool:
-        return selected(self.layers, index, name)
-
     def on_event(self, event: str, data: dict[str, Any]) -> None:
         if event != "attention":
             return
@@ -443,31 +420,21 @@ def load_records(path: str | Path) -> list[Record]:
 
 
 @contextlib.contextmanager
-def capture(
-    layers: int | str | Iterable[int | str] | None = None,
-    heads: int | Iterable[int] | None = None,
-    what: str | Iterable[str] = ("weights",),
-    *,
-    rows: int | Iterable[int] | None = None,
-    model: nn.Module | None = None,
-    offsets: Iterable[int] = (),
-    window: int | None = None,
-    topk: int = 0,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> Iterator[Capture]:
+def capture(layers: int | str | Iterable[int | str] | None = None, heads: int | Iterable[int] | None = None,
+            what: str | Iterable[str] = ("weights",), *, rows: int | Iterable[int] | None = None,
+            model: nn.Module | None = None, offsets: Iterable[int] = (), window: int | None = None, topk: int = 0,
+            block_q: int | None = None, block_k: int | None = None) -> Iterator[Capture]:
     """Record attention intermediates of the calls inside the block.
 
     ``layers``: call indices (order of the attention calls in the block, from 0) and/or module-path
     names (globs allowed, e.g. ``"encoder.layer.*"``; names need ``model=``). ``heads``: query-head
-    indices. ``rows``: query indices. ``what``: any of ``"scores"``, ``"weights"``, ``"lse"``,
-    ``"head_outputs"`` ([.., r, K] or [.., r, dv] per call) and the statistics ``"entropy"``,
-    ``"distance"``, ``"sink"``, ``"received"`` (O(r + K) per head, computed tile by tile; see
-    :class:`Record`); ``offsets=(1, ...)`` adds P on key pos(i) − o, ``window=W`` the mass within W
-    keys (``rec.local``), ``topk=t`` each row's t heaviest keys. ``None`` selects all; one index or a
-    bare string selects one (the same selection, and errors, as ``edit``). The forward itself is
-    untouched. A block that recorded nothing raises at its end, naming what was given and what ran
-    (or that no attention call ran on bhqk, and how to register it).
+    indices. ``rows``: query indices. ``None`` selects all; one index or a bare string selects one (the
+    same selection, and errors, as ``edit``). ``what``: any of :data:`WHAT`: ``"scores"``, ``"weights"``,
+    ``"lse"``, ``"head_outputs"`` and the statistics (``"entropy"``, ``"distance"``, ``"sink"``,
+    ``"received"``, ...: O(r + K) per head; see :class:`Record`); ``offsets=(1, ...)`` adds P on key
+    pos(i) − o, ``window=W`` the mass within W keys, ``topk=t`` each row's t heaviest keys. A block
+    that recorded nothing raises at its end, naming what was given and what ran (or that no attention
+    call ran on bhqk, and how to register it).
     """
     cap = Capture(layers, heads, rows, what, model, offsets, window, topk, block_q, block_k)
     with observe.observing(cap):

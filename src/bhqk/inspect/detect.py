@@ -81,29 +81,26 @@ def detect(forward: Callable[[torch.Tensor], object], vocab: int, *, length: int
     out.values["induction"] = second_rep[col] - second_ctl[col]
     out.values["induction (repeated)"] = second_rep[col]
     out.values["induction (control)"] = second_ctl[col]
-    out.notes = {
-        "prev": "P on the previous token (control sequence)",
-        "induction": "P on the token after the earlier match, repeated minus control",
-        "sink": "P on the first key each row may attend", "local": f"P within {window} keys", "entropy": "nats",
-        "distance": "mean |query position − key|",
-    }
+    out.notes = {"prev": "P on the previous token (control sequence)",
+                 "induction": "P on the token after the earlier match, repeated minus control",
+                 "sink": "P on the first key each row may attend", "local": f"P within {window} keys", "entropy": "nats",
+                 "distance": "mean |query position − key|"}
     return out
 
 
-def _bar(progress: bool | None, desc: str):
-    """A bar that advances per attention call: on a terminal (None), always (True) or never (False)."""
-    if progress is None:
-        return attention_progress(desc)
-    return calls_bar(desc) if progress else contextlib.nullcontext()
-
-
 @contextlib.contextmanager
-def calls_bar(desc: str, total: int | None = None) -> Iterator[None]:
-    """A tqdm bar on stderr that advances per attention call, shown wherever it runs (a notebook too)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the venv)
+def _bar(progress: bool | None, desc: str) -> Iterator[None]:
+    """A bar that advances per attention call: on a terminal (None), always (True: a tqdm bar on stderr,
+    a notebook's too) or never (False)."""
+    if progress is None:
+        with attention_progress(desc):
+            yield
+    elif progress:
+        from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the venv)
 
-    with tqdm(total=total, desc=desc, unit=" attention call", leave=False, dynamic_ncols=True) as bar, \
-            observe.observing(Ticker(bar)):
+        with tqdm(desc=desc, unit=" attention call", leave=False, dynamic_ncols=True) as bar, observe.observing(Ticker(bar)):
+            yield
+    else:
         yield
 
 

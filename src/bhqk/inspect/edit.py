@@ -2,39 +2,22 @@
 of the selected attention calls do, and nothing else. Nothing is stored on modules: after the block
 the model is what it was.
 
-An edit is a list of steps, each a value or a function at a named point of the call (:mod:`bhqk.edits`:
-``mask`` → ``scores`` → ``weights`` → ``head_outputs``), given as ``do=edits.zero()`` (one step or a
-list) or as the keyword form, which is the same steps:
+An edit is a list of steps, each a value or a function at a named point of the call (:mod:`bhqk.edits`
+lists the points, the kinds, what each costs and how steps combine), given as ``do=edits.zero()`` (one
+step or a list) or as the keyword form, which is the same steps: ``zero=True`` (O_h = 0), ``scale=s``
+(O_h · s; a number or a tensor [] | [h] that may require gradients), ``mask=M`` (the heads' mask
+becomes ``mask & M``, the softmax renormalizes: knock out), ``bias=T`` (added to the heads' scores),
+``weights=P`` (P used as given instead of softmax(S), no renormalization) and ``output=O`` (O_h
+replaced, e.g. by a head output captured in another run: activation patching). One ``edit`` may
+combine steps as long as no value replaces a point after another step of the same edit (``weights=``
+with ``mask=``, ``output=`` with ``bias=``: a ValueError).
 
-- ``zero=True`` = ``edits.zero()``: the heads' outputs O_h are 0 (ablation).
-- ``scale=s`` = ``edits.scale(s)``: O_h · s; ``s`` a number or a tensor (0-d, or [h] one per named head)
-  that may require gradients (attribution patching: d loss / d s).
-- ``mask=M`` = ``edits.mask(M)``: the heads' mask becomes ``mask & M`` and the softmax renormalizes
-  over what is left ("knock out", e.g. ``masks.key_span(0, 1)``: the sink key's weight goes to the others).
-- ``bias=T`` = ``edits.bias(T)``: T (float, broadcastable to [B, h, Q, K]) is added to the heads' scores.
-- ``weights=P`` = ``edits.weights(P)``: the heads use P ([Q, K], broadcastable to [B, h, Q, K], ≥ 0) as
-  given instead of softmax(S): O_h = P·V, no renormalization. Zeros in P are not a knock-out: the row
-  then sums to less than 1 and nothing is given to the other keys.
-- ``output=O`` = ``edits.output(O)``: O_h is replaced by O ([Q, dv], broadcastable to [B, h, Q, dv]),
-  e.g. a head's output recorded by ``capture(what="head_outputs")`` in another run (activation patching).
-- ``do=edits.at("head_outputs", fn)``: ``fn(o) -> o'`` on o [B, h, Q, dv] (h = the edit's heads, in its
-  order); ``edits.at("scores", fn)``: P = softmax(fn(S)) with S [B, h, Q, K]; ``edits.at("weights", fn)``:
-  ``fn(P) -> P'`` on P [B, h, Q, K], then O_h = P'·V.
-
-One ``edit`` may combine steps as long as no value replaces a point after another step of the same
-edit (``weights=`` with ``mask=``, ``output=`` with ``bias=``: a ValueError).
-
-How it runs, and what it costs: every call runs as usual, all heads on its fast path; for a selected
-call the named heads alone are recomputed and stitched into the output out-of-place, so gradients
-flow to inputs, parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions.
-Zero, scale, a given output and functions at ``head_outputs``: no recomputation, one [B, h, Q, dv]
-copy. Masks and biases: a sub-call of those heads on the registry's backend, the mask kept
-structured. A given P, or a function at ``scores`` or ``weights``: the reference's S and P for those
-heads only (with the edits' masks and biases; S is not built for a given P that no function at
-``scores`` reads), then one P·V per head: O(Q·K) per edited head. GQA: an edited query head reads
-its own K/V head. Edits nest and compose: masks AND, biases add; a given P or O (the innermost
-one) replaces its point and makes the points before it moot; then the functions at each point
-run, the outer edit's first, each edit's in its order (scales multiply).
+How it runs: every call runs as usual, all heads on its fast path; for a selected call the named
+heads alone are recomputed and stitched into the output out-of-place, so gradients flow to inputs,
+parameters, ``scale``, ``bias``, ``weights``, ``output`` and through user functions. GQA: an edited
+query head reads its own K/V head. Edits nest and compose: masks AND, biases add; a given P or O (the
+innermost one) replaces its point and makes the points before it moot; then the functions at each
+point run, the outer edit's first, each edit's in its order (scales multiply).
 
 Selection: ``layers`` takes call indices and module paths (globs; ``model=``); a call is named by its
 module's path, so ``layers="model.layers.1.self_attn"`` selects that layer's prefill and every
@@ -65,31 +48,23 @@ from ..errors import BackendError, MaskError, ShapeError
 from ..functional import reference
 from ..functional.problem import Problem
 from ..functional.registry import resolve
-from ..masks import Mask
+from ..masks import Mask, Tile
 from ..shapes import all_finite, as_4d, compute_dtype, per_query_head
-from .edit_heads import Edited, EditedBias, Part, bias_heads, mask_heads
 from .edits import EDITS, Step, as_steps, check_steps, keyword_steps
-from .layers import Selection, heads_rows, sub_call, value_heads
+from .layers import Selection, bias_heads, heads_extent, heads_rows, mask_heads, sub_call, value_heads
+
+Part = tuple[list[int], object, bool]  # (heads, value of an h-head call, replace: True = instead of the base)
 
 
 class Edit:
     """One ``bhqk.edit`` block: which calls and heads, and the steps to apply to them (see the module
     doc). ``steps`` lists them; ``hits`` the (call index, name) of every call it edited."""
 
-    def __init__(
-        self,
-        layers: int | str | Iterable[int | str] | None = None,
-        heads: int | Iterable[int] | None = None,
-        *,
-        model: nn.Module | None = None,
-        zero: bool = False,
-        scale: float | torch.Tensor | None = None,
-        mask: Mask | torch.Tensor | None = None,
-        bias: Bias | torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
-        output: torch.Tensor | None = None,
-        do: Step | Iterable[Step] | None = None,
-    ) -> None:
+    def __init__(self, layers: int | str | Iterable[int | str] | None = None,
+                 heads: int | Iterable[int] | None = None, *, model: nn.Module | None = None, zero: bool = False,
+                 scale: float | torch.Tensor | None = None, mask: Mask | torch.Tensor | None = None,
+                 bias: Bias | torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                 output: torch.Tensor | None = None, do: Step | Iterable[Step] | None = None) -> None:
         self.selection = Selection("edit", layers, heads, model)  # the same selection and errors as capture
         self.layers, self.heads = self.selection.layers, self.selection.heads
         steps = keyword_steps("edit", zero=zero, scale=scale, mask=mask, bias=bias, weights=weights, output=output)
@@ -99,13 +74,8 @@ class Edit:
                              "do=bhqk.edits.<kind>(...) (a step or a list of them).")
         check_steps(steps, "edit")
         self.steps: list[Step] = steps
-        # The keyword form's view of the steps (what each kind holds; masks ANDed, biases added).
-        self.zero = any(s.kind == "zero" for s in steps)
-        self.scale = next((s.value for s in steps if s.kind == "scale"), None)
-        self.mask: Mask | None = _fold([s.value for s in steps if s.how == "and"], operator.and_)
-        self.bias: Bias | None = _fold([s.value for s in steps if s.how == "add"], operator.add)
-        self.weights = next((s.value for s in steps if s.kind == "weights"), None)
-        self.output = next((s.value for s in steps if s.kind == "output"), None)
+        ands = [s.value for s in steps if s.how == "and"]
+        self.mask: Mask | None = reduce(operator.and_, ands) if ands else None  # the masks ANDed
         self.dense = any(s.point == "weights" or (s.point == "scores" and s.how == "apply") for s in steps)  # builds P
         self.hits: list[tuple[int, str]] = []  # (call index, name) of the calls edited
         self._inert_calls: list[str] = []  # selected calls the mask's spans change nothing in
@@ -178,7 +148,8 @@ class Edit:
         observed = bool(observe.active())
         full_lse = lse
         if observed and lse is None and any(ed.dense for ed, _, _ in named):
-            full_lse = _lse(p, backend)  # capture reads a built pattern as exp(S − lse): it needs every head's lse
+            with torch.no_grad():  # capture reads a built pattern as exp(S − lse): it needs every head's lse
+                full_lse = _run(p, backend, True)[1]
         parts = []
         for hs in groups.values():
             edits = touch[hs[0]]
@@ -252,10 +223,6 @@ def _starts(parts: list) -> list[int]:
     return out
 
 
-def _fold(values: list, op: Callable):
-    return reduce(op, values) if values else None
-
-
 def _fits(arg: str, t: torch.Tensor, last: tuple[str, str], s, n: int, name: str) -> None:
     """A value with the call's sizes (``weights`` [Q, K], ``output`` [Q, dv]) fits the call (n heads edited)."""
     t4 = as_4d(t)
@@ -320,11 +287,6 @@ def _spans(m: Mask | None) -> list[masks.Span]:
         a, b = _spans(m.a), _spans(m.b)
         return a + b if a and b else []
     return []
-
-
-def _lse(p: Problem, backend: str) -> torch.Tensor:
-    with torch.no_grad():
-        return _run(p, backend, True)[1]  # type: ignore[return-value]
 
 
 def _run(p: Problem, backend: str, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -465,20 +427,89 @@ def _narrow(p: Problem, hs: list[int], extra_mask: Mask | None = None, extra_bia
     return sub_call(p, hs, mask, bias)
 
 
+# ---- the edited call as observers see it ---------------------------------------------------------------
+
+def _stitch(base: torch.Tensor, tiles: list[torch.Tensor], parts: list[Part], H: int, q: int, k: int,
+            combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The call's tile ``base`` [#B, #H, #q, #k] with each part's heads combined (``combine``) with, or
+    replaced by, the part's tile [#B, #h, #q, #k]: [B?, H, q, k]."""
+    B = max([base.shape[0]] + [t.shape[0] for t in tiles])
+    out = base.expand(B, H, q, k).clone()  # [B?, H, q, k]
+    for (heads, _, replace), t in zip(parts, tiles):
+        idx = torch.tensor(heads, device=out.device)
+        new = t.expand(B, len(heads), q, k)  # [B?, h, q, k]
+        out[:, idx] = new if replace else combine(out[:, idx], new)
+    return out
+
+
+class _Edited:
+    """The call's mask or bias ``base`` (None: none) with each part's heads combined with (``combine``; or,
+    ``replace``, replaced by) the part's value, read per tile."""
+
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sign = ""
+
+    def __init__(self, base, H: int, parts: list[Part]) -> None:
+        self.base, self.H, self.parts = base, H, parts
+
+    def check(self, ext):
+        if self.base is not None:
+            self.base.check(ext)
+        for heads, v, _ in self.parts:
+            v.check(heads_extent(ext, len(heads)))  # type: ignore[attr-defined]
+
+    def _block(self, none: torch.Tensor, ext, q0, q1, k0, k1, *args) -> torch.Tensor:
+        """The tile [B?, H, q, k]; ``none``: the base's tile when there is no base; ``args``: device (and dtype)."""
+        base = none if self.base is None else as_4d(self.base.block(ext, q0, q1, k0, k1, *args))  # [#B, #H, #q, #k]
+        tiles = [as_4d(v.block(heads_extent(ext, len(h)), q0, q1, k0, k1, *args)) for h, v, _ in self.parts]  # type: ignore[attr-defined]
+        return _stitch(base, tiles, self.parts, self.H, q1 - q0, k1 - k0, self.combine)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"heads {h}: {'=' if r else self.sign} {v!r}" for h, v, r in self.parts)
+        return f"edited({self.base!r}, {parts})"
+
+
+class Edited(_Edited, Mask):
+    """The call's mask with each part's heads ANDed with (or, ``replace``, replaced by) its mask."""
+
+    combine, sign = staticmethod(operator.and_), "&"
+
+    def block(self, ext, q0, q1, k0, k1, device=None):
+        return self._block(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), ext, q0, q1, k0, k1, device)
+
+    def classify(self, ext, q0, q1, k0, k1):
+        if self.base is not None and not any(r for _, _, r in self.parts) and \
+                self.base.classify(ext, q0, q1, k0, k1) is Tile.EMPTY:
+            return Tile.EMPTY
+        return Tile.PARTIAL
+
+    def classify_grid(self, ext, block_q, block_k):
+        nq, nk = -(-ext.Q // block_q), -(-ext.K // block_k)
+        none = torch.zeros(nq, nk, dtype=torch.bool)
+        if self.base is None or any(r for _, _, r in self.parts):
+            return none, none
+        return self.base.classify_grid(ext, block_q, block_k)[0], none
+
+
+class EditedBias(_Edited, Bias):
+    """The call's bias with each part's heads plus (or, ``replace``, replaced by) its bias."""
+
+    combine, sign = staticmethod(operator.add), "+"
+
+    def __init__(self, base: Bias | None, H: int, parts: list[Part]) -> None:
+        super().__init__(base, H, parts)
+        self.floor = min([0.0 if base is None else base.floor] + [b.floor for _, b, _ in parts])  # type: ignore[attr-defined]
+
+    def block(self, ext, q0, q1, k0, k1, device=None, dtype=torch.float32):
+        return self._block(torch.zeros(1, 1, 1, 1, dtype=dtype, device=device), ext, q0, q1, k0, k1, device, dtype)
+
+
 @contextlib.contextmanager
-def edit(
-    layers: int | str | Iterable[int | str] | None = None,
-    heads: int | Iterable[int] | None = None,
-    *,
-    model: nn.Module | None = None,
-    zero: bool = False,
-    scale: float | torch.Tensor | None = None,
-    mask: Mask | torch.Tensor | None = None,
-    bias: Bias | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    do: Step | Iterable[Step] | None = None,
-) -> Iterator[Edit]:
+def edit(layers: int | str | Iterable[int | str] | None = None, heads: int | Iterable[int] | None = None, *,
+         model: nn.Module | None = None, zero: bool = False, scale: float | torch.Tensor | None = None,
+         mask: Mask | torch.Tensor | None = None, bias: Bias | torch.Tensor | None = None,
+         weights: torch.Tensor | None = None, output: torch.Tensor | None = None,
+         do: Step | Iterable[Step] | None = None) -> Iterator[Edit]:
     """Edit the named heads of the selected attention calls inside the block (module doc: kinds,
     cost, composition). ``layers``: call indices and/or module-path globs (names need ``model=``),
     as in ``capture``; ``heads``: query-head indices (None: all). What to do: the keywords, and/or

@@ -12,16 +12,10 @@ point             axes            what is there
 ================  ==============  =============================================================
 
 An edit is a list of :class:`Step` s, each a value or a function at one point; ``bhqk.edit(..., do=...)``
-applies them to the heads it selects. The ready-made ones are the entries of :data:`EDITS` (the
-keyword form ``bhqk.edit(zero=True, scale=, mask=, bias=, weights=, output=)`` is the same steps):
-
-- ``edits.zero()``: O_h = 0 (ablation).
-- ``edits.scale(s)``: O_h · s; ``s`` a number or a float tensor [] or [h] (may require gradients).
-- ``edits.mask(M)``: the call's mask becomes ``mask & M`` and the softmax renormalizes (knock out).
-- ``edits.bias(T)``: T (float, broadcastable to [B, h, Q, K]) added to S.
-- ``edits.weights(P)``: P ([Q, K], broadcastable to [B, h, Q, K], finite, ≥ 0) used as given instead
-  of softmax(S): no renormalization.
-- ``edits.output(O)``: O ([Q, dv], broadcastable to [B, h, Q, dv]) instead of O_h (patching).
+applies them to the heads it selects. The ready-made ones are the entries of :data:`EDITS`, made by
+``edits.zero()``, ``.scale(s)``, ``.mask(M)``, ``.bias(T)``, ``.weights(P)`` and ``.output(O)`` (the
+keyword form ``bhqk.edit(zero=True, scale=, mask=, bias=, weights=, output=)`` is the same steps).
+Zeros in a given P are not a knock-out: no renormalization, so the row sums to less than 1.
 
 ``edits.at(point, fn)`` is a user function at a point: ``fn(t) -> t'`` of the same shape, t the
 point's tensor for the edit's heads in this call. Where it runs and what it costs:

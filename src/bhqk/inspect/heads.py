@@ -14,11 +14,8 @@ random sequence and on a non-repeating control (:mod:`bhqk.inspect.detect`) and 
   key of a left-padded row); ``local``: P within ``window`` keys; ``entropy``, ``distance``: as in capture;
 - ``received@p``: the mean P each row gives to key p (chosen positions).
 
-Rows of the table are layers named by the model: ``layers`` holds the module paths and ``ids`` the
-model's layer index of each (the first number in the path: ``model.layers.1.self_attn`` → 1;
-``attention.<i>`` for calls without ``model=`` → i); :meth:`HeadTable.roles` and :meth:`HeadTable.top`
-report that index, with the path as ``.name``. :data:`ROLE_THRESHOLDS` holds the score each role
-must reach; ``roles(thresholds={...})`` overrides only the roles it names.
+Rows of the table are layers named by the model: module paths, and the model's layer index of each
+(:func:`layer_id`), which :meth:`HeadTable.roles` and :meth:`HeadTable.top` report.
 """
 
 from __future__ import annotations
@@ -257,13 +254,6 @@ class HeadTable:
         return text
 
 
-def _groups(records: Iterable[_Record]) -> dict[str, list[_Record]]:
-    out: dict[str, list[_Record]] = {}
-    for r in records:
-        out.setdefault(r.name, []).append(r)
-    return out
-
-
 def record_sums(r: _Record, rows: slice | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One record's real rows counted per head, and each captured per-row statistic summed over them
     (float64 [h] each; ``offset o`` named ``prev`` for o = 1). ``rows``: only these rows."""
@@ -288,7 +278,9 @@ def head_table(records: Iterable[_Record], positions: Sequence[int] = (), rows: 
     if rows is not None and positions:
         raise ValueError("head_table: received@p sums over every row of a record; it cannot be restricted to rows= "
                          "(pass positions= without rows=, or rows= without positions=).")
-    groups = _groups(records)
+    groups: dict[str, list[_Record]] = {}  # the records of each layer (by name), in order
+    for r in records:
+        groups.setdefault(r.name, []).append(r)
     if positions:
         bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, int) or p < 0]
         if bad:

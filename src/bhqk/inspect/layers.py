@@ -1,7 +1,8 @@
 """What a ``capture`` or an ``edit`` block selects: which attention calls (call indices, their order
 inside the block, and/or module-path globs matched against ``model.named_modules()``, or canonical
 addresses ``"layers.3.attn"`` of the model's map), and the selected query heads and rows of a call's
-tensors and of the call itself."""
+tensors, of its mask and bias (structured values stay structured where they can: nothing here builds
+a [B, H, Q, K] tensor) and of the call itself."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from torch import nn
 
 from ..bias import Bias
+from ..bias import Dense as DenseBias
+from ..bias import Sum as BiasSum
 from ..errors import ShapeError
 from ..functional.problem import Problem
 from ..integrations.model_map import ModelMap, model_map
-from ..masks import Mask
+from ..masks import Extent, Mask
 from ..shapes import Sizes, as_4d, per_query_head
 
 REGISTER_HINT = ("the model's attention does not run on bhqk: call bhqk.integrations.transformers.register() and "
@@ -175,6 +178,68 @@ def value_heads(t: torch.Tensor, heads: list[int], H: int) -> torch.Tensor:
     if t.shape[1] == H and H != 1:
         t = t.index_select(1, torch.tensor(heads, device=t.device))  # [#B, H, ·, ·] -> [#B, h, ·, ·]
     return t
+
+
+def heads_extent(ext: Extent, H: int) -> Extent:
+    """``ext`` with H heads."""
+    return Extent(ext.B, H, ext.Q, ext.K)
+
+
+class _Subset:
+    """``base`` (a mask or bias of an H-head call) read on the heads ``heads`` only: a value of an h-head call."""
+
+    def __init__(self, base, heads: list[int], H: int) -> None:
+        self.base, self.heads, self.H = base, list(heads), H
+
+    def check(self, ext):
+        self.base.check(heads_extent(ext, self.H))
+
+    def block(self, ext, q0, q1, k0, k1, *args, **kw):  # device (and a bias's dtype): [#B, #h, q, k]
+        return value_heads(self.base.block(heads_extent(ext, self.H), q0, q1, k0, k1, *args, **kw), self.heads, self.H)
+
+    def __repr__(self) -> str:
+        return f"{self.base!r}[heads {self.heads}]"
+
+
+class HeadSubset(_Subset, Mask):  # a mask of an H-head call read on some heads: a mask of an h-head call
+    def classify(self, ext, q0, q1, k0, k1):  # over every head of the call: never wrong for a subset
+        return self.base.classify(heads_extent(ext, self.H), q0, q1, k0, k1)
+
+    def classify_grid(self, ext, block_q, block_k):
+        return self.base.classify_grid(heads_extent(ext, self.H), block_q, block_k)
+
+    def mask_mod(self, B, H, Q, K, device=None):
+        f = self.base.mask_mod(B, self.H, Q, K, device)
+        idx = torch.tensor(self.heads, dtype=torch.long, device=device)
+        return lambda b, h, q_idx, kv_idx: f(b, idx[h], q_idx, kv_idx)
+
+
+def mask_heads(m: Mask | None, heads: list[int], H: int) -> Mask | None:
+    """The mask of the sub-call on ``heads``: ``m`` itself when it is the same for every head, the
+    mask's own selection where it can make one (``Mask.select_heads``), else ``m`` read per tile."""
+    if m is None or (len(heads) == H and heads == list(range(H))):
+        return m
+    return m.select_heads(heads, H) or HeadSubset(m, heads, H)
+
+
+class _BiasSubset(_Subset, Bias):
+    def __init__(self, base: Bias, heads: list[int], H: int) -> None:
+        super().__init__(base, heads, H)
+        self.floor = base.floor
+
+
+def bias_heads(b: Bias | None, heads: list[int], H: int) -> Bias | None:
+    """The bias of the sub-call on ``heads``; dense parts stay dense (the tiled backend's bias
+    gradients see them)."""
+    if b is None or (len(heads) == H and heads == list(range(H))):
+        return b
+    if isinstance(b, DenseBias):
+        return DenseBias(value_heads(b.tensor, heads, H))  # [#B, #h, #Q, #K]
+    if isinstance(b, BiasSum):
+        a, c = bias_heads(b.a, heads, H), bias_heads(b.b, heads, H)
+        assert a is not None and c is not None
+        return BiasSum(a, c)
+    return _BiasSubset(b, heads, H)
 
 
 def sub_call(p: Problem, heads: list[int], mask: Mask | None, bias: Bias | None, rows: list[int] | None = None) -> Problem:

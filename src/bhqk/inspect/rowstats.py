@@ -548,9 +548,9 @@ def row_stats(p: Problem, heads: list[int], rows: list[int] | None, lse: torch.T
     return out
 
 
-def _row_pass(s: _Rows, stats: list[_Stat]) -> dict:
+def _row_pass(s: _Rows, stats: list[_Stat], weight: torch.Tensor | None = None) -> dict:
     """One pass over the tiles of the selected rows: each statistic of ``stats`` sees every tile; returns
-    their results and ``colsum`` [B, h, K], Σ over the rows of P."""
+    their results and ``colsum`` [B, h, K], Σ over the rows of P (of weight·P, ``weight`` [B, h, r])."""
     call, B, h, dt, dev = s.call, s.B, s.h, s.dt, s.dev
     colsum = torch.zeros(B, h, s.K, dtype=dt, device=dev)  # [B, h, K]
     done = {st.name: st for st in stats}
@@ -568,7 +568,9 @@ def _row_pass(s: _Rows, stats: list[_Stat]) -> dict:
             P = P.exp_()  # [B, h, bq, bk]: exp(S − lse), 0 where not allowed
             if diagonal is not None:
                 P = P.tril_(diagonal)  # the causal mask, applied after the exp: 0 above the diagonal
-            colsum[:, :, k0:k1] += P.sum(-2)  # [B, h, bk]
+            colsum[:, :, k0:k1] += P.sum(-2) if weight is None else (P * weight[:, :, a:b, None]).sum(-2)  # [B, h, bk]
+            if not stats:
+                continue
             PK = call.matmul(P, ka, "PK")  # [B, h, bq, bk] @ [B, h/G, bk, d+2] -> [B, h, bq, d+2]
             t = _Tile(k0, k1, P, allowed, diagonal, PK, PK[..., s.d], PK[..., s.d + 1])  # sP, sPj: [B, h, bq]
             for st in stats:
@@ -584,23 +586,7 @@ def _row_pass(s: _Rows, stats: list[_Stat]) -> dict:
 def _weighted_colsum(p: Problem, heads: list[int], rows: list[int], lse: torch.Tensor, weight: torch.Tensor,
                      blocks: tuple[int | None, int | None]) -> torch.Tensor:
     """Σ over the rows ``rows`` of weight·P: [B, h, K], with their lse [B, h, r] and ``weight`` [B, h, r]."""
-    s = _Rows(p, heads, rows, lse, Want(()), *blocks)
-    call = s.call
-    out = torch.zeros(s.B, s.h, s.K, dtype=s.dt, device=s.dev)  # [B, h, K]
-    for i0, i1, a, b in call.q_blocks(rows, s.bq):
-        L = s.lse[:, :, a:b]  # [B, h, bq]
-        qa = call.q_tile(i0, i1, L if call.fast else None)  # [B, h, bq, d+2]
-        w = weight[:, :, a:b, None]  # [B, h, bq, 1]
-        for k0, k1, ka in call.k_tiles(s.bk):
-            got = call.scores(qa, ka, i0, i1, k0, k1, L, call.fast, defer_causal=True)
-            if got is None:
-                continue
-            P, _, diagonal = got
-            P = P.exp_()  # [B, h, bq, bk]
-            if diagonal is not None:
-                P = P.tril_(diagonal)
-            out[:, :, k0:k1] += (P * w).sum(-2)  # [B, h, bk]
-    return out
+    return _row_pass(_Rows(p, heads, rows, lse, Want(()), *blocks), [], weight)["colsum"]
 
 
 __all__ = ["Want", "Statistic", "STATISTICS", "row_stats", "row_lse", "runs", "TILE_ENTRIES"]

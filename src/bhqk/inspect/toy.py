@@ -74,9 +74,4 @@ def repeated(batch: int, length: int, vocab: int, generator: torch.Generator | N
     return torch.cat([seg, seg], dim=1)  # [B, 2L]
 
 
-def unrepeated(batch: int, length: int, vocab: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, 2·length] random token ids whose second half does not repeat the first (the control)."""
-    return torch.randint(0, vocab, (batch, 2 * length), generator=generator)  # [B, 2L]
-
-
-__all__ = ["AttnOnly", "ToyConfig", "WEIGHTS", "save", "load", "repeated", "unrepeated"]
+__all__ = ["AttnOnly", "ToyConfig", "WEIGHTS", "save", "load", "repeated"]

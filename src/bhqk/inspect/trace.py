@@ -38,17 +38,10 @@ class Trace:
         if event == "attention":
             p = data["problem"]
             s = p.sizes.size
-            shapes = {
-                "q": named_shape(("B", "H", "Q", "d"), p.q.shape),
-                "k": named_shape(("B", "Hkv", "K", "d"), p.k.shape),
-                "v": named_shape(("B", "Hkv", "K", "dv"), p.v.shape),
-                "S, P": named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"])),
-                "out": named_shape(("B", "H", "Q", "dv"), data["out"].shape),
-            }
             mask = repr(p.mask) if p.mask is not None else "none"
             module = data.get("module")
             name = "" if module is None else self._names.get(id(module), "")  # a module path of the traced model
-            self.calls.append(Call(len(self.calls), data["backend"], dict(s), shapes, mask, module=name,
+            self.calls.append(Call(len(self.calls), data["backend"], dict(s), call_shapes(s), mask, module=name,
                                    module_id=None if module is None else id(module)))
         elif event == "mha" and self.calls and self.calls[-1].module_id == id(data["module"]):
             m, call = data["module"], self.calls[-1]
@@ -77,6 +70,14 @@ class Trace:
         return "\n".join(out)
 
     __repr__ = __str__  # a bare ``t`` in a notebook shows the calls
+
+
+def call_shapes(s: dict[str, int]) -> dict[str, str]:
+    """The named shapes of a call's q, k, v, S and P, and output, from its sizes (B, H, Hkv, Q, K, d, dv)."""
+    B, H, Hkv, Q, K, d, dv = (s[n] for n in ("B", "H", "Hkv", "Q", "K", "d", "dv"))
+    return {"q": named_shape(("B", "H", "Q", "d"), (B, H, Q, d)), "k": named_shape(("B", "Hkv", "K", "d"), (B, Hkv, K, d)),
+            "v": named_shape(("B", "Hkv", "K", "dv"), (B, Hkv, K, dv)),
+            "S, P": named_shape(("B", "H", "Q", "K"), (B, H, Q, K)), "out": named_shape(("B", "H", "Q", "dv"), (B, H, Q, dv))}
 
 
 WIDTH = 100  # columns of ``str(trace)``

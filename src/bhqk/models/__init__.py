@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import LoadError
-from .bert import BertConfig, BertEncoder, SentenceEncoder, bundled_model_dir, cosine_similarity, embed, mean_pool
+from .bert import BertConfig, BertEncoder, SentenceEncoder, bundled_model_dir, cosine_similarity, mean_pool
 from .gpt2 import GPT2, GPT2Config, sample
 from .loading import load_checked, read_config, read_weights, remap_bert, remap_gpt2
 from .real import Loaded, load_model, pretrained
@@ -21,15 +21,13 @@ def load(folder: str | Path, *, backend: str = "auto"):
     """The bhqk model for a local Hugging Face folder, chosen by config.json's model_type."""
     kind = read_config(folder).get("model_type")
     if kind not in ARCHITECTURES:
-        raise LoadError(
-            f"unknown architecture: {Path(folder) / 'config.json'} has model_type={kind!r}; "
-            f"bhqk.models loads {sorted(ARCHITECTURES)}."
-        )
+        raise LoadError(f"unknown architecture: {Path(folder) / 'config.json'} has model_type={kind!r}; "
+                        f"bhqk.models loads {sorted(ARCHITECTURES)}.")
     return ARCHITECTURES[kind].from_pretrained(folder, backend=backend)
 
 
 __all__ = [
-    "load", "ARCHITECTURES", "BertConfig", "BertEncoder", "SentenceEncoder", "embed", "mean_pool", "cosine_similarity",
+    "load", "ARCHITECTURES", "BertConfig", "BertEncoder", "SentenceEncoder", "mean_pool", "cosine_similarity",
     "bundled_model_dir", "GPT2", "GPT2Config", "sample", "remap_bert", "remap_gpt2", "read_config", "read_weights",
     "load_checked", "pretrained", "load_model", "Loaded",
 ]

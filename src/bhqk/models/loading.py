@@ -37,10 +37,8 @@ def read_config(folder: str | Path, expect: str | tuple[str, ...] | None = None)
         expect = (expect,) if isinstance(expect, str) else expect
         kind = config.get("model_type")
         if kind not in expect:
-            raise LoadError(
-                f"unknown architecture: {path} has model_type={kind!r} "
-                f"(architectures={config.get('architectures')}); this loader takes model_type {' or '.join(map(repr, expect))}."
-            )
+            raise LoadError(f"unknown architecture: {path} has model_type={kind!r} (architectures="
+                            f"{config.get('architectures')}); this loader takes model_type {' or '.join(map(repr, expect))}.")
     return config
 
 
@@ -203,14 +201,9 @@ def checkpoint_key(name: str, rules: list[Rule], prefix: str = "") -> str:
 
 
 BERT_PREFIXES = ("bert.",)
-BERT_IGNORE = [
-    r"pooler\..*", r"cls\..*", r"embeddings\.position_ids", r"embeddings\.token_type_ids", r"classifier\..*",
-    r"qa_outputs\..*",
-]
-BERT_RULES: list[Rule] = [
-    (r"(.*)\.gamma", r"\1.weight"),  # old TF-converted LayerNorm names
-    (r"(.*)\.beta", r"\1.bias"),
-]
+BERT_IGNORE = [r"pooler\..*", r"cls\..*", r"embeddings\.position_ids", r"embeddings\.token_type_ids", r"classifier\..*",
+               r"qa_outputs\..*"]
+BERT_RULES: list[Rule] = [(r"(.*)\.gamma", r"\1.weight"), (r"(.*)\.beta", r"\1.bias")]  # old TF-converted LayerNorm names
 BERT_TABLE: list[Rule] = [
     (r"embeddings\.word_embeddings\.(weight)", r"embeddings.word.\1"),
     (r"embeddings\.position_embeddings\.(weight)", r"embeddings.position.\1"),
@@ -277,10 +270,8 @@ def _remap_gpt2(state_dict: StateDict) -> tuple[StateDict, dict[str, str]]:
         if m:
             layer, kind = m.groups()
             if value.shape[-1] % 3:
-                raise LoadError(
-                    f"wrong shape for checkpoint key {src[name]!r}: {list(value.shape)}; c_attn must be "
-                    f"[D, 3·D] (weight) or [3·D] (bias) to split into query, key and value."
-                )
+                raise LoadError(f"wrong shape for checkpoint key {src[name]!r}: {list(value.shape)}; c_attn must be "
+                                f"[D, 3·D] (weight) or [3·D] (bias) to split into query, key and value.")
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=-1)):  # [D, 3D] -> 3 × [D, D]
                 new = f"blocks.{layer}.attn.{proj}.{kind}"
                 out[new] = part.t().contiguous() if kind == "weight" else part.contiguous()  # [in, out] -> [out, in]
@@ -295,15 +286,8 @@ def _remap_gpt2(state_dict: StateDict) -> tuple[StateDict, dict[str, str]]:
 
 # --- strict load ---------------------------------------------------------------------------------
 
-def load_checked(
-    model: nn.Module,
-    state_dict: StateDict,
-    source: dict[str, str] | None = None,
-    *,
-    folder=None,
-    origin: Callable[[str], str] | None = None,
-    raw_shapes: dict[str, torch.Size] | None = None,
-) -> None:
+def load_checked(model: nn.Module, state_dict: StateDict, source: dict[str, str] | None = None, *, folder=None,
+                 origin: Callable[[str], str] | None = None, raw_shapes: dict[str, torch.Size] | None = None) -> None:
     """Copy ``state_dict`` into ``model``: every key present, none unexpected, every shape equal.
     Otherwise one LoadError listing what is wrong. ``source`` maps each key to its checkpoint key and
     ``origin`` names the checkpoint key a missing one should have come from; ``raw_shapes`` are the

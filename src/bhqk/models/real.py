@@ -2,25 +2,14 @@
 what ``bhqk.models.pretrained`` takes) and gives one :class:`Loaded` (model, tokenizer, whether it is a
 decoder, its name, its folder), on the attention implementation asked for.
 
-``source``, resolved the same everywhere (:func:`resolve`):
-
-- a name of :data:`~bhqk.models.gguf.NAMES` (``"smollm2-135m"``, ``"gemma3-270m"``), a local ``.gguf``
-  file, or a folder holding exactly one (and no ``config.json``): converted once into the cache
-  (:mod:`bhqk.models.gguf`), then loaded from there;
-- a local Hugging Face folder (``config.json`` + weights, tokenizer files where it has them), loaded as
-  it is, offline.
-
-A decoder (:func:`is_decoder`) loads as transformers' ``AutoModelForCausalLM``, any other model as
-``AutoModel``; fp32, eval mode. ``model.config.name_or_path`` is set to the name the user gave
-(``smollm2-135m``, or the file's or folder's name), so what records the model (a KV budget plan's
-"made for") names it, not a cache path.
-
-``pretrained(source)`` is ``(model, tokenizer)`` of a causal language model::
-
-    model, tok = bhqk.models.pretrained("smollm2-135m")
-
-Every failure to find or read a model is a :class:`~bhqk.errors.LoadError` that says what to install
-or delete.
+``source`` (:func:`resolve`, the same everywhere) is a name of :data:`~bhqk.models.gguf.NAMES`
+(``"smollm2-135m"``, ``"gemma3-270m"``), a local ``.gguf`` file or a folder holding exactly one (and no
+``config.json``): converted once into the cache (:mod:`bhqk.models.gguf`) and loaded from there; or a
+local Hugging Face folder, loaded as it is, offline. A decoder (:func:`is_decoder`) loads as
+transformers' ``AutoModelForCausalLM``, any other model as ``AutoModel``; fp32, eval mode;
+``model.config.name_or_path`` is the name the user gave, so what records the model (a KV budget plan's
+"made for") names it, not a cache path. Every failure to find or read a model is a
+:class:`~bhqk.errors.LoadError` that says what to install or delete.
 """
 
 from __future__ import annotations
@@ -77,6 +66,13 @@ def resolve(source: str | Path) -> str | Path:
     close = difflib.get_close_matches(str(source), NAMES, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise LoadError(f"no model {str(source)!r}: not a known name ({', '.join(sorted(NAMES))}), nor a file or folder.{hint}")
+
+
+def model_type(source: str | Path) -> str | None:
+    """config.json's ``model_type`` of the folder ``source`` names (:func:`resolve`), None when it has no
+    config.json (a name, a GGUF file): which of bhqk's own models (BERT, GPT-2) may run it."""
+    found = Path(resolve(source))
+    return read_config(found).get("model_type") if (found / "config.json").is_file() else None
 
 
 def is_decoder(config: dict) -> bool:
@@ -150,11 +146,12 @@ def pretrained(source: str | Path = "smollm2-135m", *, cache_dir: str | Path | N
     return loaded.model, loaded.tokenizer
 
 
-def encode(loaded: Loaded, text: str) -> tuple[dict, list[str]]:
-    """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens."""
+def encode(loaded: Loaded, text: str, **options: Any) -> tuple[dict, list[str]]:
+    """The model inputs for ``text`` (input_ids and attention_mask [1, N]) and its N tokens; ``options``
+    go to the tokenizer."""
     if loaded.tokenizer is None:
         raise LoadError(f"{loaded.folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass token ids instead.")
-    enc = loaded.tokenizer(text, return_tensors="pt")
+    enc = loaded.tokenizer(text, return_tensors="pt", **options)
     inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     return inputs, loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
 
@@ -165,5 +162,5 @@ def context_length(model: Any) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
-__all__ = ["load_model", "Loaded", "pretrained", "resolve", "is_decoder", "model_name", "encode", "context_length",
+__all__ = ["load_model", "Loaded", "pretrained", "resolve", "model_type", "is_decoder", "model_name", "encode", "context_length",
            "TOKENIZER_FILES"]

@@ -3,6 +3,7 @@ the optional ``viz`` extra, imported only when a picture is drawn), one self-con
 page, an export to bertviz, and pictures of attention statistics at any length (``overview_png``,
 ``received_png``, ``head_png``: see :mod:`bhqk.viz.stats_page`)."""
 
+from .cli import show
 from .export import to_bertviz
 from .heatmap import grid, heatmap, mask
 from .html import html
@@ -10,11 +11,3 @@ from .stats_page import head_png, head_series, overview_png, received_peaks, rec
 
 __all__ = ["heatmap", "grid", "mask", "html", "to_bertviz", "show", "overview_png", "received_png", "received_peaks",
            "head_png", "head_series"]
-
-
-def show(sentence: str, out_dir, **kw):
-    """Capture a sentence's attention with the bundled MiniLM and write PNGs and the HTML page
-    (see :func:`bhqk.viz.cli.show`)."""
-    from .cli import show as _show
-
-    return _show(sentence, out_dir, **kw)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..console import BACKEND_HELP, backend_name
+from ..console import BACKEND_HELP, attention_progress, backend_name
 from ..console import text as text_arg
 from ..inspect.capture import Capture, capture
 from ..inspect.stats import HeadStats
@@ -35,11 +35,10 @@ def run_sentence(sentence: str, model: str | Path | None = None, backend: str = 
                  specials: list[str] | None = None) -> tuple[Capture, list[str]]:
     """Capture every layer and head of ``sentence``, cut to ``max_tokens`` tokens (special tokens
     included; default and upper bound: the model's limit, 256 at most). ``model``: None (the bundled
-    MiniLM on bhqk's own encoder), a BERT folder (bhqk's encoder), or a model name, a GGUF file or any
-    other local Hugging Face folder (through transformers with ``attn_implementation="bhqk"``). When ``cut`` is given,
-    [tokens before the cut, tokens kept] is appended to it; when ``specials`` is given, the special
-    tokens of the model's tokenizer that are among the kept tokens (none for GPT-2's text, [CLS] and
-    [SEP] for a BERT's). Blank text is refused (a ValueError) before any model is loaded."""
+    MiniLM) or a BERT folder on bhqk's own encoder, else any ``--model`` through transformers on bhqk.
+    When ``cut`` is given, [tokens before the cut, tokens kept] is appended to it; when ``specials`` is
+    given, the tokenizer's special tokens among the kept tokens. Blank text is refused (a ValueError)
+    before any model is loaded."""
     check_text(sentence)
     if model is not None and not _is_bert_folder(model):
         return _run_hf(sentence, model, backend, max_tokens=max_tokens, cut=cut, specials=specials)
@@ -79,13 +78,10 @@ def _limit(max_tokens: int | None, limit: int) -> int:
 
 
 def _is_bert_folder(model: str | Path) -> bool:
-    """``model`` (what ``--model`` names in every command: :func:`bhqk.models.real.resolve`) is a BERT folder,
-    read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
-    from ..models.loading import read_config
-    from ..models.real import resolve
+    """A BERT folder is read by bhqk's own encoder; a model name, a GGUF file or any other folder goes through transformers."""
+    from ..models.real import model_type
 
-    found = Path(resolve(model))
-    return (found / "config.json").is_file() and read_config(found).get("model_type") == "bert"
+    return model_type(model) == "bert"
 
 
 def _run_hf(sentence: str, folder: str | Path, backend: str, *, max_tokens: int | None,
@@ -171,8 +167,9 @@ def show(sentence: str, out_dir: str | Path = DEFAULT_OUT, *, model: str | Path 
 
 def cmd_show(a: argparse.Namespace) -> str:
     report: list[str] = []
-    paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend,
-                 max_tokens=a.max_tokens, report=report)
+    with attention_progress("show"):  # a bar that counts the attention calls (a layer each)
+        paths = show(a.sentence, a.out, model=a.model, layer=a.layer, head=a.head, backend=a.backend,
+                     max_tokens=a.max_tokens, report=report)
     return "\n".join(report + ["wrote:"] + [f"  {p}" for p in paths])
 
 

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..inspect.trace import call_shapes
 from ..masks import Mask
 from ..text import named_shape
+from .labels import check_labels
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -106,7 +108,7 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     (and per key, unless ``key_tokens`` is given), else a ShapeError. Saved as PNG when ``path`` is given."""
     P, rec = _select(src, layer, head, b)
     Q, K = P.shape
-    _check_labels(tokens, key_tokens, rec.sizes["Q"] if rec is not None else Q, K, rec.name if rec is not None else None)
+    check_labels("heatmap", tokens, key_tokens, Q if rec is None else rec.sizes["Q"], K, None if rec is None else rec.name)
     positions = rec.query_positions if rec is not None else None
     q_labels = _labels(tokens, Q, positions)
     k_labels = _labels(key_tokens if key_tokens is not None else tokens, K)
@@ -128,9 +130,8 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     ax.set_xlabel(f"key (K={K})")
     if title is None:
         if rec is not None:
-            s = rec.sizes
             named = "" if rec.name in (f"attention.{rec.index}", str(rec.index)) else f"{rec.name}, "
-            shape = named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"]))
+            shape = call_shapes(rec.sizes)["S, P"]
             title = (f"layer {rec.index}, head {head}  ({named}backend {rec.backend})\n"
                      f"P = softmax(Q·Kᵀ·scale) {shape}; shown P[b={b}, h={head}] {named_shape(('Q', 'K'), (Q, K))}")
         else:
@@ -138,19 +139,6 @@ def heatmap(src: Capture | Record | torch.Tensor, tokens: Sequence[str] | None =
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
     return fig
-
-
-def _check_labels(tokens: Sequence[str] | None, key_tokens: Sequence[str] | None, Q: int, K: int, call: str | None) -> None:
-    """One token per query of the call (Q, not only the captured rows) and one per key (``key_tokens``,
-    else ``tokens`` labels the keys too)."""
-    from .labels import check_tokens
-
-    check_tokens("heatmap", tokens, Q, axis="Q", call=call)
-    if key_tokens is not None:
-        check_tokens("heatmap", key_tokens, K, arg="key_tokens", axis="K", call=call)
-    else:
-        check_tokens("heatmap", tokens, K, axis="K", call=call, hint=" (tokens labels the keys too; pass key_tokens= "
-                                                                   "when they are not the queries)")
 
 
 def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None, path: str | Path | None = None,
@@ -184,8 +172,7 @@ def grid(cap: Capture, *, b: int = 0, layers: Sequence[int | str] | None = None,
                 ax.set_ylabel(f"layer {rec.index}", fontsize=8)
     if im is not None:  # (some record holds a head)
         fig.colorbar(im, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="weight P")
-    s = recs[0].sizes
-    shape = named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], s["Q"], s["K"]))
+    shape = call_shapes(recs[0].sizes)["S, P"]
     fig.suptitle(title or f"attention weights, {L} layers × {H} heads; each cell is P {shape} at b={b} "
                           f"(rows = queries, columns = keys)", fontsize=10)
     _save(fig, path)

@@ -1,11 +1,8 @@
 """One self-contained interactive HTML page of captured attention (inline CSS and JS, no network;
-the HTML, CSS and JS are package data in ``viz/assets/attention.*``).
-
-Choose a layer and a head (or click a thumbnail in the layers × heads overview); hover a token or a
-heatmap cell to see where it attends, click to pin. Heatmaps are drawn on a <canvas> from weights
-stored 8 bits per cell (each head scaled by its largest weight, deflated, base64), so a 256-token
-page of a 6-layer, 12-head model stays near 1.5 MB. The named shapes of the call are shown above
-the views. Needs no matplotlib.
+package data in ``viz/assets/attention.*``; no matplotlib). Choose a layer and a head (or click a
+thumbnail in the layers × heads overview); hover a token or a heatmap cell to see where it attends,
+click to pin. Heatmaps are drawn on a <canvas> from weights stored 8 bits per cell
+(:func:`encode_weights`); the named shapes of the call are shown above the views.
 """
 
 from __future__ import annotations
@@ -20,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..text import named_shape
-from .labels import check_tokens
+from .labels import check_labels
 from .template import asset, fill, script_json
 
 if TYPE_CHECKING:
-    from ..inspect.capture import Capture, Record
+    from ..inspect.capture import Capture
 
 
 def encode_weights(w: torch.Tensor) -> tuple[float, str]:
@@ -64,31 +60,22 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
     above the views (e.g. that the input was cut). ``tokens`` needs one token per query of every call
     and, unless ``key_tokens`` is given, one per key too (else a ShapeError)."""
     from ..inspect.stats import head_stats
+    from ..inspect.trace import call_shapes
 
     if not cap.records:
         raise ValueError("html: the capture holds no records; run the model inside `with capture(...)`.")
-    weights = [_weights(r) for r in cap.records]  # each [B, h, r, K]
+    if any(r.weights is None for r in cap.records):
+        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
     keys = key_tokens if key_tokens is not None else tokens
     for rec in cap.records:  # one token per query and per key of every call the page shows
-        check_tokens("html", tokens, rec.sizes["Q"], axis="Q", call=rec.name)
-        check_tokens("html", keys, rec.sizes["K"], arg="key_tokens" if key_tokens is not None else "tokens", axis="K",
-                     call=rec.name, hint="" if key_tokens is not None else " (tokens labels the keys too; pass "
-                                                                           "key_tokens= when they are not the queries)")
+        check_labels("html", tokens, key_tokens, rec.sizes["Q"], rec.sizes["K"], rec.name)
     special = tuple(s for s in special if keys is not None and s in keys)  # shares only of tokens that are there
     stats = head_stats(cap, keys, b=b, special=special)
     by = {(s.index, s.head): s for s in stats}
     layers: list[dict[str, Any]] = []
-    for rec, weights_b in zip(cap.records, weights):
-        s = rec.sizes
-        Q, K = s["Q"], s["K"]
-        shapes = [
-            ("q", named_shape(("B", "H", "Q", "d"), (s["B"], s["H"], Q, s["d"]))),
-            ("k", named_shape(("B", "Hkv", "K", "d"), (s["B"], s["Hkv"], K, s["d"]))),
-            ("v", named_shape(("B", "Hkv", "K", "dv"), (s["B"], s["Hkv"], K, s["dv"]))),
-            ("S, P", named_shape(("B", "H", "Q", "K"), (s["B"], s["H"], Q, K))),
-            ("out", named_shape(("B", "H", "Q", "dv"), (s["B"], s["H"], Q, s["dv"]))),
-        ]
-        W = weights_b[b].float().cpu()  # [B, h, r, K] -> [h, r, K]
+    for rec in cap.records:
+        shapes = list(call_shapes(rec.sizes).items())
+        W = rec["weights"][b].float().cpu()  # [B, h, r, K] -> [h, r, K]
         heads = []
         for h, (scale, text), masked in zip(rec.heads, encode_heads(W), masked_rows(W)):
             st = by[(rec.index, h)]
@@ -98,19 +85,13 @@ def page_data(cap: Capture, tokens: Sequence[str] | None = None, *, key_tokens: 
                           **{f"on {t}": round(v, 3) for t, v in st.special.items()}},
             })
         layers.append({"index": rec.index, "name": rec.name, "backend": rec.backend, "shapes": shapes,
-                       "rows": rec.query_positions, "K": K, "mask": repr(rec.mask) if rec.mask is not None else "none",
-                       "heads": heads})
+                       "rows": rec.query_positions, "K": rec.sizes["K"],
+                       "mask": repr(rec.mask) if rec.mask is not None else "none", "heads": heads})
     Kmax = max(la["K"] for la in layers)
     Qmax = max(la["rows"][-1] + 1 if la["rows"] else 0 for la in layers)
     qt = list(tokens) if tokens is not None else [str(i) for i in range(Qmax)]
     kt = list(keys) if keys is not None else [str(i) for i in range(Kmax)]
     return {"tokens": qt, "keyTokens": kt, "b": b, "layers": layers, "notice": notice}
-
-
-def _weights(rec: Record) -> torch.Tensor:
-    if rec.weights is None:
-        raise ValueError("html: the page needs the weights; capture with what=(..., 'weights').")
-    return rec.weights
 
 
 def render(data: dict, title: str = "bhqk · attention") -> str:

@@ -18,3 +18,15 @@ def check_tokens(where: str, tokens: Sequence[str] | None, n: int, *, arg: str =
     of = f"call {call!r} has" if call is not None else "the weights have"
     raise ShapeError(f"{where}: {arg} has {len(tokens)} tokens but {of} {axis}={n} {what}; "
                      f"pass one token per {one}{hint}.")
+
+
+def check_labels(where: str, tokens: Sequence[str] | None, key_tokens: Sequence[str] | None, Q: int, K: int,
+                 call: str | None = None) -> None:
+    """One token per query of the call (Q, not only the captured rows) and one per key (``key_tokens``,
+    else ``tokens`` labels the keys too)."""
+    check_tokens(where, tokens, Q, axis="Q", call=call)
+    if key_tokens is not None:
+        check_tokens(where, key_tokens, K, arg="key_tokens", axis="K", call=call)
+    else:
+        check_tokens(where, tokens, K, axis="K", call=call, hint=" (tokens labels the keys too; pass key_tokens= "
+                                                                 "when they are not the queries)")

@@ -53,11 +53,11 @@ def load(model: str | Path | None, backend: str = "auto"):
 def tokenize(loaded, text: str) -> tuple[dict, list[str], int]:
     """(model inputs [1, N], the N tokens, how many of them are text, not special tokens). The tokenizer's
     own warning about a sequence longer than the model takes is not printed: :func:`run` cuts the text."""
+    from ..models.real import encode
+
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text is empty ({text[:20]!r}); bhqk stats needs at least {MIN_TEXT_TOKENS} tokens of text.")
-    enc = loaded.tokenizer(text, return_tensors="pt", verbose=False)
-    inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-    tokens = loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    inputs, tokens = encode(loaded, text, verbose=False)
     special = set(getattr(loaded.tokenizer, "all_special_tokens", None) or ())
     return inputs, tokens, sum(t not in special for t in tokens)
 
@@ -155,15 +155,10 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> str:
-    with lines_off_terminal():  # off a terminal: a line per stage and per attention call on stderr
-        return stats(args)
-
-
-def stats(args: argparse.Namespace) -> str:
     plan = None if args.plan is None else args.load_plan(args.plan)  # before the model: a bad plan fails at once
-    report, _ = run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
-                    backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)
-    return report
+    with lines_off_terminal():  # off a terminal: a line per stage and per attention call on stderr
+        return run(args.model, read_text(args), out=args.out, max_tokens=args.max_tokens, window=args.window,
+                   backend=args.backend, top=args.top, json_path=args.json, csv_path=args.csv, plan=plan)[0]
 
 
 def add_stats_parser(sub) -> argparse.ArgumentParser:
@@ -195,4 +190,4 @@ def add_stats_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "stats", "top_heads"]
+__all__ = ["run", "load", "tokenize", "add_stats_parser", "cmd_stats", "top_heads"]

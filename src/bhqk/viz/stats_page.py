@@ -1,13 +1,8 @@
 """Pictures of attention statistics at any length, bounded in size: a layers × heads overview
-(entropy, sink, previous-token), the per-key "received" curve with its peaks labelled by their
-tokens, and one head's statistic along the sequence, as PNG files and as one self-contained HTML
-page (images inlined as data URIs, no script, no network). The plotting API (also as ``bhqk.viz.*``):
-
-- :func:`overview_png` (table, path): a heatmap per column, layers down, heads across;
-- :func:`received_png` (records, path, tokens=): the received curve of each layer, peaks labelled;
-  :func:`received_peaks` gives the labelled peaks as data;
-- :func:`head_png` (records, layer, head, path, column=): one head's per-row statistic along the
-  sequence; :func:`head_series` gives it as data.
+(:func:`overview_png`: entropy, sink, previous-token), the per-key "received" curve with its peaks
+labelled by their tokens (:func:`received_png`, :func:`received_peaks`), and one head's statistic
+along the sequence (:func:`head_png`, :func:`head_series`), as PNG files (also as ``bhqk.viz.*``) and
+as one self-contained HTML page (images inlined as data URIs, no script, no network).
 
 The curve of a layer is the attention each key receives per row and head (``received`` summed over
 heads and batch, divided by the number of real rows × heads), averaged into at most ``points`` bins,
@@ -18,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,8 +96,8 @@ def received_png(records: Sequence, path: str | Path, points: int = POINTS, *, t
     return _save(fig, path)
 
 
-def head_series(records: Sequence, layer: int | str, head: int, column: str = "entropy", *, b: int = 0,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def head_series(records: Sequence, layer: int | str, head: int, column: str = "entropy", *,
+                b: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One head's per-row statistic along the sequence: (query positions [r], values [r], NaN on rows that
     do not count: padding), from the first record of ``layer`` (a module path, or the model's layer index
     as in :class:`HeadTable`), batch element ``b``. ``column``: entropy, distance, sink, local, prev or
@@ -209,12 +203,6 @@ def write(table: HeadTable, records: Sequence, out: str | Path, title: str = "at
     pg = out / "stats.html"
     pg.write_text(page(table, ov, rc, title, meta), encoding="utf-8")
     return {"overview": ov, "received": rc, "page": pg}
-
-
-def to_png_bytes(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
 
 
 __all__ = ["write", "page", "overview_png", "received_png", "received_peaks", "received_curves", "head_png", "head_series",
