@@ -214,6 +214,44 @@ def test_blockwise_attention_equals_attention_over_the_dequantized_keys_and_conf
     assert isinstance(qk, Quantized)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("Q", [1, 2, 5])
+def test_both_readings_equal_attention_over_the_dequantized_keys(Q, bits):
+    """The factored reading (few rows: scales applied to the products with the integers) and the blockwise
+    one (dequantized blocks merged by log-sum-exp) against bhqk's attention over the dequantized keys, with
+    a mask, an additive bias, a soft cap and sinks; the model's strides (q a transposed view, the float tail
+    a slice of a wider tensor); called twice; a NaN in the float tail takes the blockwise path."""
+    from bhqk.budget.quant import _factored_fits
+    g = torch.Generator().manual_seed(Q * 10 + bits)
+    B, H, h, nq, nf, d, dv = 2, 6, 2, 13, 3, 16, 8
+    K = nq + nf
+    q = torch.randn(B, Q, H, d, generator=g).transpose(1, 2)  # [B, H, Q, d] with the model's strides
+    k, v = torch.randn(B, h, K, d, generator=g) * 3, torch.randn(B, h, K, 2 * dv, generator=g)[..., ::2]  # odd strides
+    qk, qv = quantize(k[..., :nq, :], bits, 8), quantize(v[..., :nq, :].contiguous(), bits, 4)
+    dk, dvals = torch.cat([qk.dequantize(), k[..., nq:, :]], -2), torch.cat([qv.dequantize(), v[..., nq:, :]], -2)
+    allowed = torch.rand(B, 1, Q, K, generator=g) > 0.3  # [B, 1, Q, K]
+    allowed[0, :, 0] = False  # a row that sees nothing
+    bias = torch.randn(B, H, Q, K, generator=g)
+    sinks = torch.randn(H, generator=g)
+    ref = attention(q.double(), dk.double(), dvals.double(), allowed, bias=bias.double(), softcap=5.0, scale=0.3,
+                    sinks=sinks.double())  # [B, H, Q, dv]
+    rows = Q * (H // h)  # G·Q per K/V head; × groups within d and dv: Q = 1 factored, Q = 2 and 5 blockwise
+    factored = rows * (d // 8) <= d and rows * (dv // 4) <= dv
+    assert _factored_fits(q, qk, qv, k[..., nq:, :], v[..., nq:, :]) == factored
+    for block in (1, 5, 64):
+        for _ in range(2):
+            out = attend(q, qk, qv, k[..., nq:, :], v[..., nq:, :], lambda a, b: (allowed[..., a:b], bias[..., a:b]),
+                         scale=0.3, softcap=5.0, sinks=sinks, block=block)
+            assert_close(out, ref, n=K, magnitude=float(dvals.abs().max()), msg=f"Q={Q} bits={bits} block={block}")
+    tail = k[..., nq:, :].clone()
+    tail[1, 0, 1, 2] = float("nan")  # K/V head 0 of sequence 1: its rows that may attend position nq + 1
+    assert not _factored_fits(q, qk, qv, tail, v[..., nq:, :])
+    out = attend(q, qk, qv, tail, v[..., nq:, :], lambda a, b: (allowed[..., a:b], None), scale=None, softcap=None,
+                 sinks=None, block=4)
+    sees = allowed[1, 0, :, nq + 1]  # [Q]
+    assert torch.equal(out[1, :H // h].isnan().any(-1), sees.expand(H // h, Q)) and out[0].isfinite().all()
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "llama4"])
 @torch.no_grad()
 def test_chunks_after_quantized_positions_equal_the_emulation(name):
