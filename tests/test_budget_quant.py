@@ -16,6 +16,7 @@ from bhqk.budget.plan import model_map
 from bhqk.budget.quant import Quantized, attend, fake_quantize, quantize
 from bhqk.errors import ShapeError
 from bhqk.functional import attention
+from bhqk.nn.cache import LayerCache
 from test_budget import _generate, _inputs, _llama  # ids [B, N] (row 1 left-padded), their mask; greedy (sequences, logits)
 from test_budget_inspect import KW, NEW, WIDTH, _same_records  # what to capture; records equal within the bound
 from test_budget_layers import COMMON, NAMES, S, W, _mixed, _model
@@ -268,3 +269,70 @@ def test_chunks_after_quantized_positions_equal_the_emulation(name):
             refs.append(model(input_ids=ids[:, s:s + c], attention_mask=am[:, :s + c], cache=ref_cache).logits)
         s += c
     assert_models_close(torch.cat(outs, 1), torch.cat(refs, 1), width=96, layers=model.config.num_hidden_layers, msg=name)
+
+
+class _FakeQuantLayer(LayerCache):
+    """The emulation on bhqk's own models: an ordinary layer whose keys and values older than the last
+    ``residual`` before this call are read quantize→dequantize."""
+
+    def __init__(self, bits: int, index: int) -> None:
+        super().__init__(None, None, index)
+        self.bits = bits
+        self.until = 0  # positions read quantized whatever R says (a cache cropped back into its integers)
+
+    def update(self, k, v):
+        P = self.end
+        keys, values = super().update(k, v)  # [B, Hkv, P + Q, ·]
+        a = max(0, P - R, self.until)  # positions in integers when this call reads
+        return tuple(torch.cat([fake_quantize(t[..., :a, :], self.bits, GROUP), t[..., a:, :]], -2) for t in (keys, values))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("chunks", [[20], [7, 1, 12]])
+def test_own_model_quantized_cache_equals_the_emulation(bits, chunks):
+    """GPT-2 (bhqk's own) with ``plan.kv_cache(model, bits=...)``: prefill in chunks, then decode steps,
+    equal an ordinary cache reading the same quantize→dequantize positions; weights and capture read the
+    dequantized keys; crop is exact; bytes are the integers and the float tail."""
+    from bhqk.budget.quant import QuantizedLayerCache
+    from bhqk.nn import KVCache
+    from test_budget_kvcache import _gpt2
+    model = _gpt2()
+    ids, am = _inputs()
+    plan = Plan(torch.ones(2, 4, dtype=torch.bool))
+    cache = plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK)
+    assert all(isinstance(layer, QuantizedLayerCache) for layer in cache)
+    seq = model.generate(ids, 10, attention_mask=am, cache=cache)  # [B, N + 10]
+    ref_seq = model.generate(ids, 10, attention_mask=am, cache=KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+    assert torch.equal(seq, ref_seq)
+    am2 = torch.cat([am, torch.ones(am.shape[0], 10, dtype=am.dtype)], 1)
+    logits = {}
+    with torch.no_grad():
+        for which in ("bits", "ref"):
+            c = (plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK) if which == "bits"
+                 else KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+            s, outs = 0, []
+            for n in chunks:
+                outs.append(model(seq[:, s:s + n], am2[:, :s + n], cache=c))  # [B, n, V]
+                s += n
+            for t in range(s, seq.shape[1] - 1):  # decode steps, Q = 1
+                outs.append(model(seq[:, t:t + 1], am2[:, :t + 1], cache=c))  # [B, 1, V]
+            if which == "bits":
+                assert c[0].qk is not None and c[0].qk.n == seq.shape[1] - 1 - R
+                B, Hkv, d = 2, 4, 8  # K and V: B·Hkv·(d·bits/8 + 2 float16 per group) a position, the tail in fp32
+                per, tail = 2 * B * Hkv * (d * bits // 8 + 2 * (d // GROUP) * 2), 2 * B * Hkv * R * d * 4
+                assert c.nbytes() == 2 * (c[0].qk.n * per + tail)
+            c.crop(15)  # back into the integers: they stay integers (the emulation reads them so), no float tail
+            if which == "bits":
+                assert c[0].qk.n == 15 and c[0].fk.shape[-2] == 0 and c.length == 15
+            else:
+                for layer in c:
+                    layer.until = 15
+            outs.append(model(seq[:, 15:16], am2[:, :16], cache=c))  # [B, 1, V]
+            logits[which] = torch.cat(outs, 1)  # [B, N + 10, V]
+    assert_models_close(logits["bits"], logits["ref"], width=64, layers=2, msg=f"own model bits={bits} chunks={chunks}")
+    with pytest.raises(ValueError, match="every head full"):
+        Plan(torch.tensor([[True, False, True, True]] * 2)).kv_cache(model, bits=4)
+    with pytest.raises(ValueError, match="bits must be one of 8, 4"):
+        plan.kv_cache(model, bits=3)
+    with pytest.raises(ValueError, match="group=5 does not divide the head size d=8"):
+        plan.kv_cache(model, bits=8, group=5)

@@ -26,8 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..functional import attention
+from .. import masks, observe
+from ..errors import ShapeError
+from ..functional import attention, attention_weights
 from ..functional.merge import lse_of, merge, with_sinks
+from ..shapes import as_4d
+from .ring import own
 
 BITS = (8, 4)
 GROUP = 32  # channels per scale (the default where it divides d; else d)
@@ -325,5 +329,150 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return torch.where(bad[..., None], spoiled, out), torch.where(bad, torch.full_like(lse, float("nan")), lse)
 
 
+
+
+def age(qk: Quantized | None, qv: Quantized | None, fk: torch.Tensor, fv: torch.Tensor, bits: int, group: int,
+        residual: int) -> tuple[Quantized | None, Quantized | None, torch.Tensor, torch.Tensor]:
+    """Quantize the float positions fk, fv [B, h, n, ·] older than the last ``residual`` and append them to
+    ``qk``, ``qv`` → (qk, qv, fk, fv): after the call that wrote up to length L, positions < L − residual
+    are integers (per position: :func:`quantize`), the last ``residual`` float (views of fk, fv)."""
+    m = fk.shape[-2] - residual
+    if m <= 0:
+        return qk, qv, fk, fv
+    nk, nv = quantize(fk[..., :m, :], bits, group), quantize(fv[..., :m, :], bits, group)  # [B, h, m, ·] -> integers
+    qk = nk if qk is None else qk.cat(nk)  # [B, h, nq + m, ·]
+    qv = nv if qv is None else qv.cat(nv)
+    return qk, qv, fk[..., m:, :], fv[..., m:, :]  # the float tail: [B, h, residual, ·]
+
+
+class QuantizedLayerCache:
+    """One layer of bhqk's own :class:`~bhqk.nn.KVCache` whose K/V heads all keep every position, those
+    older than the last ``residual`` in integers (``plan.kv_cache(model, bits=8 | 4)``: a plan's layer
+    without streaming heads). It attends itself (``nn.cache.AttendingLayer``: :func:`attend`, never a
+    float copy) — while capture, trace or edit look, or weights are asked for, over the dequantized keys
+    in one call, as the emulation reads them. ``fits``: called with each call's k, v first (a plan's sizes)."""
+
+    def __init__(self, bits: int, group: int | None = None, residual: int = RESIDUAL, block: int = BLOCK,
+                 index: int = 0, fits: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        check(bits, group, None, f"KVCache layer {index}")
+        self.bits, self.group, self.residual, self.block, self.index, self.fits = bits, group, residual, block, index, fits
+        self.qk: Quantized | None = None  # [B, Hkv, nq, ·]: positions 0 … nq − 1
+        self.qv: Quantized | None = None
+        self.fk: torch.Tensor | None = None  # [B, Hkv, nf, d]: positions nq … length − 1, float
+        self.fv: torch.Tensor | None = None
+        self.end = 0
+
+    @property
+    def length(self) -> int:
+        """Positions seen so far: the position of the next token."""
+        return self.end
+
+    def span(self, new: int) -> tuple[int, int]:
+        """Every position: the mask of a call of ``new`` tokens covers [0, length + new)."""
+        return 0, self.end + new
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Check k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and append them in float; → the positions written before."""
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(f"KVCache layer {self.index}: k must be [B, Hkv, Q, d] and v [B, Hkv, Q, dv] with the same "
+                             f"B, Hkv, Q; got k {list(k.shape)}, v {list(v.shape)}.")
+        if self.fits is not None:
+            self.fits(k, v)
+        where = f"KVCache layer {self.index}"
+        self.group = check(self.bits, self.group, k.shape[-1], where)
+        check(self.bits, self.group, v.shape[-1], f"{where} (values)")
+        if self.fk is not None and self.fk.shape[:2] + self.fk.shape[3:] != k.shape[:2] + k.shape[3:]:
+            raise ShapeError(f"{where} holds keys {list(self.fk.shape)} ([B, Hkv, n, d]); got {list(k.shape)}.")
+        P = self.end
+        self.fk = k if self.fk is None else torch.cat([self.fk, k], -2)  # [B, Hkv, nf + Q, d]
+        self.fv = v if self.fv is None else torch.cat([self.fv, v], -2)  # [B, Hkv, nf + Q, dv]
+        self.end = P + k.shape[-2]
+        return P
+
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's keys and values in float (the quantized ones dequantized: a copy)."""
+        assert self.fk is not None and self.fv is not None
+        if self.qk is None or self.qv is None:
+            return self.fk, self.fv
+        return (torch.cat([self.qk.dequantize(), self.fk], -2),  # [B, Hkv, length, d]
+                torch.cat([self.qv.dequantize(), self.fv], -2))
+
+    def _age(self) -> None:
+        assert self.fk is not None and self.fv is not None and self.group is not None
+        self.qk, self.qv, fk, fv = age(self.qk, self.qv, self.fk, self.fv, self.bits, self.group, self.residual)
+        self.fk, self.fv = own(fk), own(fv)  # the float tail owns its storage (not the whole call's keys)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v; → every position's keys and values in float (a copy: MultiHeadAttention calls
+        :meth:`attention` instead, which reads the integers)."""
+        self._store(k, v)
+        out = self._dense()
+        self._age()
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, bias=None,
+                  dropout_p: float = 0.0, backend: str = "auto", sinks: torch.Tensor | None = None,
+                  return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and attend q [B, H, Q, d] over every position (``mask``,
+        ``bias`` [.., Q, length + Q] as for a plain cache) → (o [B, H, Q, dv], weights or None)."""
+        if dropout_p:
+            raise ValueError(f"KVCache layer {self.index}: a quantized cache is for inference; dropout_p must be 0.")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError(f"KVCache layer {self.index}: a quantized cache is for inference; run under torch.no_grad().")
+        m = masks.as_mask(mask)
+        self._store(k, v)
+        B, H, Q, _ = q.shape
+        K = self.end
+        try:
+            if self.qk is None or self.qv is None or return_weights or observe.active() or observe.editors():
+                keys, values = self._dense()  # [B, Hkv, K, ·]: what the emulated run attends
+                o = attention(q, keys, values, m, bias=bias, backend=backend, sinks=sinks)  # [B, H, Q, dv]
+                return o, (attention_weights(q, keys, m, bias=bias, sinks=sinks) if return_weights else None)
+
+            def masks_at(a: int, b: int):  # columns a … b − 1: ([#B, #H, #Q, b − a] bools or None, bias)
+                mk = None if m is None else as_4d(m.block(masks.Extent(B, H, Q, K), 0, Q, a, b, q.device))
+                return mk, (None if bias is None else bias[..., a:b])
+
+            assert self.fk is not None and self.fv is not None
+            return attend(q, self.qk, self.qv, self.fk, self.fv, masks_at, scale=None, softcap=None, sinks=sinks,
+                          block=self.block), None
+        finally:
+            self._age()
+
+    def check_crop(self, length: int) -> None:
+        if not 0 <= length <= self.end:
+            raise ValueError(f"KVCache layer {self.index}: cannot crop to {length}; it holds positions 0…{self.end - 1}.")
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (the quantized ones stay integers)."""
+        self.check_crop(length)
+        nq = 0 if self.qk is None else self.qk.n
+        if self.qk is not None and self.qv is not None and length < nq:
+            self.qk, self.qv = (t.map(lambda x: own(x.narrow(-2, 0, length))) for t in (self.qk, self.qv))  # [B, Hkv, length, ·]
+        if self.fk is not None and self.fv is not None:
+            keep = max(0, length - nq)
+            self.fk, self.fv = own(self.fk[..., :keep, :]), own(self.fv[..., :keep, :])
+        self.end = length
+
+    def reset(self) -> None:
+        self.qk = self.qv = self.fk = self.fv = None
+        self.end = 0
+
+    def nbytes(self) -> int:
+        """Bytes held: the float tail's storage and the integers, scales and zero points."""
+        return (sum(t.untyped_storage().nbytes() for t in (self.fk, self.fv) if t is not None)
+                + sum(t.nbytes() for t in (self.qk, self.qv) if t is not None))
+
+    def state(self) -> dict:
+        shape = None if self.fk is None else [*self.fk.shape[:2], self.end, self.fk.shape[3]]
+        vshape = None if self.fv is None else [*self.fv.shape[:2], self.end, self.fv.shape[3]]
+        return {"length": self.end, "kept": self.end, "capacity": self.end, "keys": shape, "values": vshape,
+                "grown_from": None, "bits": self.bits, "quantized": 0 if self.qk is None else self.qk.n}
+
+    def __repr__(self) -> str:
+        nq = 0 if self.qk is None else self.qk.n
+        return f"QuantizedLayerCache(layer {self.index}, bits={self.bits}, length={self.end}, {nq} in integers)"
+
+
 __all__ = ["BITS", "GROUP", "RESIDUAL", "BLOCK", "Quantized", "quantize", "fake_quantize", "attend", "check",
-           "position_bytes"]
+           "position_bytes", "age", "QuantizedLayerCache"]
