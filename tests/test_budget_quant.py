@@ -16,6 +16,7 @@ from bhqk.budget.plan import model_map
 from bhqk.budget.quant import Quantized, attend, fake_quantize, quantize
 from bhqk.errors import ShapeError
 from bhqk.functional import attention
+from bhqk.nn.cache import LayerCache
 from test_budget import _generate, _inputs, _llama  # ids [B, N] (row 1 left-padded), their mask; greedy (sequences, logits)
 from test_budget_inspect import KW, NEW, WIDTH, _same_records  # what to capture; records equal within the bound
 from test_budget_layers import COMMON, NAMES, S, W, _mixed, _model
@@ -214,6 +215,44 @@ def test_blockwise_attention_equals_attention_over_the_dequantized_keys_and_conf
     assert isinstance(qk, Quantized)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("Q", [1, 2, 5])
+def test_both_readings_equal_attention_over_the_dequantized_keys(Q, bits):
+    """The factored reading (few rows: scales applied to the products with the integers) and the blockwise
+    one (dequantized blocks merged by log-sum-exp) against bhqk's attention over the dequantized keys, with
+    a mask, an additive bias, a soft cap and sinks; the model's strides (q a transposed view, the float tail
+    a slice of a wider tensor); called twice; a NaN in the float tail takes the blockwise path."""
+    from bhqk.budget.quant import _factored_fits
+    g = torch.Generator().manual_seed(Q * 10 + bits)
+    B, H, h, nq, nf, d, dv = 2, 6, 2, 13, 3, 16, 8
+    K = nq + nf
+    q = torch.randn(B, Q, H, d, generator=g).transpose(1, 2)  # [B, H, Q, d] with the model's strides
+    k, v = torch.randn(B, h, K, d, generator=g) * 3, torch.randn(B, h, K, 2 * dv, generator=g)[..., ::2]  # odd strides
+    qk, qv = quantize(k[..., :nq, :], bits, 8), quantize(v[..., :nq, :].contiguous(), bits, 4)
+    dk, dvals = torch.cat([qk.dequantize(), k[..., nq:, :]], -2), torch.cat([qv.dequantize(), v[..., nq:, :]], -2)
+    allowed = torch.rand(B, 1, Q, K, generator=g) > 0.3  # [B, 1, Q, K]
+    allowed[0, :, 0] = False  # a row that sees nothing
+    bias = torch.randn(B, H, Q, K, generator=g)
+    sinks = torch.randn(H, generator=g)
+    ref = attention(q.double(), dk.double(), dvals.double(), allowed, bias=bias.double(), softcap=5.0, scale=0.3,
+                    sinks=sinks.double())  # [B, H, Q, dv]
+    rows = Q * (H // h)  # G·Q per K/V head; × groups within d and dv: Q = 1 factored, Q = 2 and 5 blockwise
+    factored = rows * (d // 8) <= d and rows * (dv // 4) <= dv
+    assert _factored_fits(q, qk, qv, k[..., nq:, :], v[..., nq:, :]) == factored
+    for block in (1, 5, 64):
+        for _ in range(2):
+            out = attend(q, qk, qv, k[..., nq:, :], v[..., nq:, :], lambda a, b: (allowed[..., a:b], bias[..., a:b]),
+                         scale=0.3, softcap=5.0, sinks=sinks, block=block)
+            assert_close(out, ref, n=K, magnitude=float(dvals.abs().max()), msg=f"Q={Q} bits={bits} block={block}")
+    tail = k[..., nq:, :].clone()
+    tail[1, 0, 1, 2] = float("nan")  # K/V head 0 of sequence 1: its rows that may attend position nq + 1
+    assert not _factored_fits(q, qk, qv, tail, v[..., nq:, :])
+    out = attend(q, qk, qv, tail, v[..., nq:, :], lambda a, b: (allowed[..., a:b], None), scale=None, softcap=None,
+                 sinks=None, block=4)
+    sees = allowed[1, 0, :, nq + 1]  # [Q]
+    assert torch.equal(out[1, :H // h].isnan().any(-1), sees.expand(H // h, Q)) and out[0].isfinite().all()
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "llama4"])
 @torch.no_grad()
 def test_chunks_after_quantized_positions_equal_the_emulation(name):
@@ -230,3 +269,70 @@ def test_chunks_after_quantized_positions_equal_the_emulation(name):
             refs.append(model(input_ids=ids[:, s:s + c], attention_mask=am[:, :s + c], cache=ref_cache).logits)
         s += c
     assert_models_close(torch.cat(outs, 1), torch.cat(refs, 1), width=96, layers=model.config.num_hidden_layers, msg=name)
+
+
+class _FakeQuantLayer(LayerCache):
+    """The emulation on bhqk's own models: an ordinary layer whose keys and values older than the last
+    ``residual`` before this call are read quantize→dequantize."""
+
+    def __init__(self, bits: int, index: int) -> None:
+        super().__init__(None, None, index)
+        self.bits = bits
+        self.until = 0  # positions read quantized whatever R says (a cache cropped back into its integers)
+
+    def update(self, k, v):
+        P = self.end
+        keys, values = super().update(k, v)  # [B, Hkv, P + Q, ·]
+        a = max(0, P - R, self.until)  # positions in integers when this call reads
+        return tuple(torch.cat([fake_quantize(t[..., :a, :], self.bits, GROUP), t[..., a:, :]], -2) for t in (keys, values))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("chunks", [[20], [7, 1, 12]])
+def test_own_model_quantized_cache_equals_the_emulation(bits, chunks):
+    """GPT-2 (bhqk's own) with ``plan.kv_cache(model, bits=...)``: prefill in chunks, then decode steps,
+    equal an ordinary cache reading the same quantize→dequantize positions; weights and capture read the
+    dequantized keys; crop is exact; bytes are the integers and the float tail."""
+    from bhqk.budget.quant import QuantizedLayerCache
+    from bhqk.nn import KVCache
+    from test_budget_kvcache import _gpt2
+    model = _gpt2()
+    ids, am = _inputs()
+    plan = Plan(torch.ones(2, 4, dtype=torch.bool))
+    cache = plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK)
+    assert all(isinstance(layer, QuantizedLayerCache) for layer in cache)
+    seq = model.generate(ids, 10, attention_mask=am, cache=cache)  # [B, N + 10]
+    ref_seq = model.generate(ids, 10, attention_mask=am, cache=KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+    assert torch.equal(seq, ref_seq)
+    am2 = torch.cat([am, torch.ones(am.shape[0], 10, dtype=am.dtype)], 1)
+    logits = {}
+    with torch.no_grad():
+        for which in ("bits", "ref"):
+            c = (plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK) if which == "bits"
+                 else KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+            s, outs = 0, []
+            for n in chunks:
+                outs.append(model(seq[:, s:s + n], am2[:, :s + n], cache=c))  # [B, n, V]
+                s += n
+            for t in range(s, seq.shape[1] - 1):  # decode steps, Q = 1
+                outs.append(model(seq[:, t:t + 1], am2[:, :t + 1], cache=c))  # [B, 1, V]
+            if which == "bits":
+                assert c[0].qk is not None and c[0].qk.n == seq.shape[1] - 1 - R
+                B, Hkv, d = 2, 4, 8  # K and V: B·Hkv·(d·bits/8 + 2 float16 per group) a position, the tail in fp32
+                per, tail = 2 * B * Hkv * (d * bits // 8 + 2 * (d // GROUP) * 2), 2 * B * Hkv * R * d * 4
+                assert c.nbytes() == 2 * (c[0].qk.n * per + tail)
+            c.crop(15)  # back into the integers: they stay integers (the emulation reads them so), no float tail
+            if which == "bits":
+                assert c[0].qk.n == 15 and c[0].fk.shape[-2] == 0 and c.length == 15
+            else:
+                for layer in c:
+                    layer.until = 15
+            outs.append(model(seq[:, 15:16], am2[:, :16], cache=c))  # [B, 1, V]
+            logits[which] = torch.cat(outs, 1)  # [B, N + 10, V]
+    assert_models_close(logits["bits"], logits["ref"], width=64, layers=2, msg=f"own model bits={bits} chunks={chunks}")
+    with pytest.raises(ValueError, match="every head full"):
+        Plan(torch.tensor([[True, False, True, True]] * 2)).kv_cache(model, bits=4)
+    with pytest.raises(ValueError, match="bits must be one of 8, 4"):
+        plan.kv_cache(model, bits=3)
+    with pytest.raises(ValueError, match="group=5 does not divide the head size d=8"):
+        plan.kv_cache(model, bits=8, group=5)

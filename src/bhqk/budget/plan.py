@@ -230,18 +230,37 @@ class Plan:
         return BudgetCache(self, shape, bits, group, RESIDUAL if residual is None else residual,
                            BLOCK if block is None else block)
 
-    def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None):
+    def kv_cache(self, model: nn.Module | None = None, capacity: int | None = None, bits: int | None = None,
+                 group: int | None = None, residual: int | None = None, block: int | None = None):
         """A :class:`bhqk.nn.KVCache` for bhqk's own models (``gpt2.generate(..., cache=plan.kv_cache(gpt2))``):
         per layer the full K/V heads keep every position, the streaming heads ``sink`` + a ring of
         ``window`` + 1; ``model``: checked against the plan first (without it, the first keys written
-        are); ``capacity``: the full heads' buffers (:mod:`bhqk.budget.ring`)."""
-        from ..nn import KVCache
-        from .ring import layer_cache
+        are); ``capacity``: the full heads' buffers (:mod:`bhqk.budget.ring`). ``bits``, ``group``,
+        ``residual``, ``block``: as :meth:`cache` (the full heads' old positions in integers)."""
+        from functools import partial
 
-        if model is not None:
-            self.check(model)
-        d = None if self.model is None else self.model.head_dim
-        return KVCache(layers=[layer_cache(self.full[li], self.sink, self.window, capacity, li, d)
+        from ..nn import KVCache
+        from .quant import BLOCK, RESIDUAL, QuantizedLayerCache
+        from .quant import check as check_bits
+        from .ring import fits_plan, layer_cache
+
+        shape = self.model if model is None else self.check(model).shape
+        d = None if shape is None else shape.head_dim
+        if bits is None:
+            if group is not None or residual is not None or block is not None:
+                raise ValueError("Plan.kv_cache: group, residual and block are the quantization's; pass bits=8 or 4 with them.")
+            return KVCache(layers=[layer_cache(self.full[li], self.sink, self.window, capacity, li, d)
+                                   for li in range(self.num_layers)])
+        check_bits(bits, group, d, "Plan.kv_cache")
+        mixed = [li for li in range(self.num_layers) if not bool(self.full[li].all())]
+        if mixed:
+            raise ValueError(f"Plan.kv_cache: bits on bhqk's own models needs every head full (layers {mixed} have "
+                             f"streaming heads); quantize an all-full plan, or use plan.cache(model, bits=...) on a "
+                             f"transformers model.")
+        Hkv = self.full.shape[1]
+        return KVCache(layers=[QuantizedLayerCache(bits, group, RESIDUAL if residual is None else residual,
+                                                   BLOCK if block is None else block, li,
+                                                   partial(fits_plan, Hkv=Hkv, d=d, where=f"KVCache layer {li}"))
                                for li in range(self.num_layers)])
 
     @contextlib.contextmanager

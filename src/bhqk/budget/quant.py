@@ -9,12 +9,14 @@ quantized on its own: a cache drops, crops and reorders positions without requan
 inf in one key or value spoils only that position's groups (it reaches only the rows that may attend
 that position, as on every other path).
 
-:func:`attend` reads the quantized positions block by block: each block of ``block`` positions is
-dequantized into one reused float buffer and attended (two matmuls over the grouped query heads; a
-block whose scales or zero points are not all finite through bhqk's attention, which confines them), and the
-partial results — blocks, then the float positions — are merged by log-sum-exp (:func:`bhqk.functional.
-merge.merge`, as the span path merges spans); sinks join once at the end. No float copy of the whole
-cache is ever made: a decode step reads the integers, and O(block·d) floats.
+:func:`attend` never makes a float copy of the cache. A decode step (few query rows) uses
+:func:`_factored`: a group's key is i·s + z, so q·k = s·(q·i) + z·Σq and Σ p·v = Σ (p·s)·i + Σ p·z — the
+integers are converted to floats ``block`` positions at a time into one reused buffer and multiplied,
+the scales and zero points apply to the products, one softmax over every column. Many rows (a prefill
+chunk) use :func:`_blockwise`: each block dequantized and attended (two matmuls over the grouped query
+heads), the partials merged by log-sum-exp (:func:`bhqk.functional.merge.merge`, as the span path merges
+spans). A block whose scales are not all finite, or a non-finite float tail, goes through bhqk's
+attention, which confines it to the rows that may attend it. Sinks join once at the end.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..functional import attention
+from .. import masks, observe
+from ..errors import ShapeError
+from ..functional import attention, attention_weights
 from ..functional.merge import lse_of, merge, with_sinks
+from ..shapes import as_4d
+from .ring import own
 
 BITS = (8, 4)
 GROUP = 32  # channels per scale (the default where it divides d; else d)
@@ -96,18 +102,23 @@ class Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
 
+    def integers(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The integers of positions ``start`` … ``start + n − 1`` as floats into ``out`` [B, h, n, d] (any
+        float dtype; unpacked at 4 bits), unscaled."""
+        data = self.data.narrow(-2, start, out.shape[-2])  # [B, h, n, d·bits/8]
+        if self.bits == 8:
+            return out.copy_(data)  # uint8 [B, h, n, d] -> float
+        out[..., 0::2].copy_(data & 15)  # [B, h, n, d/2] low nibbles: the even channels
+        out[..., 1::2].copy_(data >> 4)  # high nibbles: the odd channels
+        return out
+
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float [B, h, n, d] (into ``out`` when given: a buffer of that shape, reused by :func:`attend`)."""
         *lead, n, _ = self.data.shape
         d, g = self.d, self.group
         if out is None:
             out = torch.empty(*lead, n, d, dtype=self.dtype, device=self.data.device)
-        if self.bits == 8:
-            out.copy_(self.data)  # uint8 [B, h, n, d] -> float
-        else:
-            out[..., 0::2].copy_(self.data & 15)  # [B, h, n, d/2] low nibbles: the even channels
-            out[..., 1::2].copy_(self.data >> 4)  # high nibbles: the odd channels
-        grouped = out.view(*lead, n, d // g, g)  # [B, h, n, d/g, g]
+        grouped = self.integers(out).view(*lead, n, d // g, g)  # [B, h, n, d/g, g]
         grouped.mul_(self.scale.to(out.dtype)[..., None]).add_(self.zero.to(out.dtype)[..., None])
         return out
 
@@ -149,12 +160,27 @@ def attend(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torc
            softcap: float | None, sinks: torch.Tensor | None, block: int = BLOCK) -> torch.Tensor:
     """Attention of ``query`` [B, H, Q, d] over positions held as ``qkeys``/``qvalues`` (columns 0 … nq − 1)
     then ``keys``/``values`` float [B, h, K − nq, ·] (columns nq … K − 1) → out [B, H, Q, dv].
-    ``masks_at(a, b)``: (mask, additive bias) of columns a … b − 1. Each block of ``block`` quantized
-    positions is dequantized into one reused buffer and attended; the partials are merged by
-    log-sum-exp (sinks [H], if any, once at the end)."""
+    ``masks_at(a, b)``: (mask, additive bias) of columns a … b − 1. Few query rows (a decode step):
+    :func:`_factored`, the scales applied to the products with the integers; else :func:`_blockwise`, each
+    block of ``block`` positions dequantized and attended, merged by log-sum-exp. Sinks [H], if any, at the end."""
+    dt = torch.float64 if query.dtype == torch.float64 else torch.float32  # scores and sums (fp16/bf16 too)
+    if _factored_fits(query, qkeys, qvalues, keys, values):
+        out, lse = _factored(query.to(dt), qkeys, qvalues, keys.to(dt), values.to(dt), masks_at, scale, softcap, block)
+    else:
+        out, lse = _blockwise(query, qkeys, qvalues, keys, values, masks_at, scale, softcap, block, dt)
+    if sinks is not None:
+        bad = _spoiled(out, lse)  # [B, H, Q]
+        out = torch.where(bad[..., None], out, with_sinks(out, lse, sinks)[0])
+    return out.to(query.dtype)
+
+
+def _blockwise(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torch.Tensor, values: torch.Tensor,
+               masks_at: Callable[[int, int], tuple[object, torch.Tensor | None]], scale: float | None,
+               softcap: float | None, block: int, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block of quantized positions dequantized into one reused buffer and attended, the float tail
+    through bhqk's attention, the partials merged by log-sum-exp → (out [B, H, Q, dv], lse [B, H, Q])."""
     nq = qkeys.n
     B, h = qkeys.data.shape[:2]
-    dt = torch.float64 if query.dtype == torch.float64 else torch.float32  # scores and sums (fp16/bf16 too)
     kbuf = torch.empty(B, h, min(block, nq), qkeys.d, dtype=dt, device=query.device)  # reused per block
     vbuf = torch.empty(B, h, min(block, nq), qvalues.d, dtype=dt, device=query.device)
     qc = query.to(dt)
@@ -177,10 +203,75 @@ def attend(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torc
         o, lo = attention(query, keys, values, m, bias=bias, scale=scale, softcap=softcap, return_lse=True)
         out, lse = (o, lo) if out is None or lse is None else _merge(out, lse, o, lo)
     assert out is not None and lse is not None
-    if sinks is not None:
-        bad = _spoiled(out, lse)  # [B, H, Q]
-        out = torch.where(bad[..., None], out, with_sinks(out, lse, sinks)[0])
-    return out.to(query.dtype)
+    return out, lse
+
+
+def _factored_fits(query: torch.Tensor, qkeys: Quantized, qvalues: Quantized, keys: torch.Tensor,
+                   values: torch.Tensor) -> bool:
+    """Whether :func:`_factored` reads these: few query rows (G·Q rows × d/group groups per K/V head no more
+    than d, so scaling per row and group costs less than dequantizing every position) and nothing
+    non-finite (the float tail checked here; NaN and inf take the blockwise path, which confines them)."""
+    B, H, Q, d = query.shape
+    rows = H // qkeys.data.shape[1] * Q  # G·Q query rows per K/V head
+    return (qkeys.n > 0 and rows * (d // qkeys.group) <= d and rows * (qvalues.d // qvalues.group) <= qvalues.d
+            and qkeys.finite and qvalues.finite and bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all()))
+
+
+def _factored(q: torch.Tensor, qk: Quantized, qv: Quantized, keys: torch.Tensor, values: torch.Tensor,
+              masks_at: Callable[[int, int], tuple[object, torch.Tensor | None]], scale: float | None,
+              softcap: float | None, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of few query rows (a decode step) that never forms a float key or value: a group's key is
+    i·s + z, so q·k = s·(q·i) + z·Σq over the group, and a group's output is Σ p·(i·s + z) = Σ (p·s)·i +
+    Σ p·z. The integers are read ``block`` positions at a time as floats into one buffer and multiplied
+    (query rows spread over the groups: row (r, j) holds q_r's channels of group j, zeros elsewhere); the
+    scales apply to the [rows, groups, positions] products; one softmax over every column.
+    q [B, H, Q, d], keys/values the float tail [B, h, nf, ·], all in the compute dtype → (out, lse)."""
+    B, H, Q, d = q.shape
+    h, nq, dv = qk.data.shape[1], qk.n, qv.d
+    G = H // h
+    R, J, Jv = G * Q, d // qk.group, dv // qv.group  # rows, key groups, value groups per K/V head
+    K = nq + keys.shape[-2]
+    dt, dev = q.dtype, q.device
+    qr = q.reshape(B, h, R, d)  # [B, H, Q, d] -> [B, h, G·Q, d]
+    spread = torch.eye(J, dtype=dt, device=dev).repeat_interleave(qk.group, 1)  # [J, d]: 1 where channel c is in group j
+    qj = (qr[..., None, :] * spread).reshape(B, h, R * J, d)  # [B, h, R·J, d]
+    buf = torch.empty(B, h, min(block, nq), max(d, dv), dtype=dt, device=dev)  # reused per block
+    parts = []
+    for a in range(0, nq, block):
+        n = min(block, nq - a)
+        ints = qk.integers(buf[..., :n, :d], a)  # [B, h, n, d]
+        parts.append(torch.matmul(qj, ints.transpose(-1, -2)))  # [B, h, R·J, n]
+    qi = torch.cat(parts, -1).view(B, h, R, J, nq)  # [B, h, R, J, nq]: q_r's group j · the integers
+    ks, kz = (t.to(dt).transpose(-1, -2) for t in (qk.scale, qk.zero))  # [B, h, nq, J] -> [B, h, J, nq]
+    s = (qi * ks[:, :, None]).sum(3) + torch.matmul(qr.view(B, h, R, J, qk.group).sum(-1), kz)  # [B, h, R, nq]
+    s = torch.cat([s, torch.matmul(qr, keys.transpose(-1, -2))], -1)  # [B, h, R, K]: the float tail's columns last
+    s = s.mul_(d ** -0.5 if scale is None else scale).view(B, h, G, Q, K)  # [B, h, G, Q, K]
+    if softcap is not None:
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
+    m, bias = masks_at(0, K)
+    b = _heads(bias, h, G)
+    if b is not None:
+        s = s + b.to(dt)
+    mk = _heads(m if isinstance(m, torch.Tensor) else None, h, G)
+    if mk is not None:
+        s = s.masked_fill(~mk, float("-inf"))
+    top = s.amax(-1)  # [B, h, G, Q]
+    p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None])  # [B, h, G, Q, K]
+    total = p.sum(-1)  # [B, h, G, Q]
+    p = p.view(B, h, R, K)
+    pq = p[..., :nq]  # [B, h, R, nq]
+    vs = qv.scale.to(dt).transpose(-1, -2)  # [B, h, nq, Jv] -> [B, h, Jv, nq]
+    pw = (pq[:, :, :, None, :] * vs[:, :, None]).reshape(B, h, R * Jv, nq)  # [B, h, R·Jv, nq]: p·s per value group
+    acc = torch.zeros(B, h, R * Jv, dv, dtype=dt, device=dev)  # Σ (p·s)·i
+    for a in range(0, nq, block):
+        n = min(block, nq - a)
+        acc.add_(torch.matmul(pw[..., a:a + n], qv.integers(buf[..., :n, :dv], a)))  # [B, h, R·Jv, dv]
+    o = acc.view(B, h, R, Jv, Jv, qv.group).diagonal(dim1=3, dim2=4)  # [B, h, R, gv, Jv]: group j's channels of row (r, j)
+    o = o.transpose(-1, -2).reshape(B, h, R, dv)  # [B, h, R, Jv, gv] -> [B, h, R, dv]
+    o = o + torch.matmul(pq, qv.zero.to(dt)).repeat_interleave(qv.group, -1)  # Σ p·z per group, over its channels
+    o = o + torch.matmul(p[..., nq:], values)  # [B, h, R, dv]: the float tail
+    o = o.view(B, h, G, Q, dv) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return o.reshape(B, H, Q, dv), lse_of(top, total).reshape(B, H, Q)  # [B, H, Q, dv], [B, H, Q]
 
 
 def _heads(t: torch.Tensor | None, h: int, G: int) -> torch.Tensor | None:
@@ -238,5 +329,150 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return torch.where(bad[..., None], spoiled, out), torch.where(bad, torch.full_like(lse, float("nan")), lse)
 
 
+
+
+def age(qk: Quantized | None, qv: Quantized | None, fk: torch.Tensor, fv: torch.Tensor, bits: int, group: int,
+        residual: int) -> tuple[Quantized | None, Quantized | None, torch.Tensor, torch.Tensor]:
+    """Quantize the float positions fk, fv [B, h, n, ·] older than the last ``residual`` and append them to
+    ``qk``, ``qv`` → (qk, qv, fk, fv): after the call that wrote up to length L, positions < L − residual
+    are integers (per position: :func:`quantize`), the last ``residual`` float (views of fk, fv)."""
+    m = fk.shape[-2] - residual
+    if m <= 0:
+        return qk, qv, fk, fv
+    nk, nv = quantize(fk[..., :m, :], bits, group), quantize(fv[..., :m, :], bits, group)  # [B, h, m, ·] -> integers
+    qk = nk if qk is None else qk.cat(nk)  # [B, h, nq + m, ·]
+    qv = nv if qv is None else qv.cat(nv)
+    return qk, qv, fk[..., m:, :], fv[..., m:, :]  # the float tail: [B, h, residual, ·]
+
+
+class QuantizedLayerCache:
+    """One layer of bhqk's own :class:`~bhqk.nn.KVCache` whose K/V heads all keep every position, those
+    older than the last ``residual`` in integers (``plan.kv_cache(model, bits=8 | 4)``: a plan's layer
+    without streaming heads). It attends itself (``nn.cache.AttendingLayer``: :func:`attend`, never a
+    float copy) — while capture, trace or edit look, or weights are asked for, over the dequantized keys
+    in one call, as the emulation reads them. ``fits``: called with each call's k, v first (a plan's sizes)."""
+
+    def __init__(self, bits: int, group: int | None = None, residual: int = RESIDUAL, block: int = BLOCK,
+                 index: int = 0, fits: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        check(bits, group, None, f"KVCache layer {index}")
+        self.bits, self.group, self.residual, self.block, self.index, self.fits = bits, group, residual, block, index, fits
+        self.qk: Quantized | None = None  # [B, Hkv, nq, ·]: positions 0 … nq − 1
+        self.qv: Quantized | None = None
+        self.fk: torch.Tensor | None = None  # [B, Hkv, nf, d]: positions nq … length − 1, float
+        self.fv: torch.Tensor | None = None
+        self.end = 0
+
+    @property
+    def length(self) -> int:
+        """Positions seen so far: the position of the next token."""
+        return self.end
+
+    def span(self, new: int) -> tuple[int, int]:
+        """Every position: the mask of a call of ``new`` tokens covers [0, length + new)."""
+        return 0, self.end + new
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Check k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and append them in float; → the positions written before."""
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ShapeError(f"KVCache layer {self.index}: k must be [B, Hkv, Q, d] and v [B, Hkv, Q, dv] with the same "
+                             f"B, Hkv, Q; got k {list(k.shape)}, v {list(v.shape)}.")
+        if self.fits is not None:
+            self.fits(k, v)
+        where = f"KVCache layer {self.index}"
+        self.group = check(self.bits, self.group, k.shape[-1], where)
+        check(self.bits, self.group, v.shape[-1], f"{where} (values)")
+        if self.fk is not None and self.fk.shape[:2] + self.fk.shape[3:] != k.shape[:2] + k.shape[3:]:
+            raise ShapeError(f"{where} holds keys {list(self.fk.shape)} ([B, Hkv, n, d]); got {list(k.shape)}.")
+        P = self.end
+        self.fk = k if self.fk is None else torch.cat([self.fk, k], -2)  # [B, Hkv, nf + Q, d]
+        self.fv = v if self.fv is None else torch.cat([self.fv, v], -2)  # [B, Hkv, nf + Q, dv]
+        self.end = P + k.shape[-2]
+        return P
+
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's keys and values in float (the quantized ones dequantized: a copy)."""
+        assert self.fk is not None and self.fv is not None
+        if self.qk is None or self.qv is None:
+            return self.fk, self.fv
+        return (torch.cat([self.qk.dequantize(), self.fk], -2),  # [B, Hkv, length, d]
+                torch.cat([self.qv.dequantize(), self.fv], -2))
+
+    def _age(self) -> None:
+        assert self.fk is not None and self.fv is not None and self.group is not None
+        self.qk, self.qv, fk, fv = age(self.qk, self.qv, self.fk, self.fv, self.bits, self.group, self.residual)
+        self.fk, self.fv = own(fk), own(fv)  # the float tail owns its storage (not the whole call's keys)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v; → every position's keys and values in float (a copy: MultiHeadAttention calls
+        :meth:`attention` instead, which reads the integers)."""
+        self._store(k, v)
+        out = self._dense()
+        self._age()
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, bias=None,
+                  dropout_p: float = 0.0, backend: str = "auto", sinks: torch.Tensor | None = None,
+                  return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store k [B, Hkv, Q, d], v [B, Hkv, Q, dv] and attend q [B, H, Q, d] over every position (``mask``,
+        ``bias`` [.., Q, length + Q] as for a plain cache) → (o [B, H, Q, dv], weights or None)."""
+        if dropout_p:
+            raise ValueError(f"KVCache layer {self.index}: a quantized cache is for inference; dropout_p must be 0.")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError(f"KVCache layer {self.index}: a quantized cache is for inference; run under torch.no_grad().")
+        m = masks.as_mask(mask)
+        self._store(k, v)
+        B, H, Q, _ = q.shape
+        K = self.end
+        try:
+            if self.qk is None or self.qv is None or return_weights or observe.active() or observe.editors():
+                keys, values = self._dense()  # [B, Hkv, K, ·]: what the emulated run attends
+                o = attention(q, keys, values, m, bias=bias, backend=backend, sinks=sinks)  # [B, H, Q, dv]
+                return o, (attention_weights(q, keys, m, bias=bias, sinks=sinks) if return_weights else None)
+
+            def masks_at(a: int, b: int):  # columns a … b − 1: ([#B, #H, #Q, b − a] bools or None, bias)
+                mk = None if m is None else as_4d(m.block(masks.Extent(B, H, Q, K), 0, Q, a, b, q.device))
+                return mk, (None if bias is None else bias[..., a:b])
+
+            assert self.fk is not None and self.fv is not None
+            return attend(q, self.qk, self.qv, self.fk, self.fv, masks_at, scale=None, softcap=None, sinks=sinks,
+                          block=self.block), None
+        finally:
+            self._age()
+
+    def check_crop(self, length: int) -> None:
+        if not 0 <= length <= self.end:
+            raise ValueError(f"KVCache layer {self.index}: cannot crop to {length}; it holds positions 0…{self.end - 1}.")
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (the quantized ones stay integers)."""
+        self.check_crop(length)
+        nq = 0 if self.qk is None else self.qk.n
+        if self.qk is not None and self.qv is not None and length < nq:
+            self.qk, self.qv = (t.map(lambda x: own(x.narrow(-2, 0, length))) for t in (self.qk, self.qv))  # [B, Hkv, length, ·]
+        if self.fk is not None and self.fv is not None:
+            keep = max(0, length - nq)
+            self.fk, self.fv = own(self.fk[..., :keep, :]), own(self.fv[..., :keep, :])
+        self.end = length
+
+    def reset(self) -> None:
+        self.qk = self.qv = self.fk = self.fv = None
+        self.end = 0
+
+    def nbytes(self) -> int:
+        """Bytes held: the float tail's storage and the integers, scales and zero points."""
+        return (sum(t.untyped_storage().nbytes() for t in (self.fk, self.fv) if t is not None)
+                + sum(t.nbytes() for t in (self.qk, self.qv) if t is not None))
+
+    def state(self) -> dict:
+        shape = None if self.fk is None else [*self.fk.shape[:2], self.end, self.fk.shape[3]]
+        vshape = None if self.fv is None else [*self.fv.shape[:2], self.end, self.fv.shape[3]]
+        return {"length": self.end, "kept": self.end, "capacity": self.end, "keys": shape, "values": vshape,
+                "grown_from": None, "bits": self.bits, "quantized": 0 if self.qk is None else self.qk.n}
+
+    def __repr__(self) -> str:
+        nq = 0 if self.qk is None else self.qk.n
+        return f"QuantizedLayerCache(layer {self.index}, bits={self.bits}, length={self.end}, {nq} in integers)"
+
+
 __all__ = ["BITS", "GROUP", "RESIDUAL", "BLOCK", "Quantized", "quantize", "fake_quantize", "attend", "check",
-           "position_bytes"]
+           "position_bytes", "age", "QuantizedLayerCache"]
