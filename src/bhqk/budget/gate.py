@@ -1,19 +1,12 @@
 """Gates between full and streaming attention, one per K/V head (DuoAttention's mixing).
 
 Inside ``with gated(model, g, sink, window):`` every query head of K/V head (layer l, head j) outputs
-
-    O = g[l, j] · O_full + (1 − g[l, j]) · O_stream
-
-where O_full is the head's attention as the model computes it and O_stream the same head under the
-streaming mask (:func:`~bhqk.budget.streaming_mask`: ``sink`` first keys and ``window`` recent ones,
-ANDed with the model's mask). ``g`` is float [layers, Hkv], or [layers, Hkv, N] for one gate per query
-row of an N-token prefill; it may require gradients (the causal scores differentiate at g = 1, the
-learned score trains it). g = 1 is the model as it is, g = 0 a plan that streams every head.
-
-Each layer runs two attention calls on bhqk's fast path, both structured (the streaming one costs
-its window, no [Q, K] is built): the model's own, and one with the streaming mask ANDed into the
-model's. The mixing is an attention implementation registered with transformers under
-:data:`NAME`; the block switches the model to it and back.
+``O = g[l, j] · O_full + (1 − g[l, j]) · O_stream``: the model's own attention call and the same call
+with the streaming mask (:func:`~bhqk.budget.streaming_mask`) ANDed into the model's structured mask,
+both on bhqk's fast path. ``g`` is float [layers, Hkv], or [layers, Hkv, N] for one gate per query row
+of an N-token prefill, and may require gradients; g = 1 is the model as it is. The mixing is an
+attention implementation registered with transformers under :data:`NAME`; the block switches the model
+to it and back.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Causal head scores: how much streaming a K/V head changes the model's next-token distributions.
+"""Causal head scores: how much streaming a K/V head changes the model's next-token distributions, on
+text ``ids`` [B, N] (:func:`text_ids`), over the rows streaming can change: i ≥ S + W + 1
+(:func:`first_row`), n = N − S − W − 1 rows per sequence.
 
-Both read text (``ids`` [B, N]; :func:`text_ids`) and score the rows streaming can change: rows
-i ≥ S + W + 1 (:func:`first_row`; a streaming head's row i sees keys 0 … S−1 and i − W … i, so every
-earlier row sees all its keys anyway). n = N − S − W − 1 rows per sequence.
-
-``kl`` (:func:`kl_scores`): D_h = mean over those rows of KL(p_full ‖ p_h), p_h the next-token
-distribution with K/V head h alone streamed (``Plan.emulate``: ``bhqk.edit(mask=streaming)`` on its
-query heads, on the fast path). One forward per K/V head, started at the head's layer from full
-attention's input to that layer (the layers before it are unchanged; :func:`reference` checks that
-such a run reproduces the full one, else every run starts at layer 0). Full attention's log-probs
-are computed once; logits come ``CHUNK`` rows at a time from the final hidden states
-(:func:`next_token_kl`, the one KL helper).
+``kl`` (:func:`kl_scores`): D_h = mean over those rows of KL(p_full ‖ p_h), p_h with K/V head h alone
+streamed (``Plan.emulate``), one forward per K/V head from its layer on (:func:`reference`).
 
 ``fisher`` (:func:`fisher_scores`): the same divergence to second order, from one forward and one
 backward. Gates mix each head's full and streaming outputs (:func:`bhqk.budget.gate.gated`), one per
