@@ -303,20 +303,16 @@ class BudgetLayer(CacheLayerMixin):
             self.fk, self.fv = fk, fv  # [B, h_full, n + Q, ·]: narrowed (and owned) below
             if self.bits is not None and not self.record_past:  # else at the next crop, after the rejected are gone
                 self._age()
-        if not self.stream:
-            if not self.record_past:
-                self._evict()
-            self._own()
-            return self._grouped(groups, key_states, value_states, o)
-        pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
-        sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
-        sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
-        old = int((pos < o).sum())  # held from before the frame (past recording): not this call's
-        cols = pos[old:] - o  # [K'] the frame's columns held
-        whole = len(cols) == P + Q - o  # every column of the frame (cols ascending, distinct)
-        groups.append(Group(self.stream, sk[..., old:, :], sv[..., old:, :], None if whole else cols.to(key_states.device),
-                            True))
-        self.sk, self.sv, self.held = sk, sv, pos
+        if self.stream:
+            pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
+            sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
+            sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
+            old = int((pos < o).sum())  # held from before the frame (past recording): not this call's
+            cols = pos[old:] - o  # [K'] the frame's columns held
+            whole = len(cols) == P + Q - o  # every column of the frame (cols ascending, distinct)
+            groups.append(Group(self.stream, sk[..., old:, :], sv[..., old:, :],
+                                None if whole else cols.to(key_states.device), True))
+            self.sk, self.sv, self.held = sk, sv, pos
         if not self.record_past:
             self._evict()
         self._own()

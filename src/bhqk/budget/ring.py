@@ -63,7 +63,7 @@ def attend_groups(groups: list[tuple[list[int], torch.Tensor | None, Any]], G: i
         o, w = call(qh, part)
         qi = torch.tensor(qh, device=o.device)
         if out is None:
-            out = o.new_empty(*o.shape[:dim], H, *o.shape[dim + 1:])
+            out = o.new_empty(*o.shape[:dim], H, *o.shape[dim + 1:])  # o's shape with H heads at dim
         out.index_copy_(dim, qi, o)  # [.., h, ..] into [.., H, ..]
         if w is not None:
             if cols is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: zeros at the columns not held
