@@ -32,13 +32,6 @@ from .plan import Plan
 from .scores import fisher_scores, kl_scores, text_ids
 
 
-def _causal_lm(model: Any) -> None:
-    if not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
-                        f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
-                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
-
-
 @contextlib.contextmanager
 def _on_bhqk(model: Any) -> Iterator[None]:
     """The model runs bhqk's attention inside the block (statistics are captured from it)."""
@@ -309,7 +302,10 @@ def score_keys(model: nn.Module | ModelMap, score: str | Score = "fisher", *, si
         raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={sc.name!r} has no "
                          f"second key (use ties='index').")
     m = model_map(model)
-    _causal_lm(m.model)
+    if not hasattr(m.model, "set_attn_implementation"):
+        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
+                        f"its heads); got {type(m.model).__name__}. For bhqk's own models build the plan by hand: "
+                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
     probe = Probe(sink, window, tokenizer, texts, seed, progress)
     sc.check(probe)
     L, H, Hkv = m.shape.layers, m.shape.heads, m.shape.kv_heads

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import MaskError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias, attention_forward, parse_implementation
+from ..integrations.hf_mask import build_mask
 from ..integrations.model_map import ModelMap, model_map
 from ..masks import Mask
 from .mask import streaming_mask
@@ -61,16 +62,6 @@ def _gated_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return o_s + gq * (out - o_s), weights  # [B, Q, H, dv]
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from ..integrations.hf_mask import build_mask
-
-    AttentionInterface.register(NAME, _gated_attention)
-    AttentionMaskInterface.register(NAME, build_mask)
-
-
 @contextlib.contextmanager
 def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: int) -> Iterator[None]:
     """Inside the block each K/V head's query heads output ``gates·O_full + (1 − gates)·O_stream``
@@ -88,9 +79,13 @@ def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: i
                          f"got {got}.")
     stream = streaming_mask(sink, window)
     table = {id(m.module(li)): (gates[li], stream) for li in range(L)}
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     impl = getattr(model.config, "_attn_implementation", None)
     backend = parse_implementation(impl) or "auto"
-    _register()
+    AttentionInterface.register(NAME, _gated_attention)
+    AttentionMaskInterface.register(NAME, build_mask)
     token = _GATES.set((table, backend))
     model.set_attn_implementation(NAME)  # type: ignore[operator]
     try:

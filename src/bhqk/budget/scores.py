@@ -23,9 +23,8 @@ through later layers' attention).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,25 +76,18 @@ def _same(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
     return bool(((a - b).abs() <= 8 * eps * n**0.5 * max(1.0, float(b.abs().max()))).all())
 
 
-@contextlib.contextmanager
-def _layers_from(m: ModelMap, layer: int) -> Iterator[nn.Module]:
-    """The decoder with its layers ``layer`` … L−1 only (its ``layers`` list swapped, restored after)."""
-    dec = m.stack()
-    layers = dec.layers
-    dec.layers = nn.ModuleList(list(layers)[layer:])
-    try:
-        yield dec
-    finally:
-        dec.layers = layers
-
-
 def final_hidden(m: ModelMap, ids: torch.Tensor, ref: Reference | None = None, layer: int = 0) -> torch.Tensor:
     """The decoder's final hidden states [B, N, d] of ``ids`` [B, N]; from ``ref.inputs[layer]`` through
     the layers ``layer`` … L−1 only when ``ref`` holds the inputs (the layers before are unchanged)."""
     if ref is None or ref.inputs is None or layer == 0:
         return m.hidden(ids)
-    with _layers_from(m, layer) as dec:
+    dec = m.stack()
+    layers = dec.layers
+    dec.layers = nn.ModuleList(list(layers)[layer:])  # the decoder with its layers `layer` … L−1 only
+    try:
         return dec(inputs_embeds=ref.inputs[layer], use_cache=False).last_hidden_state
+    finally:
+        dec.layers = layers
 
 
 def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> Reference:

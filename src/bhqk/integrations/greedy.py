@@ -68,10 +68,6 @@ def forward_logits(model, ids: torch.Tensor, last_only: bool = False) -> torch.T
     return _logits(model(ids, **kw))
 
 
-def _is_hf(model) -> bool:
-    return hasattr(model, "generation_config") and hasattr(model, "config")
-
-
 def greedy(model, ids: torch.Tensor | list[int], cache: Any = None, *, max_new_tokens: int, eos: Iterable[int] = (),
            keyword: str | None = None, prefill: Callable[[], Any] | None = None,
            after_prefill: Callable[[Any], Any] | None = None) -> Reply:
@@ -89,7 +85,7 @@ def greedy(model, ids: torch.Tensor | list[int], cache: Any = None, *, max_new_t
     n = x.shape[1]
     with torch.no_grad():
         t0 = time.perf_counter()
-        if _is_hf(model):
+        if hasattr(model, "generation_config") and hasattr(model, "config"):  # a Hugging Face causal LM
             if cache is None:
                 from transformers import DynamicCache
 
