@@ -173,12 +173,9 @@ def kl_scores(model: Any, ids: torch.Tensor, sink: int, window: int, chunk: int 
 def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: int = 0,
                   chunk: int = CHUNK) -> torch.Tensor:
     """Per K/V head [L, Hkv]: ½ · the mean over the rows streaming changes of (d log p(y_t) / d g_{h,t})²
-    at g = 1, with one gate g_{h,t} per K/V head and query row (:func:`~bhqk.budget.gate.gated`) and
-    y_t drawn from full attention's next-token distribution at row t (the forward's own, since g = 1
-    is full attention; ``seed``). Its expectation over y is the diagonal of the Fisher information of
-    the row gates, the curvature of the KL at full attention, so the score estimates the KL of
-    streaming each head to second order (module doc). One forward (full and streaming attention in
-    each layer) and one backward per sequence of ``ids`` [B, N]."""
+    at g = 1 (one gate per K/V head and query row, :func:`~bhqk.budget.gate.gated`; y_t drawn from the
+    forward's own next-token distribution, ``seed``): the KL of streaming each head to second order
+    (module doc). One forward and one backward per sequence of ``ids`` [B, N]."""
     m = model_map(model)
     L, Hkv = m.shape.layers, m.shape.kv_heads
     B, N = ids.shape
