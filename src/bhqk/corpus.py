@@ -17,11 +17,8 @@ KL and perplexity chunks, :func:`bhqk.evaluate.grade.text_chunks`) and every lea
 its own first token (Gemma's template writes ``<bos>``, SmolLM2's ``<|im_start|>system``): its text
 is tokenized without special tokens, so none is added twice. Nothing else adds or drops one.
 
-**The needle grid's prompts** (:func:`make_trial`): the user message ``INTRO / <haystack> / QUESTION``
-through the chat template, the haystack the filler from a random sentence start, ``NEEDLE`` inserted
-after ``depth`` × its filler tokens (moved back to the nearest sentence end within ``SNAP`` tokens);
-the key (5–6 digits) and the start drawn from ``random.Random`` seeded by (seed, length, depth,
-trial). :func:`chat_prompt` is the same construction for any sentences and depths (the graded tasks).
+**The needle grid's prompts** (:func:`make_trial`) and the graded tasks' (:func:`chat_prompt`): a chat
+user message ``intro / haystack / question`` with sentences inserted at depths of the haystack.
 
 This file imports nothing of bhqk (torch and the standard library only), so a benchmark that runs in
 another library's environment loads it by path and makes the same prompts
@@ -44,8 +41,7 @@ QUESTION = "What is the pass key? Answer with the number only."
 PLACEHOLDER = "\x00HAYSTACK\x00"
 SNAP = 64  # tokens a sentence may move back to start a sentence
 
-_FILLER: dict[int, tuple[Any, list[int]]] = {}  # id(tokenizer) -> (tokenizer, ids)
-_ENDS: dict[int, tuple[Any, list[bool]]] = {}  # id(tokenizer) -> (tokenizer, ends a sentence)
+_MEMO: dict[tuple[str, int], tuple[Any, list]] = {}  # (what, id(tokenizer)) -> (tokenizer, its filler ids or ends)
 
 
 # ---- the text and the rule -----------------------------------------------------------------------
@@ -58,40 +54,44 @@ def text() -> str:
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 
+def _ids(tok, s: str, **kw: Any) -> list[int]:
+    ids = tok(s, **kw)["input_ids"]
+    return [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+
+
 def encode(tok, s: str) -> list[int]:
     """``s``'s token ids without special tokens (a piece of a sequence, never its start)."""
-    ids = tok(s, add_special_tokens=False)["input_ids"]
-    return [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+    return _ids(tok, s, add_special_tokens=False)
 
 
 def prefix(tok) -> list[int]:
     """The special tokens the tokenizer puts before a text (the rule of the module doc): what ``tok(s)``
     has before ``tok(s, add_special_tokens=False)``. Gemma 3: ``[<bos>]``; SmolLM2: ``[]``."""
     probe = "Hello"
-    with_special = tok(probe)["input_ids"]
-    plain = encode(tok, probe)
-    with_special = [int(i) for i in (with_special.tolist() if isinstance(with_special, torch.Tensor) else with_special)]
+    with_special, plain = _ids(tok, probe), encode(tok, probe)
     for i in range(len(with_special) - len(plain) + 1):
         if with_special[i : i + len(plain)] == plain:
             return with_special[:i]
     return []
 
 
+def _once(what: str, tok, make: Callable[[], list]) -> list:
+    """``make()``, computed once per tokenizer (kept with the tokenizer, so a new one at a reused id is not mistaken)."""
+    got = _MEMO.get((what, id(tok)))
+    if got is None or got[0] is not tok:
+        got = _MEMO[(what, id(tok))] = (tok, make())
+    return got[1]
+
+
 def filler(tok) -> list[int]:
     """The token ids of :func:`text` (no special tokens), tokenized once per tokenizer."""
-    got = _FILLER.get(id(tok))
-    if got is None or got[0] is not tok:
-        got = _FILLER[id(tok)] = (tok, encode(tok, text()))
-    return got[1]
+    return _once("filler", tok, lambda: encode(tok, text()))
 
 
 def sentence_ends(tok) -> list[bool]:
     """Per token of :func:`filler`, whether it ends a sentence (a period or a line break)."""
-    got = _ENDS.get(id(tok))
-    if got is None or got[0] is not tok:
-        pieces = tok.convert_ids_to_tokens(filler(tok))
-        got = _ENDS[id(tok)] = (tok, [p.rstrip().endswith(".") or "Ċ" in p or "\n" in p or p == "<0x0A>" for p in pieces])
-    return got[1]
+    return _once("ends", tok, lambda: [p.rstrip().endswith(".") or "Ċ" in p or "\n" in p or p == "<0x0A>"
+                                       for p in tok.convert_ids_to_tokens(filler(tok))])
 
 
 def chunks(tok, length: int, count: int, texts: Sequence[str] | None = None, who: str = "corpus") -> torch.Tensor:

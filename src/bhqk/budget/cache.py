@@ -1,46 +1,16 @@
-"""A transformers ``Cache`` that holds only what a :class:`~bhqk.budget.Plan` keeps.
+"""A transformers ``Cache`` that holds only what a :class:`~bhqk.budget.Plan` keeps (docs/design.md §9).
 
-Each layer follows the model's own attention (the plan's :class:`~bhqk.budget.plan.ModelShape`):
-a full-attention layer's queries may see every earlier key, a sliding-window layer's the ``window − 1``
-before them (a chunked layer's at most ``chunk − 1``; the cache keeps as many, as transformers' own
-``DynamicSlidingWindowLayer`` does, so it needs no left padding to know where a chunk starts). Per
-layer, the full K/V heads keep what the model's own cache keeps; the streaming K/V heads keep, of
-those positions, the first ``sink`` and the last ``window`` (positions as written: rotary embeddings
-stay as they were applied) — what a later query may still see under the model's mask AND the
-streaming mask. A layer whose heads are all full is the model's own layer, tensor for tensor
-(``DynamicLayer`` / ``DynamicSlidingWindowLayer``).
-
-``get_mask_sizes`` reports what the model's own layer reports — every position of a full-attention
-layer, the window ``o … P+Q−1`` of a sliding one (kv_offset ``o`` = max(0, P − window + 1)) — so the
-model's mask builder makes one mask per layer type, in the coordinates of that frame. ``update()``
-cannot return one [B, Hkv, K, d] tensor for a layer with streaming heads (the groups hold different
-positions), so it returns :class:`GroupedKV`: a storage-less tensor of the frame's shape holding each
-group. bhqk's Hugging Face attention function (``attn_implementation="bhqk"``) recognises it
-(``bhqk_attend``) and runs one attention call per group — full heads over the frame with the model's
-mask as it came, streaming heads over the positions they hold with the model's mask taken at those
-positions, ANDed with the streaming mask — and puts the query heads back in the model's order. Any
-other attention implementation gets a ``BackendError`` on its first use of the keys, never a wrong
-answer. While a streaming group holds the whole frame (nothing dropped yet), its mask stays
-structured: the model's & ``~key_span(0, sink − o) | sliding_window(window, align="bottom_right")``.
-
-While something observes or edits (``bhqk.capture``, ``trace``, ``edit``) a layer with streaming heads — and
-a sliding layer of full heads past its window — runs instead as ONE call over every position written
-(:meth:`GroupedKV._one_call`): heads in the model's order and key index = position, as in the emulated run
-(``plan.emulate`` over a cache that keeps every position), so records and edits are that run's. It copies
-what the groups hold into [B, Hkv, N, ·] buffers: O(N·d) per K/V head and observed call.
-
-With ``bits`` (8 or 4; :mod:`bhqk.budget.quant`) the full heads keep their positions older than the last
-``residual`` as integers (per position, groups of channels with a float16 scale and zero point), every
-layer returns a :class:`GroupedKV`, and a group with quantized columns is read block by block
-(:func:`bhqk.budget.quant.attend`, merged by log-sum-exp), never as one float copy; streaming heads stay
-float. A call writing P … P+Q−1 reads positions < P − residual quantized; after it, positions
-< P + Q − residual are integers (past recording: at the next ``crop``).
-
-Rolling back (``crop``, assisted decoding): transformers calls ``activate_past_recording()`` first;
-then every group keeps every new position until the next ``crop``, which removes the rejected
-positions and only then drops what no later query may see — exact. Without past recording a ``crop``
-is exact while the layer still holds what the next query needs, and is otherwise refused with a
-``ValueError`` saying so.
+Per layer of the model's own type (full attention, or sliding / chunked with window w), the full K/V
+heads keep what the model's own layer keeps (every position, or the w − 1 last) and the streaming
+heads, of those, the first ``sink`` and the last ``window`` positions (as written: rotary embeddings
+stay applied). A layer whose heads are all full is the model's own layer, tensor for tensor.
+``get_mask_sizes`` reports the model's own frame o … P+Q−1; ``update()`` returns a :class:`GroupedKV`
+(a storage-less tensor of the frame's shape holding each group) that only bhqk's attention function
+reads (``bhqk_attend``: one call per group; one call over every position while observed or edited);
+any other implementation gets a ``BackendError``. ``bits`` (8 or 4): the full heads' positions older
+than the last ``residual`` are integers, read block by block (:mod:`bhqk.budget.quant`). ``crop`` is
+exact after ``activate_past_recording()`` (dropping waits for the crop), else refused with a
+``ValueError`` once the layer dropped what the next query needs.
 """
 
 from __future__ import annotations
@@ -62,7 +32,7 @@ from .mask import at_columns, held_mask, one_call_mask, streaming_mask
 from .quant import BLOCK, RESIDUAL, Quantized, quantize
 from .quant import attend as attend_quantized
 from .quant import check as check_bits
-from .ring import fits_plan, own, spread, take_heads
+from .ring import attend_groups, fits_plan, own, split_kv, spread, take_heads
 
 
 @dataclass
@@ -139,35 +109,20 @@ class GroupedKV(torch.Tensor):
                              kw.get("position_ids"), kw.get("cu_seq_lens_q"), kw.get("cu_seq_lens_k"))
         if observe.active() or observe.editors():
             return self._one_call(attend, module, query, m, bias, **kw)
-        G = H // Hkv  # query heads per K/V head
         want_w = bool(kw.pop("output_attentions", False))
         sinks = {n: kw.pop(n, None) for n in ("s_aux", "sinks")}
-        out: torch.Tensor | None = None  # [B, Q, H, dv]: each group writes its heads
-        wt: torch.Tensor | None = None  # [B, H, Q, K]
-        for g in self.groups:
-            qh = [kv * G + j for kv in g.kv for j in range(G)]
-            qi = torch.tensor(qh, device=query.device)
+
+        def call(qh: list[int], g: Group) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = take_heads(query, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d] (a view where the heads are a run)
             extra = {n: (None if s is None else take_heads(s.reshape(H), 0, qh))  # [H] -> [h]
                      for n, s in sinks.items()}
             if g.qkeys is not None and not want_w:  # block by block from the integers (never one float copy)
-                o, w = self._quantized(module, q, g, m, bias, B, Q, K, extra, kw), None  # [B, Q, h, dv]
-            else:
-                keys, values = g.dense()  # weights asked for: the float keys (a copy of the quantized ones)
-                mask = self._mask(m, bias, B, Q, K, g) if g.streaming else attention_mask
-                o, w = attend(module, q, keys, values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
-            if out is None:
-                out = o.new_empty(B, Q, H, o.shape[-1])
-            out.index_copy_(2, qi.to(o.device), o)  # [B, Q, h, dv] into the model's head order
-            if want_w:
-                assert w is not None
-                if g.columns is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: the columns held
-                    w = w.new_zeros(B, len(qh), Q, K).index_copy(3, g.columns.to(w.device), w)
-                if wt is None:
-                    wt = w.new_empty(B, H, Q, K)
-                wt.index_copy_(1, qi.to(w.device), w)  # [B, h, Q, K] into the model's head order
-        assert out is not None
-        return out, wt
+                return self._quantized(module, q, g, m, bias, B, Q, K, extra, kw), None  # [B, Q, h, dv]
+            keys, values = g.dense()  # weights asked for: the float keys (a copy of the quantized ones)
+            mask = self._mask(m, bias, B, Q, K, g) if g.streaming else attention_mask
+            return attend(module, q, keys, values, mask, output_attentions=want_w, **extra, **kw)  # [B, Q, h, dv]
+
+        return attend_groups([(g.kv, g.columns, g) for g in self.groups], H // Hkv, H, K, 2, call)  # [B, Q, H, dv]
 
     def _quantized(self, module, q: torch.Tensor, g: Group, m, bias, B: int, Q: int, K: int,
                    sinks: dict[str, torch.Tensor | None], kw: dict[str, Any]) -> torch.Tensor:
@@ -192,11 +147,8 @@ class GroupedKV(torch.Tensor):
     def _one_call(self, attend: Callable, module, query: torch.Tensor, m, bias,
                   **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer as capture, trace and edit see it: ONE attention call over every position written,
-        0 … N − 1 (N = ``first`` + K; key index = position, as in the emulated run over a cache that keeps
-        every position), heads in the model's order. Each group's keys and values are laid out in
-        [B, Hkv, N, ·] buffers (zeros where a head holds nothing); the full heads see the model's mask (no
-        position before the frame), the streaming heads that & the streaming mask, which forbids every
-        position they dropped. Costs O(N·d) per K/V head and call (the copy)."""
+        0 … N − 1 (key index = position, heads in the model's order, as in ``plan.emulate``), the groups'
+        keys and values spread into [B, Hkv, N, ·] (:func:`spread`, :func:`one_call_mask`): O(N·d) per K/V head."""
         B, H, Q, _ = query.shape
         Hkv, K, o = self.shape[1], self.shape[2], self.first
         N = o + K
@@ -334,9 +286,7 @@ class BudgetLayer(CacheLayerMixin):
             if o == 0 or not (observe.active() or observe.editors()):
                 return keys, values
             # observed past the layer's window: seen over every position, as every budget layer (_one_call)
-            one = [Group(self.full, keys, values, None, False)]
-            return (GroupedKV(one, tuple(keys.shape), keys, self.sink, self.window, o, "keys"),
-                    GroupedKV(one, tuple(values.shape), values, self.sink, self.window, o, "values"))
+            return self._grouped([Group(self.full, keys, values, None, False)], key_states, value_states, o)
         groups = []
         if self.full:
             fk = _cat(self.fk, take_heads(key_states, 1, self.full))  # [B, h_full, n + Q, d] (n ≥ P − o held)
@@ -353,20 +303,16 @@ class BudgetLayer(CacheLayerMixin):
             self.fk, self.fv = fk, fv  # [B, h_full, n + Q, ·]: narrowed (and owned) below
             if self.bits is not None and not self.record_past:  # else at the next crop, after the rejected are gone
                 self._age()
-        if not self.stream:
-            if not self.record_past:
-                self._evict()
-            self._own()
-            return self._grouped(groups, key_states, value_states, o)
-        pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
-        sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
-        sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
-        old = int((pos < o).sum())  # held from before the frame (past recording): not this call's
-        cols = pos[old:] - o  # [K'] the frame's columns held
-        whole = len(cols) == P + Q - o  # every column of the frame (cols ascending, distinct)
-        groups.append(Group(self.stream, sk[..., old:, :], sv[..., old:, :], None if whole else cols.to(key_states.device),
-                            True))
-        self.sk, self.sv, self.held = sk, sv, pos
+        if self.stream:
+            pos = torch.cat([self.held, torch.arange(P, P + Q)])  # [n + Q] ascending
+            sk = _cat(self.sk, take_heads(key_states, 1, self.stream))  # [B, h_stream, n + Q, d] (a view on the prefill)
+            sv = _cat(self.sv, take_heads(value_states, 1, self.stream))  # [B, h_stream, n + Q, dv]
+            old = int((pos < o).sum())  # held from before the frame (past recording): not this call's
+            cols = pos[old:] - o  # [K'] the frame's columns held
+            whole = len(cols) == P + Q - o  # every column of the frame (cols ascending, distinct)
+            groups.append(Group(self.stream, sk[..., old:, :], sv[..., old:, :],
+                                None if whole else cols.to(key_states.device), True))
+            self.sk, self.sv, self.held = sk, sv, pos
         if not self.record_past:
             self._evict()
         self._own()
@@ -446,8 +392,7 @@ class BudgetLayer(CacheLayerMixin):
     def _own(self) -> None:
         """What a layer with streaming heads stores owns its storage (a view of the call's [B, Hkv, N, d]
         would keep every head's keys alive, and ``nbytes`` would not be what is held)."""
-        self.fk, self.fv, self.sk, self.sv = (None if t is None else own(t) for t in (self.fk, self.fv, self.sk, self.sv))
-        self.qk, self.qv = (None if t is None else t.map(own) for t in (self.qk, self.qv))
+        self._each(own)
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep every new position until the next :meth:`crop` (which drops what no later query may see).
@@ -464,14 +409,11 @@ class BudgetLayer(CacheLayerMixin):
             raise ShapeError(f"budget cache layer {self.index}: no K/V head {kv} (Hkv={len(self.full) + len(self.stream)}).")
         return self.held.clone()
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The key and value tensors this layer holds now."""
-        return [t for t in (self.fk, self.fv, self.sk, self.sv) if t is not None]
-
     def nbytes(self) -> int:
         """Bytes of memory this layer's keys and values keep allocated: the storages of the float tensors it
         holds, each once (:meth:`BudgetCache.nbytes`), and the quantized positions' integers, scales and zeros."""
-        return _storage_bytes(self.tensors()) + sum(t.nbytes() for t in (self.qk, self.qv) if t is not None)
+        floats = [t for t in (self.fk, self.fv, self.sk, self.sv) if t is not None]
+        return _storage_bytes(floats) + sum(t.nbytes() for t in (self.qk, self.qv) if t is not None)
 
     def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
         """(kv_length, kv_offset) as the model's own layer reports them: the frame o … length + Q − 1."""
@@ -609,8 +551,7 @@ class BudgetCache(Cache):
         keeps = plan.full | plan.free(shape)  # [L, Hkv] a head within its layer's own window keeps what a full one does
         layers = []
         for li in range(plan.num_layers):
-            full = [g for g in range(plan.num_kv_heads) if bool(keeps[li, g])]
-            stream = [g for g in range(plan.num_kv_heads) if not bool(keeps[li, g])]
+            full, stream = split_kv(keeps[li])
             span = None if shape is None else shape.windows[li]
             expect = (plan.num_kv_heads, None if shape is None else shape.head_dim)
             layers.append(BudgetLayer(full, stream, plan.sink, plan.window, li, span, expect, bits, group, residual, block))
@@ -644,8 +585,7 @@ class BudgetCache(Cache):
         full, which keeps its ``window − 1`` positions as a view of the ``window`` its last decode step
         wrote (as transformers' own ``DynamicSlidingWindowLayer`` does): one position more per such
         layer (B·Hkv·(d + dv) elements). Quantized positions count their integers, scales and zeros."""
-        return (_storage_bytes([t for layer in self.budget_layers for t in layer.tensors()])
-                + sum(q.nbytes() for layer in self.budget_layers for q in (layer.qk, layer.qv) if q is not None))
+        return sum(layer.nbytes() for layer in self.budget_layers)  # no storage is shared between layers
 
     def positions(self, layer: int, kv: int) -> torch.Tensor:
         """The positions K/V head ``kv`` of ``layer`` holds now."""

@@ -3,22 +3,8 @@
 A score is a small frozen dataclass (:class:`Score`): its fields are its options with their defaults,
 its class says what it reads, and its one hook, :meth:`Score.tables`, returns its tables from the model
 map — per query head [L, H] (statistics: ``find`` takes the max over a K/V head's query heads, since
-the K/V head's cache serves all of them) or per K/V head [L, Hkv] (causal scores). :data:`SCORES`
-names them:
-
-- ``induction`` (:class:`Induction`): on repeated random tokens (``length`` tokens, then the same
-  again), the attention mass from a token of the second copy on the token after its match in the first
-  (offset ``length`` − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`.
-- ``retrieval`` (:class:`Retrieval`; Wu et al., "Retrieval Head Mechanistically Explains Long-Context
-  Factuality"): a needle of random tokens at several depths of a random-token haystack, repeated at the
-  end; over the repeated needle's steps where the model predicts the next needle token, the fraction in
-  which the head's most-attended key is the token being copied. Its second key, ``copy mass``
-  (``ties="copy mass"``), is the attention weight on that token over every step.
-- ``distant`` (:class:`Distant`): on real text, the attention mass outside the window and off key 0.
-- ``kl``, ``fisher`` (:class:`KL`, :class:`Fisher`; :mod:`bhqk.budget.scores`): the next-token KL of
-  streaming each head alone, exactly or to second order, on real text.
-- ``learned`` (:class:`Learned`; :mod:`bhqk.budget.learn`): DuoAttention's gates trained on pass-key
-  prompts.
+the K/V head's cache serves all of them) or per K/V head [L, Hkv] (the causal scores of
+:mod:`bhqk.budget.scores` and :mod:`bhqk.budget.learn`). :data:`SCORES` names them.
 
 Ties: ``find`` ranks K/V heads by the score, then (``ties="copy mass"``) by the score's second key,
 then by index (layer · Hkv + head, lower first: earlier layers stay full); ``Plan.decided()`` says
@@ -44,13 +30,6 @@ from ..integrations.hf_attention import parse_implementation
 from ..integrations.model_map import ModelMap, model_map
 from .plan import Plan
 from .scores import fisher_scores, kl_scores, text_ids
-
-
-def _causal_lm(model: Any) -> None:
-    if not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
-                        f"its heads); got {type(model).__name__}. For bhqk's own models build the plan by hand: "
-                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
 
 
 @contextlib.contextmanager
@@ -125,85 +104,38 @@ class Score:
                 raise ValueError(f"find(score={self.name!r}): {f.name} must be a whole number >= {low}, got {v!r}.")
 
 
-def _induction(m: ModelMap, length: int, batch: int, seed: int) -> torch.Tensor:
-    """Per query head [L, H]: P from each token of the second copy on the token after its match in the
-    first copy (offset length − 1), on ``batch`` repeated random sequences (only those rows captured)."""
-    dev, vocab = m.device, m.vocab_size
-    low = min(100, vocab // 2)  # skip the first ids (special and byte tokens of real tokenizers)
-    g = torch.Generator().manual_seed(seed)
-    seg = torch.randint(low, vocab, (batch, length), generator=g)  # [B, L]
-    x = torch.cat([seg, seg], 1)  # [B, 2L]
-    with torch.no_grad(), capture(what=("sink",), offsets=(length - 1,), rows=range(length, 2 * length),
-                                  model=m.model) as cap:
-        m.model(input_ids=x.to(dev))
-    return head_table(cap.records)[f"offset {length - 1}"]  # [L, H]
-
-
-def _retrieval(m: ModelMap, length: int, batch: int, seed: int, needle: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query head ([L, H] retrieval, [L, H] copy mass): the fraction of correctly copied needle
-    tokens whose top-1 key is the token copied, and the mean weight on the token being copied over
-    every step of the repeated needle (one forward)."""
-    dev, vocab = m.device, m.vocab_size
-    low = min(100, vocab // 2)
-    g = torch.Generator().manual_seed(seed)
-    hay = torch.randint(low, vocab, (batch, length), generator=g)  # [B, N]
-    ndl = torch.randint(low, vocab, (batch, needle), generator=g)  # [B, m]
-    depth = torch.linspace(0.1, 0.9, batch)  # one depth per sequence
-    ids, src = [], []
-    for b in range(batch):
-        a = int(depth[b] * (length - needle))
-        ids.append(torch.cat([hay[b, :a], ndl[b], hay[b, a:], ndl[b]]))  # [N + 2m]
-        src.append(a)
-    x = torch.stack(ids)  # [B, N + 2m]
-    start = length + needle  # first row of the repeated needle
-    rows = list(range(start, start + needle - 1))  # row start + j predicts needle token j + 1
-    # row start + j copies the token at src + 1 + j: an offset of start − src − 1, one per sequence
-    offsets = [start - a - 1 for a in src]
-    with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, offsets=sorted(set(offsets)),
-                                  model=m.model) as cap:
-        logits = m.model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
-    pred = logits[:, rows].argmax(-1).cpu()  # [B, m − 1]
-    target = ndl[:, 1:]  # [B, m − 1]
-    ok = (pred == target).double()  # [B, m − 1]: the steps where the model copies
-    want = torch.tensor(src)[:, None] + torch.arange(1, needle)  # [B, m − 1] position of the token being copied
-    L, H = len({r.name for r in cap.records}), None
-    hits, mass = [], []
-    for r in cap.records:
-        assert r.topk_keys is not None
-        top = r.topk_keys[..., 0].cpu()  # [B, h, m − 1]
-        hit = (top == want[:, None]).double() * ok[:, None]  # [B, h, m − 1]
-        H = r.sizes["H"]
-        hits.append(hit.sum((0, 2)) / ok.sum().clamp(min=1))  # [h]
-        on_copied = torch.stack([r.offset(o)[b].cpu() for b, o in enumerate(offsets)])  # [B, h, m − 1]
-        mass.append(on_copied.double().mean((0, 2)))  # [h]
-    assert H is not None and len(hits) == L
-    return torch.stack(hits).float(), torch.stack(mass).float()  # [L, H], [L, H]
-
-
-def _distant(m: ModelMap, tokenizer, texts, length: int, batch: int, window: int) -> torch.Tensor:
-    x = text_ids(tokenizer, texts, length, batch)
-    with torch.no_grad(), capture(what=("sink",), window=window, model=m.model) as cap:
-        m.model(input_ids=x.to(m.device))
-    table = cap.head_table()
-    return (1 - table["local"] - table["sink"]).clamp(min=0).float()  # [L, H]
-
+def _low(vocab: int) -> int:
+    """The lowest random token id: skip the first ids (special and byte tokens of real tokenizers)."""
+    return min(100, vocab // 2)
 
 
 @dataclass(frozen=True)
 class Induction(Score):
-    """Attention from the second copy of repeated random tokens to the token after its match."""
+    """Attention from the second copy of ``length`` repeated random tokens to the token after its match
+    (offset ``length`` − 1): the ``induction (repeated)`` column of :func:`bhqk.inspect.detect`."""
 
     name: ClassVar[str] = "induction"
     length: int = option(64, "tokens of each copy")
     batch: int = option(4, "sequences")
 
     def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
-        return [_induction(m, self.length, self.batch, probe.seed)]
+        length = self.length
+        vocab = m.vocab_size
+        g = torch.Generator().manual_seed(probe.seed)
+        seg = torch.randint(_low(vocab), vocab, (self.batch, length), generator=g)  # [B, L]
+        x = torch.cat([seg, seg], 1)  # [B, 2L]
+        with torch.no_grad(), capture(what=("sink",), offsets=(length - 1,), rows=range(length, 2 * length),
+                                      model=m.model) as cap:  # only the second copy's rows
+            m.model(input_ids=x.to(m.device))
+        return [head_table(cap.records)[f"offset {length - 1}"]]  # [L, H]
 
 
 @dataclass(frozen=True)
 class Retrieval(Score):
-    """How often a head's most-attended key is the needle token being copied (module doc)."""
+    """Wu et al., "Retrieval Head Mechanistically Explains Long-Context Factuality": random-token needles at
+    several depths of a random-token haystack, repeated at the end; over the steps where the model copies
+    the next needle token, how often the head's most-attended key is that token. Its second key, ``copy
+    mass``, is the attention weight on the token being copied over every step."""
 
     name: ClassVar[str] = "retrieval"
     second: ClassVar[str | None] = "copy mass"
@@ -212,7 +144,42 @@ class Retrieval(Score):
     needle: int = option(16, "needle tokens")
 
     def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
-        return list(_retrieval(m, self.length or max(256, 4 * probe.window), self.batch, probe.seed, self.needle))
+        length, batch, needle = self.length or max(256, 4 * probe.window), self.batch, self.needle
+        dev, vocab = m.device, m.vocab_size
+        low = _low(vocab)
+        g = torch.Generator().manual_seed(probe.seed)
+        hay = torch.randint(low, vocab, (batch, length), generator=g)  # [B, N]
+        ndl = torch.randint(low, vocab, (batch, needle), generator=g)  # [B, m]
+        depth = torch.linspace(0.1, 0.9, batch)  # one depth per sequence
+        ids, src = [], []
+        for b in range(batch):
+            a = int(depth[b] * (length - needle))
+            ids.append(torch.cat([hay[b, :a], ndl[b], hay[b, a:], ndl[b]]))  # [N + 2m]
+            src.append(a)
+        x = torch.stack(ids)  # [B, N + 2m]
+        start = length + needle  # first row of the repeated needle
+        rows = list(range(start, start + needle - 1))  # row start + j predicts needle token j + 1
+        # row start + j copies the token at src + 1 + j: an offset of start − src − 1, one per sequence
+        offsets = [start - a - 1 for a in src]
+        with torch.no_grad(), capture(what=("topk",), topk=1, rows=rows, offsets=sorted(set(offsets)),
+                                      model=m.model) as cap:
+            logits = m.model(input_ids=x.to(dev)).logits  # [B, N + 2m, V]
+        pred = logits[:, rows].argmax(-1).cpu()  # [B, m − 1]
+        target = ndl[:, 1:]  # [B, m − 1]
+        ok = (pred == target).double()  # [B, m − 1]: the steps where the model copies
+        want = torch.tensor(src)[:, None] + torch.arange(1, needle)  # [B, m − 1] position of the token being copied
+        L, H = len({r.name for r in cap.records}), None
+        hits, mass = [], []
+        for r in cap.records:
+            assert r.topk_keys is not None
+            top = r.topk_keys[..., 0].cpu()  # [B, h, m − 1]
+            hit = (top == want[:, None]).double() * ok[:, None]  # [B, h, m − 1]
+            H = r.sizes["H"]
+            hits.append(hit.sum((0, 2)) / ok.sum().clamp(min=1))  # [h]
+            on_copied = torch.stack([r.offset(o)[b].cpu() for b, o in enumerate(offsets)])  # [B, h, m − 1]
+            mass.append(on_copied.double().mean((0, 2)))  # [h]
+        assert H is not None and len(hits) == L
+        return [torch.stack(hits).float(), torch.stack(mass).float()]  # [L, H] retrieval, [L, H] copy mass
 
 
 @dataclass(frozen=True)
@@ -225,8 +192,11 @@ class Distant(Score):
     batch: int = option(4, "sequences")
 
     def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
-        n = self.length or max(512, 4 * probe.window)
-        return [_distant(m, probe.tokenizer, probe.texts, n, self.batch, probe.window)]
+        x = text_ids(probe.tokenizer, probe.texts, self.length or max(512, 4 * probe.window), self.batch)  # [B, N]
+        with torch.no_grad(), capture(what=("sink",), window=probe.window, model=m.model) as cap:
+            m.model(input_ids=x.to(m.device))
+        table = cap.head_table()
+        return [(1 - table["local"] - table["sink"]).clamp(min=0).float()]  # [L, H]
 
 
 @dataclass(frozen=True)
@@ -239,24 +209,22 @@ class KL(Score):
     length: int = option(2048, "tokens of text per sequence")
     batch: int = option(1, "sequences")
 
+    def ids(self, m: ModelMap, probe: Probe) -> torch.Tensor:
+        return text_ids(probe.tokenizer, probe.texts, self.length, self.batch).to(m.device)  # [B, N]
+
     def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
-        ids = text_ids(probe.tokenizer, probe.texts, self.length, self.batch).to(m.device)  # [B, N]
-        return [kl_scores(m, ids, probe.sink, probe.window, progress=probe.progress)]
+        return [kl_scores(m, self.ids(m, probe), probe.sink, probe.window, progress=probe.progress)]
 
 
 @dataclass(frozen=True)
-class Fisher(Score):
+class Fisher(KL):
     """The KL of streaming each K/V head to second order: one forward and one backward (:func:`fisher_scores`)."""
 
     name: ClassVar[str] = "fisher"
-    reads: ClassVar[str | None] = "real text"
-    per_kv: ClassVar[bool] = True
     gradients: ClassVar[bool] = True
-    length: int = option(2048, "tokens of text per sequence")
-    batch: int = option(1, "sequences")
 
     def tables(self, m: ModelMap, probe: Probe) -> list[torch.Tensor]:
-        ids = text_ids(probe.tokenizer, probe.texts, self.length, self.batch).to(m.device)  # [B, N]
+        ids = self.ids(m, probe)
         with torch.enable_grad():  # one backward, whatever the caller's grad mode
             return [fisher_scores(m, ids, probe.sink, probe.window, probe.seed)]
 
@@ -334,7 +302,10 @@ def score_keys(model: nn.Module | ModelMap, score: str | Score = "fisher", *, si
         raise ValueError(f"find: ties='copy mass' orders the ties of score='retrieval'; score={sc.name!r} has no "
                          f"second key (use ties='index').")
     m = model_map(model)
-    _causal_lm(m.model)
+    if not hasattr(m.model, "set_attn_implementation"):
+        raise TypeError(f"find: scores a Hugging Face causal LM (it switches the model to bhqk's attention to capture "
+                        f"its heads); got {type(m.model).__name__}. For bhqk's own models build the plan by hand: "
+                        f"Plan(full=bool tensor [layers, Hkv], sink=, window=).")
     probe = Probe(sink, window, tokenizer, texts, seed, progress)
     sc.check(probe)
     L, H, Hkv = m.shape.layers, m.shape.heads, m.shape.kv_heads

@@ -1,19 +1,12 @@
 """Gates between full and streaming attention, one per K/V head (DuoAttention's mixing).
 
 Inside ``with gated(model, g, sink, window):`` every query head of K/V head (layer l, head j) outputs
-
-    O = g[l, j] · O_full + (1 − g[l, j]) · O_stream
-
-where O_full is the head's attention as the model computes it and O_stream the same head under the
-streaming mask (:func:`~bhqk.budget.streaming_mask`: ``sink`` first keys and ``window`` recent ones,
-ANDed with the model's mask). ``g`` is float [layers, Hkv], or [layers, Hkv, N] for one gate per query
-row of an N-token prefill; it may require gradients (the causal scores differentiate at g = 1, the
-learned score trains it). g = 1 is the model as it is, g = 0 a plan that streams every head.
-
-Each layer runs two attention calls on bhqk's fast path, both structured (the streaming one costs
-its window, no [Q, K] is built): the model's own, and one with the streaming mask ANDed into the
-model's. The mixing is an attention implementation registered with transformers under
-:data:`NAME`; the block switches the model to it and back.
+``O = g[l, j] · O_full + (1 − g[l, j]) · O_stream``: the model's own attention call and the same call
+with the streaming mask (:func:`~bhqk.budget.streaming_mask`) ANDed into the model's structured mask,
+both on bhqk's fast path. ``g`` is float [layers, Hkv], or [layers, Hkv, N] for one gate per query row
+of an N-token prefill, and may require gradients; g = 1 is the model as it is. The mixing is an
+attention implementation registered with transformers under :data:`NAME`; the block switches the model
+to it and back.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ from torch import nn
 
 from ..errors import MaskError, ShapeError
 from ..integrations.hf_attention import _mask_and_bias, attention_forward, parse_implementation
+from ..integrations.hf_mask import build_mask
 from ..integrations.model_map import ModelMap, model_map
 from ..masks import Mask
 from .mask import streaming_mask
@@ -68,16 +62,6 @@ def _gated_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return o_s + gq * (out - o_s), weights  # [B, Q, H, dv]
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from ..integrations.hf_mask import build_mask
-
-    AttentionInterface.register(NAME, _gated_attention)
-    AttentionMaskInterface.register(NAME, build_mask)
-
-
 @contextlib.contextmanager
 def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: int) -> Iterator[None]:
     """Inside the block each K/V head's query heads output ``gates·O_full + (1 − gates)·O_stream``
@@ -95,9 +79,13 @@ def gated(model: nn.Module | ModelMap, gates: torch.Tensor, sink: int, window: i
                          f"got {got}.")
     stream = streaming_mask(sink, window)
     table = {id(m.module(li)): (gates[li], stream) for li in range(L)}
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     impl = getattr(model.config, "_attn_implementation", None)
     backend = parse_implementation(impl) or "auto"
-    _register()
+    AttentionInterface.register(NAME, _gated_attention)
+    AttentionMaskInterface.register(NAME, build_mask)
     token = _GATES.set((table, backend))
     model.set_attn_implementation(NAME)  # type: ignore[operator]
     try:

@@ -1,27 +1,15 @@
 """The learned head score (DuoAttention's objective, Xiao et al. 2024): one gate per K/V head mixing
 full and streaming attention (:func:`~bhqk.budget.gate.gated`), trained so that the model's final
-hidden states on synthetic pass-key prompts stay those of full attention, with an L1 pull of the
-gates towards 0 (streaming). Heads whose gate stays high are the ones the prompts need in full.
+hidden states on synthetic pass-key prompts (:func:`bhqk.corpus.passkey_prompt`, drawn from (seed,
+step): a resumed run sees the same prompts) stay those of full attention, with an L1 pull of the gates
+towards 0 (streaming). Heads whose gate stays high are the ones the prompts need in full.
 
-One step (:func:`train_gates`): a prompt drawn from ``(seed, step)``; full attention's final hidden
-states at the answer rows (no gradients); the gated model's, with gradients to the gates;
-``loss = mean over answer rows of mean over d of (h_gated − h_full)² + reg · mean |g|``; AdamW
-(lr 0.02, no weight decay), DuoAttention's schedule (a linear warm-up over the first fifth of the
-steps from 0.1×, a linear decay over the last fifth to 0.1×); the gates clamped to [0, 1] after each
-update. The gates start at 1 (the model as it is).
-
-The prompts (:func:`bhqk.corpus.passkey_prompt`): the tokenizer's start of a text (Gemma's ``<bos>``;
-nothing for SmolLM2), filler from ``pydoc_data.topics`` (a random stretch), ``keys`` needles
-"The {first} pass key is {words}. Remember it." at sorted random depths in [0.05, 0.95], then every
-question "What is the {first} pass key? The {first} pass key is {words}." — the answer rows are every
-token of that last part (DuoAttention's labels). Words are NATO-alphabet words, ``words`` of them per
-key. Everything is drawn from ``random.Random`` seeded by (seed, step): a step's prompt does not
-depend on the steps before it, so a resumed run sees the same prompts.
-
-Resuming: ``checkpoint=`` writes the gates, the optimizer's state and the step count every ``every``
-steps and at the end (:data:`FORMAT`, ``torch.save``); ``resume=`` reads such a file, checks it was
-made with the same settings, and continues from its step: the gates after n steps are those of an
-uninterrupted run of n steps.
+One step (:func:`train_gates`): ``loss = mean over answer rows of mean over d of (h_gated − h_full)² +
+reg · mean |g|``; AdamW (lr 0.02, no weight decay) on DuoAttention's schedule (:meth:`Settings.schedule`:
+linear warm-up over the first fifth of the steps from 0.1×, linear decay over the last fifth to 0.1×);
+the gates start at 1 and are clamped to [0, 1] after each update. ``checkpoint=`` writes the gates, the
+optimizer's state and the step (:data:`FORMAT`, ``torch.save``, atomically) every ``every`` steps and at
+the end; ``resume=`` continues such a run made with the same settings, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ import torch
 
 from ..corpus import passkey_prompt
 from ..errors import LoadError
-from ..integrations.model_map import ModelMap, model_map
+from ..integrations.model_map import model_map
 from .gate import gated
 
 FORMAT = "bhqk.budget.gates/1"
@@ -79,11 +67,6 @@ class Training:
     step: int
     settings: Settings
     history: list[dict[str, float]] = field(default_factory=list)
-
-
-def _distill(m: ModelMap, ids: torch.Tensor, first: int, want: torch.Tensor) -> torch.Tensor:
-    h = m.hidden(ids[None])[0, first:]  # [n, d]
-    return (h.float() - want).pow(2).mean(-1).mean()
 
 
 def _save(path: Path, gates: torch.Tensor, opt: torch.optim.Optimizer, step: int, s: Settings, shape) -> None:
@@ -159,7 +142,7 @@ def train_gates(model, tokenizer, sink: int, window: int, steps: int, *, length:
             for group in opt.param_groups:
                 group["lr"] = s.lr * s.schedule(step)
             with gated(m, gates, sink, window):
-                distill = _distill(m, ids, first, want)
+                distill = (m.hidden(ids[None])[0, first:].float() - want).pow(2).mean(-1).mean()  # [n, d] -> []
             loss = distill + s.reg * gates.abs().mean()
             opt.zero_grad()
             loss.backward()

@@ -164,27 +164,24 @@ class Plan:
         layer as the model masks it (``shape``: the model's, default what the plan was made for; without
         either, every layer full attention)."""
         _count("Plan.held", "length", length)
+        return sum(n * full + (self.num_kv_heads - n) * stream for n, full, stream in self._kept(length, shape, self.full))
+
+    def _kept(self, length: int, shape: ModelShape | None, keeps: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Per layer after ``length`` tokens: (its K/V heads that ``keeps`` [L, Hkv] marks full, positions a full
+        head keeps, positions a streaming head keeps); ``shape`` as :meth:`held`."""
         shape = shape or self.model
-        total = 0
-        for li in range(self.num_layers):
-            w = None if shape is None else shape.windows[li]
-            n_full = int(self.full[li].sum())
-            total += (n_full * kept_full(length, w)
-                      + (self.num_kv_heads - n_full) * kept_streaming(length, w, self.sink, self.window))
-        return total
+        windows = (None,) * self.num_layers if shape is None else shape.windows
+        return [(int(keeps[li].sum()), kept_full(length, w), kept_streaming(length, w, self.sink, self.window))
+                for li, w in enumerate(windows)]
 
     def nbytes(self, length: int, model: nn.Module | ModelMap, batch: int = 1,
                dtype: torch.dtype | None = None, bits: int | None = None, group: int | None = None,
                residual: int | None = None) -> tuple[int, int]:
-        """(bytes of keys and values this plan's cache holds, bytes the model's own cache holds — what
-        transformers' ``DynamicCache(config=model.config)`` keeps: every position of a full-attention
-        layer, the window − 1 last of a sliding or chunked one) after ``length`` tokens of ``batch``
-        sequences (``dtype``: the model's by default). A prediction of the positions held: the cache's
-        own ``cache.nbytes()`` measures the memory its tensors keep allocated, which is this after a
-        prefill and, after a decode step, one position (per sequence and K/V head) more on each sliding
-        or chunked layer whose heads are all full (its window − 1 positions are a view of the window the
-        step wrote, as in transformers' own cache). ``bits``, ``group``, ``residual``: as :meth:`cache` (a full
-        head's positions older than the last ``residual`` in integers, scales and zero points included)."""
+        """(bytes of keys and values this plan's cache holds, bytes the model's own cache —
+        ``DynamicCache(config=model.config)`` — holds) after ``length`` tokens of ``batch`` sequences
+        (``dtype``: the model's by default; ``bits``, ``group``, ``residual``: as :meth:`cache`). A prediction
+        of the positions held (:meth:`BudgetCache.nbytes <bhqk.budget.cache.BudgetCache.nbytes>` says where
+        the memory it measures differs)."""
         from .quant import RESIDUAL, position_bytes
         from .quant import check as check_bits
 
@@ -202,27 +199,19 @@ class Plan:
         r = RESIDUAL if residual is None else residual
         _count("Plan.nbytes", "residual", r)
         qper = 2 * position_bytes(shape.head_dim, bits, g) * batch  # key + value of one quantized position
-        keeps = self.full | self.free(shape)  # [L, Hkv] the heads the cache runs as full (quantized)
         total = 0
-        for li, w in enumerate(shape.windows):
-            n_full = int(keeps[li].sum())
-            n = kept_full(length, w)
+        for n_full, n, n_stream in self._kept(length, shape, self.full | self.free(shape)):  # full: quantized
             nq = max(0, n - r)  # held positions older than the last `residual`
-            total += n_full * (nq * qper + (n - nq) * per)
-            total += (self.num_kv_heads - n_full) * kept_streaming(length, w, self.sink, self.window) * per
+            total += n_full * (nq * qper + (n - nq) * per) + (self.num_kv_heads - n_full) * n_stream * per
         return total, own * per
 
     # ---- use ------------------------------------------------------------------------------------
     def cache(self, model: nn.Module | ModelMap | None = None, bits: int | None = None, group: int | None = None,
               residual: int | None = None, block: int | None = None):
-        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`),
-        each layer as the model masks it. ``model``: checked against the plan first; without it, the
-        cache checks the first keys the model writes (K/V heads, and the head size where the plan
-        records it) before storing them, and a plan of more layers than the model at its next forward.
-        ``bits`` (8 or 4): the full heads' keys and values older than the last ``residual`` positions
-        (default 64) in integers, ``group`` channels a scale (default 32, or d), read ``block`` positions
-        at a time (default 1024; :mod:`bhqk.budget.quant`); an all-full plan with ``bits`` is a quantized
-        cache for any model."""
+        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`: ``bits``,
+        ``group``, ``residual`` (default 64), ``block`` (default 1024) are its). ``model``: checked against the
+        plan first; without it, the cache checks the first keys the model writes (K/V heads, and the head
+        size where the plan records it), and a plan of more layers than the model at its next forward."""
         from .cache import BudgetCache
         from .quant import BLOCK, RESIDUAL
 

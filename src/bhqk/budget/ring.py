@@ -1,16 +1,12 @@
-"""Head-wise KV budgets on bhqk's own models (``plan.kv_cache(model)``, ``gpt2.generate(..., cache=...)``):
-per layer the plan's full K/V heads keep every position (a :class:`~bhqk.nn.LayerCache`) and its
-streaming heads keep the first ``sink`` positions and a ring of the ``window + 1`` most recent
-(:class:`BudgetLayerCache`; the extra slot takes each decode step's new key in place, over the one
-position no query can see any more). Such a layer attends itself — one attention call per group of
-heads (one call over every position while capture, trace or edit look) — so ``MultiHeadAttention``
-hands it the queries (:meth:`BudgetLayerCache.attention`, ``nn.cache.AttendingLayer``) instead of
-calling ``update``. A layer whose heads are all full is a plain ``LayerCache``: an all-full plan is
-the ordinary cache. Also the pieces both budget caches share (this one and transformers'
-:mod:`bhqk.budget.cache`): :func:`take_heads`, :func:`own`, :func:`spread`, :func:`fits_plan`."""
+"""Head-wise KV budgets on bhqk's own models (``plan.kv_cache(model)``; docs/design.md §9): per layer
+the full K/V heads keep every position (a :class:`~bhqk.nn.LayerCache`), the streaming heads the
+first ``sink`` positions and a ring of the ``window + 1`` most recent (:class:`BudgetLayerCache`, which
+attends itself: ``nn.cache.AttendingLayer``). A layer whose heads are all full is a plain
+``LayerCache``. Also the pieces both budget caches share (this one and :mod:`bhqk.budget.cache`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -24,8 +20,7 @@ from .mask import at_columns, held_mask, one_call_mask, streaming_mask
 
 
 def take_heads(x: torch.Tensor, dim: int, heads: list[int]) -> torch.Tensor:
-    """``x.index_select(dim, heads)`` — a view (``narrow``) where ``heads`` is an ascending run
-    (no copy: a group of heads next to each other, e.g. a layer's streaming K/V heads)."""
+    """``x.index_select(dim, heads)`` — a view (``narrow``) where ``heads`` is an ascending run."""
     if heads and heads == list(range(heads[0], heads[0] + len(heads))):
         return x.narrow(dim, heads[0], len(heads))
     return x.index_select(dim, torch.tensor(heads, device=x.device))
@@ -34,6 +29,12 @@ def take_heads(x: torch.Tensor, dim: int, heads: list[int]) -> torch.Tensor:
 def own(x: torch.Tensor) -> torch.Tensor:
     """``x``, copied if it is a view into a larger storage (a cache must not keep the rest alive)."""
     return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+
+
+def split_kv(keeps: torch.Tensor) -> tuple[list[int], list[int]]:
+    """One layer's K/V heads by ``keeps`` bool [Hkv] (True: keeps what a full head keeps) → (full, streaming)."""
+    heads = range(len(keeps))
+    return [g for g in heads if bool(keeps[g])], [g for g in heads if not bool(keeps[g])]
 
 
 def spread(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], Hkv: int, N: int) -> torch.Tensor:
@@ -46,6 +47,32 @@ def spread(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], Hkv: int, 
         kvi = torch.tensor(kv, device=t.device)
         out[:, kvi[:, None], pos.to(t.device)[None, :]] = t  # [B, h, n, ·] into [B, Hkv, N, ·] at (head, position)
     return out
+
+
+def attend_groups(groups: list[tuple[list[int], torch.Tensor | None, Any]], G: int, H: int, K: int, dim: int,
+                  call: Callable[[list[int], Any], tuple[torch.Tensor, torch.Tensor | None]]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention call per group of K/V heads, written into one output in the model's head order (no
+    concatenation). ``groups``: (K/V heads, the K columns they hold int64 [K'] or None for all, what
+    ``call`` reads); ``call(query heads, that)`` → (out, its h heads at ``dim``; weights [B, h, Q, K'] or
+    None). Returns (out, the H heads at ``dim``; weights [B, H, Q, K], zeros at columns not held, or None)."""
+    out: torch.Tensor | None = None
+    wt: torch.Tensor | None = None
+    for kv, cols, part in groups:
+        qh = [g * G + j for g in kv for j in range(G)]  # the query heads of K/V heads kv
+        o, w = call(qh, part)
+        qi = torch.tensor(qh, device=o.device)
+        if out is None:
+            out = o.new_empty(*o.shape[:dim], H, *o.shape[dim + 1:])  # o's shape with H heads at dim
+        out.index_copy_(dim, qi, o)  # [.., h, ..] into [.., H, ..]
+        if w is not None:
+            if cols is not None:  # [B, h, Q, K'] -> [B, h, Q, K]: zeros at the columns not held
+                w = w.new_zeros(*w.shape[:3], K).index_copy(3, cols.to(w.device), w)
+            if wt is None:
+                wt = w.new_empty(w.shape[0], H, *w.shape[2:])  # [B, H, Q, K]
+            wt.index_copy_(1, qi.to(w.device), w)  # [B, h, Q, K] into [B, H, Q, K]
+    assert out is not None
+    return out, wt
 
 
 def fits_plan(k: torch.Tensor, v: torch.Tensor, Hkv: int, d: int | None, where: str) -> None:
@@ -62,8 +89,7 @@ def layer_cache(full: torch.Tensor, sink: int, window: int, capacity: int | None
                 head_dim: int | None) -> CacheLayer:
     """Layer ``index`` of a plan (``full`` bool [Hkv]: its full K/V heads): a :class:`BudgetLayerCache`,
     or a plain ``LayerCache`` (checking the plan's sizes) when every head is full."""
-    keep = [g for g in range(len(full)) if bool(full[g])]
-    stream = [g for g in range(len(full)) if not bool(full[g])]
+    keep, stream = split_kv(full)
     if stream:
         return BudgetLayerCache(keep, stream, sink, window, capacity, index, head_dim)
     return LayerCache(capacity, None, index, partial(fits_plan, Hkv=len(full), d=head_dim, where=f"KVCache layer {index}"))
@@ -195,8 +221,7 @@ class BudgetLayerCache:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise ValueError(f"budget layer {self.index}: a head-wise budget cache is for inference (its ring buffer "
                              f"is written in place); run under torch.no_grad().")
-        B, H, Q, _ = q.shape
-        G = H // Hkv
+        H = q.shape[1]
         P, K = self.end, self.end + k.shape[2]
         m = masks.as_mask(mask)
         if m is not None and m.head_dependent:  # checked before anything is written
@@ -216,18 +241,15 @@ class BudgetLayerCache:
             m = one_call_mask(masks.as_mask(mask), self.sink, self.window, self.stream, H, Hkv)
             out = attention(q, spread_k, spread_v, m, dropout_p=dropout_p, backend=backend, sinks=sinks)  # [B, H, Q, dv]
             return out, (attention_weights(q, spread_k, m, sinks=sinks) if return_weights else None)  # [B, H, Q, K]
-        o = q.new_empty(B, H, Q, v.shape[-1])  # [B, H, Q, dv]: each group writes its heads
-        w_all = q.new_zeros(B, H, Q, K) if return_weights else None  # [B, H, Q, K]: zeros at evicted keys
-        for kv, kk, vv, m, pos in parts:
-            qh = [g * G + j for g in kv for j in range(G)]
+
+        def call(qh: list[int], part: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+            kk, vv, m = part
             qq = take_heads(q, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d]
             sk = None if sinks is None else take_heads(sinks, 0, qh)  # [H] -> [h]
-            qi = torch.tensor(qh, device=q.device)
-            o.index_copy_(1, qi, attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk))  # [B, h, Q, dv]
-            if w_all is not None:
-                w = attention_weights(qq, kk, m, sinks=sk)  # [B, h, Q, K']
-                w_all.index_copy_(1, qi, w.new_zeros(B, len(qh), Q, K).index_copy(3, pos.to(w.device), w))  # [B, h, Q, K]
-        return o, w_all
+            o = attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk)  # [B, h, Q, dv]
+            return o, (attention_weights(qq, kk, m, sinks=sk) if return_weights else None)  # [B, h, Q, K']
+
+        return attend_groups([(kv, pos, (kk, vv, m)) for kv, kk, vv, m, pos in parts], H // Hkv, H, K, 1, call)
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         raise TypeError(f"budget layer {self.index}: its heads hold different keys, so it cannot return one "
@@ -279,4 +301,4 @@ class BudgetLayerCache:
                 f"streaming kv {self.stream} in {self.slots} slots)")
 
 
-__all__ = ["BudgetLayerCache", "layer_cache", "take_heads", "own", "spread", "fits_plan"]
+__all__ = ["BudgetLayerCache", "layer_cache", "take_heads", "own", "split_kv", "spread", "attend_groups", "fits_plan"]

@@ -1,16 +1,9 @@
-"""Causal head scores: how much streaming a K/V head changes the model's next-token distributions.
+"""Causal head scores: how much streaming a K/V head changes the model's next-token distributions, on
+text ``ids`` [B, N] (:func:`text_ids`), over the rows streaming can change: i ≥ S + W + 1
+(:func:`first_row`), n = N − S − W − 1 rows per sequence.
 
-Both read text (``ids`` [B, N]; :func:`text_ids`) and score the rows streaming can change: rows
-i ≥ S + W + 1 (:func:`first_row`; a streaming head's row i sees keys 0 … S−1 and i − W … i, so every
-earlier row sees all its keys anyway). n = N − S − W − 1 rows per sequence.
-
-``kl`` (:func:`kl_scores`): D_h = mean over those rows of KL(p_full ‖ p_h), p_h the next-token
-distribution with K/V head h alone streamed (``Plan.emulate``: ``bhqk.edit(mask=streaming)`` on its
-query heads, on the fast path). One forward per K/V head, started at the head's layer from full
-attention's input to that layer (the layers before it are unchanged; :func:`reference` checks that
-such a run reproduces the full one, else every run starts at layer 0). Full attention's log-probs
-are computed once; logits come ``CHUNK`` rows at a time from the final hidden states
-(:func:`next_token_kl`, the one KL helper).
+``kl`` (:func:`kl_scores`): D_h = mean over those rows of KL(p_full ‖ p_h), p_h with K/V head h alone
+streamed (``Plan.emulate``), one forward per K/V head from its layer on (:func:`reference`).
 
 ``fisher`` (:func:`fisher_scores`): the same divergence to second order, from one forward and one
 backward. Gates mix each head's full and streaming outputs (:func:`bhqk.budget.gate.gated`), one per
@@ -30,9 +23,8 @@ through later layers' attention).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,25 +76,18 @@ def _same(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
     return bool(((a - b).abs() <= 8 * eps * n**0.5 * max(1.0, float(b.abs().max()))).all())
 
 
-@contextlib.contextmanager
-def _layers_from(m: ModelMap, layer: int) -> Iterator[nn.Module]:
-    """The decoder with its layers ``layer`` … L−1 only (its ``layers`` list swapped, restored after)."""
-    dec = m.stack()
-    layers = dec.layers
-    dec.layers = nn.ModuleList(list(layers)[layer:])
-    try:
-        yield dec
-    finally:
-        dec.layers = layers
-
-
 def final_hidden(m: ModelMap, ids: torch.Tensor, ref: Reference | None = None, layer: int = 0) -> torch.Tensor:
     """The decoder's final hidden states [B, N, d] of ``ids`` [B, N]; from ``ref.inputs[layer]`` through
     the layers ``layer`` … L−1 only when ``ref`` holds the inputs (the layers before are unchanged)."""
     if ref is None or ref.inputs is None or layer == 0:
         return m.hidden(ids)
-    with _layers_from(m, layer) as dec:
+    dec = m.stack()
+    layers = dec.layers
+    dec.layers = nn.ModuleList(list(layers)[layer:])  # the decoder with its layers `layer` … L−1 only
+    try:
         return dec(inputs_embeds=ref.inputs[layer], use_cache=False).last_hidden_state
+    finally:
+        dec.layers = layers
 
 
 def reference(model: Any, ids: torch.Tensor, start: int, chunk: int = CHUNK) -> Reference:
@@ -188,12 +173,9 @@ def kl_scores(model: Any, ids: torch.Tensor, sink: int, window: int, chunk: int 
 def fisher_scores(model: Any, ids: torch.Tensor, sink: int, window: int, seed: int = 0,
                   chunk: int = CHUNK) -> torch.Tensor:
     """Per K/V head [L, Hkv]: ½ · the mean over the rows streaming changes of (d log p(y_t) / d g_{h,t})²
-    at g = 1, with one gate g_{h,t} per K/V head and query row (:func:`~bhqk.budget.gate.gated`) and
-    y_t drawn from full attention's next-token distribution at row t (the forward's own, since g = 1
-    is full attention; ``seed``). Its expectation over y is the diagonal of the Fisher information of
-    the row gates, the curvature of the KL at full attention, so the score estimates the KL of
-    streaming each head to second order (module doc). One forward (full and streaming attention in
-    each layer) and one backward per sequence of ``ids`` [B, N]."""
+    at g = 1 (one gate per K/V head and query row, :func:`~bhqk.budget.gate.gated`; y_t drawn from the
+    forward's own next-token distribution, ``seed``): the KL of streaming each head to second order
+    (module doc). One forward and one backward per sequence of ``ids`` [B, N]."""
     m = model_map(model)
     L, Hkv = m.shape.layers, m.shape.kv_heads
     B, N = ids.shape

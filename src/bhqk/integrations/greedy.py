@@ -68,10 +68,6 @@ def forward_logits(model, ids: torch.Tensor, last_only: bool = False) -> torch.T
     return _logits(model(ids, **kw))
 
 
-def _is_hf(model) -> bool:
-    return hasattr(model, "generation_config") and hasattr(model, "config")
-
-
 def greedy(model, ids: torch.Tensor | list[int], cache: Any = None, *, max_new_tokens: int, eos: Iterable[int] = (),
            keyword: str | None = None, prefill: Callable[[], Any] | None = None,
            after_prefill: Callable[[Any], Any] | None = None) -> Reply:
@@ -89,40 +85,40 @@ def greedy(model, ids: torch.Tensor | list[int], cache: Any = None, *, max_new_t
     n = x.shape[1]
     with torch.no_grad():
         t0 = time.perf_counter()
-        if not _is_hf(model):
+        if hasattr(model, "generation_config") and hasattr(model, "config"):  # a Hugging Face causal LM
+            if cache is None:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=model.config)
+            if keyword is None:
+                from .model_map import cache_keyword
+
+                keyword = cache_keyword(model)
+            kw = {keyword: cache}
+            with prefill() if prefill is not None else contextlib.nullcontext():
+                out = model(input_ids=x, use_cache=True, logits_to_keep=1, **kw)
+            nxt = int(out.logits[0, -1].argmax())
+            if after_prefill is not None:
+                after_prefill(cache)
+
+            def step() -> int:  # the last new token, at its true position, over the cache
+                out = model(input_ids=torch.tensor([[new[-1]]], device=x.device), use_cache=True,
+                            position_ids=torch.tensor([[n + len(new) - 1]], device=x.device), **kw)  # [1, 1]
+                return int(out.logits[0, -1].argmax())
+        else:
             if cache is not None:
                 raise TypeError(f"greedy: {type(model).__name__} is not a Hugging Face causal LM; it runs without a cache.")
             nxt = int(forward_logits(model, x, True)[0, -1].argmax())
-            t1 = time.perf_counter()
-            while nxt not in stop and len(new) < max_new_tokens:
-                new.append(nxt)
-                if len(new) == max_new_tokens:
-                    break
+
+            def step() -> int:  # one whole forward over the prompt and the new tokens
                 cur = torch.cat([x, torch.tensor([new], dtype=x.dtype, device=x.device)], 1)  # [1, N + t]
-                nxt = int(forward_logits(model, cur, True)[0, -1].argmax())
-            return Reply(new, t1 - t0, time.perf_counter() - t1)
-        if cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
-        if keyword is None:
-            from .model_map import cache_keyword
-
-            keyword = cache_keyword(model)
-        kw = {keyword: cache}
-        with prefill() if prefill is not None else contextlib.nullcontext():
-            out = model(input_ids=x, use_cache=True, logits_to_keep=1, **kw)
-        nxt = int(out.logits[0, -1].argmax())
-        if after_prefill is not None:
-            after_prefill(cache)
+                return int(forward_logits(model, cur, True)[0, -1].argmax())
         t1 = time.perf_counter()
         while nxt not in stop and len(new) < max_new_tokens:
             new.append(nxt)
             if len(new) == max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[nxt]], device=x.device), use_cache=True,
-                        position_ids=torch.tensor([[n + len(new) - 1]], device=x.device), **kw)  # [1, 1]
-            nxt = int(out.logits[0, -1].argmax())
+            nxt = step()
         return Reply(new, t1 - t0, time.perf_counter() - t1, cache)
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
@@ -229,15 +228,6 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), weights  # [B, H, Q, dv] -> [B, Q, H, dv]
 
 
-def _attention_for(backend: str) -> Callable:
-    """:func:`attention_forward` on ``backend`` (a ``functools.partial``: a model's every layer calls
-    it, and a Python function around it would be one more frame per call)."""
-    bhqk_attention = functools.partial(attention_forward, backend=backend)
-    bhqk_attention.__name__ = f"bhqk_attention_{backend}"  # type: ignore[attr-defined]
-    bhqk_attention.__doc__ = f"{attention_forward.__doc__}\n\n    Backend: {backend!r}."
-    return bhqk_attention
-
-
 def check_implementation(name: str) -> None:
     """A BackendError naming ``name`` and the choices when it is not an attention implementation that
     loads: ``"bhqk"`` / ``"bhqk:<backend>"`` for a backend of :func:`bhqk.functional.names`, or one of
@@ -269,6 +259,9 @@ def register(name: str = "bhqk") -> list[str]:
 
     out = names(name)
     for n, backend in zip(out, _backends()):
-        AttentionInterface.register(n, _attention_for(backend))
+        fn = functools.partial(attention_forward, backend=backend)  # not a function around it: one frame less per call
+        fn.__name__ = f"bhqk_attention_{backend}"  # type: ignore[attr-defined]
+        fn.__doc__ = f"{attention_forward.__doc__}\n\n    Backend: {backend!r}."
+        AttentionInterface.register(n, fn)
         AttentionMaskInterface.register(n, build_mask)
     return out

@@ -159,11 +159,6 @@ def _evaluate(mask_function: Callable, B: int, q0: int, q1: int, K: int, q_offse
     return full
 
 
-def _blocks(B: int, Q: int, K: int):
-    step = max(1, ROW_BLOCK_ENTRIES // max(1, B * K))
-    return [(q0, min(Q, q0 + step)) for q0 in range(0, Q, step)]
-
-
 def _matches(cands: list[Mask], evaluate, B: int, Q: int, K: int, first: torch.Tensor | None = None) -> Mask | None:
     """The first candidate equal to the evaluated mask on every entry (None if none is). ``first``
     [B, Q], if given, receives each row's first visible key (-1 for none)."""
@@ -171,7 +166,9 @@ def _matches(cands: list[Mask], evaluate, B: int, Q: int, K: int, first: torch.T
 
     ext = Extent(B, 1, Q, K)
     alive = list(cands)
-    for q0, q1 in _blocks(B, Q, K):
+    step = max(1, ROW_BLOCK_ENTRIES // max(1, B * K))  # rows evaluated at once
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
         if not alive and first is None:
             return None
         ev = evaluate(q0, q1)  # [B, 1, q, K]

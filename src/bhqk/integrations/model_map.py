@@ -1,11 +1,7 @@
-"""One map of a model: where its layers are, found once and handed on.
-
-``model_map(model)`` reads a Hugging Face causal LM (or one of bhqk's own models) once: its decoder
-stack, the attention module of each layer under a canonical address (``"layers.3.attn"``, whatever
-the model calls it: ``model.layers.3.self_attn``, ``transformer.h.3.attn``), each layer's attention
-type and window, H, Hkv, d (:class:`ModelShape`), the text config, and the next-token logits of final
-hidden states. Scores, gates, plans, caches, capture and edit take the map (or build it from the
-model when given one); this is the one place a model's layers are found.
+"""One map of a model (:func:`model_map`): its layers, their attention modules under canonical addresses
+(``"layers.3.attn"``, whatever the model calls them), each layer's attention type and window, H, Hkv, d
+(:class:`ModelShape`), the text config and the next-token logits of final hidden states — found once,
+in this one place, and handed on to scores, gates, plans, caches, capture and edit.
 """
 
 from __future__ import annotations

@@ -26,14 +26,6 @@ def _size(name: str, value: object, what: str) -> int:
     return int(value)
 
 
-def _autocast(t: torch.Tensor) -> bool:
-    """Under torch.autocast the projections cast their inputs themselves."""
-    try:
-        return torch.is_autocast_enabled(t.device.type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled()
-
-
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with H query heads and Hkv key/value heads (GQA when Hkv < H).
 
@@ -124,7 +116,7 @@ class MultiHeadAttention(nn.Module):
                              f"bhqk's module takes [B, N, D]: pass x.transpose(0, 1).") from None
         w = self.q_proj.weight
         for arg, t in (("x", x), ("key", key), ("value", value)):
-            if t.dtype != w.dtype and not _autocast(t):
+            if t.dtype != w.dtype and not torch.is_autocast_enabled(t.device.type):  # autocast casts them itself
                 raise sizes.fail(f"{arg} has dtype {t.dtype} but the module's parameters are {w.dtype}; convert the "
                                  f"input ({arg}.to({w.dtype})) or the module (module.to({t.dtype})).")
             if t.device != w.device:

@@ -1,24 +1,15 @@
 """KVCache: the keys and values of past positions, per layer, for incremental decoding.
 
-Buffers are [B, Hkv, capacity, d] and [B, Hkv, capacity, dv], allocated at the first call and written
-in place (no ``torch.cat`` per step). A sequence longer than ``capacity`` does not fail: the buffers are
-reallocated at twice the size (amortised O(1) copies per position) and ``repr`` says ``grown from N``;
-give the prompt plus the new tokens as ``capacity`` to allocate once. Under autograd (new keys that
-require grad, e.g. training through a prefill and decode steps) the cache never writes into a tensor
-a graph may hold: each step builds new buffers with ``torch.cat``, so backward through every step works. Each step appends Q new
-positions; the queries are the *last* Q positions of the keys, so mask with
-``causal(align="bottom_right")``::
+Each step appends Q new positions in place (buffers grown by doubling, :class:`KVCache`); the queries
+are the *last* Q positions of the keys, so mask with ``causal(align="bottom_right")``::
 
     step 1 (prefill, Q=K=3)      step 2 (Q=1, K=4)
     ■ · ·                        ■ ■ ■ ■     ← the new query sees every cached key and itself
     ■ ■ ·
     ■ ■ ■
 
-``window=W`` evicts keys no future query can see under ``sliding_window(W - 1, align="bottom_right")``
-(each query sees W keys ending at itself). ``crop(n)`` rolls back to n positions.
-
-``layers=``: per-layer caches of your own (:class:`CacheLayer`, :class:`AttendingLayer`; e.g. a
-head-wise KV budget's, ``bhqk.budget.Plan.kv_cache``).
+Under autograd (new keys that require grad) the cache never writes into a tensor a graph may hold:
+each step builds new buffers with ``torch.cat``, so backward through every step works.
 """
 
 from __future__ import annotations
@@ -246,12 +237,13 @@ def _describe(st: dict) -> str:
 class KVCache:
     """Keys and values of past positions for ``num_layers`` attention layers.
 
-    ``capacity``: positions the buffers hold, allocated at the first call (default 16; e.g. prompt +
-    new tokens). A longer sequence reallocates them at twice the size, and ``repr`` then says
-    ``grown from N``. ``window``: keep only what ``sliding_window(window - 1, align="bottom_right")`` can
-    still see. ``layers``: the per-layer caches to hold instead (:class:`CacheLayer`; e.g.
-    ``plan.kv_cache(model)``, a head-wise KV budget's). Pass ``cache[i]`` to layer i:
-    ``mha(x, mask=causal("bottom_right"), cache=cache[i])``.
+    ``capacity``: positions the buffers hold, allocated at the first call (default 16; give the prompt
+    plus the new tokens to allocate once); a longer sequence reallocates them at twice the size
+    (amortised O(1) copies per position) and ``repr`` then says ``grown from N``. ``window``: keep only
+    what ``sliding_window(window - 1, align="bottom_right")`` can still see; ``crop(n)`` rolls back to n
+    positions. ``layers``: per-layer caches to hold instead (:class:`CacheLayer`, :class:`AttendingLayer`;
+    e.g. ``plan.kv_cache(model)``). Pass ``cache[i]`` to layer i: ``mha(x, mask=causal("bottom_right"),
+    cache=cache[i])``.
     """
 
     def __init__(self, num_layers: int | None = None, *, capacity: int | None = None, window: int | None = None,
