@@ -29,7 +29,7 @@ from ..integrations.hf_attention import model_mask
 from ..integrations.hf_mask import AllKeys
 from ..shapes import as_4d
 from .mask import at_columns, held_mask, one_call_mask, streaming_mask
-from .quant import BLOCK, RESIDUAL, Quantized, quantize
+from .quant import BLOCK, RESIDUAL, Quantized, age
 from .quant import attend as attend_quantized
 from .quant import check as check_bits
 from .ring import attend_groups, fits_plan, own, split_kv, spread, take_heads
@@ -329,18 +329,10 @@ class BudgetLayer(CacheLayerMixin):
         return k, v
 
     def _age(self) -> None:
-        """Quantize the full heads' float positions older than the last ``residual`` (per position:
-        :func:`bhqk.budget.quant.quantize`); after the call that wrote up to ``length``, positions
-        < length − residual are integers, the rest float."""
+        """Quantize the full heads' float positions older than the last ``residual`` (:func:`bhqk.budget.quant.age`;
+        the float tail is owned by ``_own``)."""
         assert self.fk is not None and self.fv is not None and self.bits is not None and self.group is not None
-        m = self.fk.shape[-2] - self.residual
-        if m <= 0:
-            return
-        nk = quantize(self.fk[..., :m, :], self.bits, self.group)  # [B, h_full, m, d] -> integers and scales
-        nv = quantize(self.fv[..., :m, :], self.bits, self.group)
-        self.qk = nk if self.qk is None else self.qk.cat(nk)  # [B, h_full, nq + m, ·]
-        self.qv = nv if self.qv is None else self.qv.cat(nv)
-        self.fk, self.fv = self.fk[..., m:, :], self.fv[..., m:, :]  # [B, h_full, residual, ·] (owned by _own)
+        self.qk, self.qv, self.fk, self.fv = age(self.qk, self.qv, self.fk, self.fv, self.bits, self.group, self.residual)
 
     def _n_full(self) -> int:
         """Positions the full heads hold (quantized and float)."""
