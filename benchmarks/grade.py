@@ -16,9 +16,11 @@ its full heads' keys and values quantized (``plan.cache(model, bits=b)``: group 
 ``bits8`` / ``bits4`` alone: every head full, quantized (the all-full plan with ``bits``).
 Every configuration answers the same prompts (seeded: ``--seed``), so differences are paired.
 
-``--part import --replies FILE``: the graded replies of another library's caches (benchmarks/hf_quantized.py's
-JSON: Hugging Face's ``QuantizedCache``), added to the tag's groups as configurations ``hf:<name>`` after
-checking that they answered the same prompts, so the table pairs them with the rest.
+``--part import --replies FILE ...``: graded replies made elsewhere, added to the tag's groups after checking
+that they answered the same prompts, so the table pairs them with the rest: another library's caches
+(benchmarks/hf_quantized.py's JSON: Hugging Face's ``QuantizedCache``) as configurations ``hf:<name>``, each
+reply scored again by ``Prompt.score``; or another tag's run of this script (``grade-<tag>.json``: configurations
+graded in parallel processes), under their own names.
 
 Results merge into ``benchmarks/results/grade-<tag>.json`` (CPU model and flags, versions, load average,
 the plans' full heads). ``tasks`` writes after each (task, length) group and skips the groups already
@@ -115,38 +117,60 @@ def describe_plans(plans: dict) -> dict:
 
 
 def part_import(a) -> None:
-    """Another library's graded replies (module doc) into the tag's groups as ``hf:<name>``."""
+    """Graded replies from elsewhere into the tag's groups (module doc): another library's (benchmarks/hf_quantized.py's
+    JSON, as ``hf:<name>``) or another tag's run of this script on the same prompts (its configurations, as named)."""
     from bhqk.evaluate import tasks
     from bhqk.models import pretrained
 
-    src = json.loads(a.replies.read_text())
-    got = src["tasks"]
     data = load_results(a.tag)
     run = data.get("tasks")
     if not run:
         raise SystemExit(f"{path_of(a.tag).name} has no graded tasks: grade bhqk's configurations first")
     _, tok = pretrained(a.model)
-    by_group: dict = {}
-    for i, p in enumerate(got["prompts"]):
-        by_group.setdefault(f"{p['task']}@{p['length']}", []).append(i)
-    new = []
-    for name, entries in got["entries"].items():
-        cname = f"hf:{name}"
-        for key, idx in by_group.items():
-            g = run["groups"].get(key)
-            if g is None or g["trials"] != len(idx) or [got["prompts"][i] for i in idx] != g["prompts"]:
-                raise SystemExit(f"{key}: the replies in {a.replies} answer other prompts than {path_of(a.tag).name}'s")
-            made = [tasks.make(tok, g["task"], g["length"], t, run["seed"]) for t in range(g["trials"])]
-            if [p.to_json() for p in made] != g["prompts"]:
-                raise SystemExit(f"{key}: the stored prompts are not those the seed makes now")
-            rows = [entries[i] for i in idx]
-            for r, p in zip(rows, made):  # bhqk's rule, again, on the reply as decoded there
-                r["correct"] = p.score(r["reply"])
-            g["entries"][cname] = rows
-        new.append(cname)
-    run["configs"] = list(dict.fromkeys(run["configs"] + new))
-    run.setdefault("imported", []).append({"replies": str(a.replies), "configs": new, "meta": meta(),
-                                           "source_runs": src.get("runs", [])})
+    made = {key: [tasks.make(tok, g["task"], g["length"], t, run["seed"]) for t in range(g["trials"])]
+            for key, g in run["groups"].items()}
+    for key, g in run["groups"].items():
+        if [p.to_json() for p in made[key]] != g["prompts"]:
+            raise SystemExit(f"{key}: the stored prompts are not those the seed makes now")
+    for path in a.replies:
+        src = json.loads(path.read_text())
+        new = []
+        if "groups" in src.get("tasks", {}):  # a run of this script
+            other = src["tasks"]
+            for name in other["configs"]:
+                if name in run["configs"]:
+                    continue
+                for key, g in run["groups"].items():
+                    o = other["groups"].get(key)
+                    if o is None or o["prompts"] != g["prompts"] or name not in o["entries"]:
+                        raise SystemExit(f"{key}: {path} did not grade {name} on {path_of(a.tag).name}'s prompts")
+                    g["entries"][name] = o["entries"][name]
+                run["plans"][name] = other["plans"].get(name)
+                new.append(name)
+        else:  # benchmarks/hf_quantized.py's replies
+            got = src["tasks"]
+            by_group: dict = {}
+            for i, p in enumerate(got["prompts"]):
+                by_group.setdefault(f"{p['task']}@{p['length']}", []).append(i)
+            if set(by_group) != set(run["groups"]):
+                raise SystemExit(f"{path} answers the groups {sorted(by_group)}, {path_of(a.tag).name} {sorted(run['groups'])}")
+            for name, entries in got["entries"].items():
+                cname = f"hf:{name}"
+                if cname in run["configs"]:
+                    continue
+                for key, idx in by_group.items():
+                    g = run["groups"][key]
+                    if [got["prompts"][i] for i in idx] != g["prompts"]:
+                        raise SystemExit(f"{key}: the replies in {path} answer other prompts than {path_of(a.tag).name}'s")
+                    rows = [dict(entries[i]) for i in idx]
+                    for r, p in zip(rows, made[key]):  # bhqk's rule, again, on the reply as decoded there
+                        r["correct"] = p.score(r["reply"])
+                    g["entries"][cname] = rows
+                new.append(cname)
+        run["configs"] = list(dict.fromkeys(run["configs"] + new))
+        run.setdefault("imported", []).append({"from": str(path), "configs": new, "meta": meta(),
+                                               "source_runs": src.get("runs", src.get("tasks", {}).get("meta", []))})
+        print(f"imported {', '.join(new) or 'nothing new'} from {path}", flush=True)
     save_results(a.tag, data)
     print(tasks_table(data))
 
@@ -341,7 +365,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunks", default="8", help="text chunks per --lengths value (kl), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--replies", type=Path, help="import: benchmarks/hf_quantized.py's JSON")
+    p.add_argument("--replies", type=Path, nargs="+", help="import: benchmarks/hf_quantized.py's JSON, or another "
+                   "tag's grade-<tag>.json graded on the same prompts")
     a = p.parse_args()
     torch.set_grad_enabled(False)
     if a.part == "tasks":
