@@ -20,7 +20,8 @@ Every configuration answers the same prompts (seeded: ``--seed``), so difference
 that they answered the same prompts, so the table pairs them with the rest: another library's caches
 (benchmarks/hf_quantized.py's JSON: Hugging Face's ``QuantizedCache``) as configurations ``hf:<name>``, each
 reply scored again by ``Prompt.score``; or another tag's run of this script (``grade-<tag>.json``: configurations
-graded in parallel processes), under their own names.
+graded in parallel processes, or an earlier run such as the curve's), under their own names; ``--only`` picks
+configurations. A tag without a run starts from the groups and prompts of the first such file.
 
 Results merge into ``benchmarks/results/grade-<tag>.json`` (CPU model and flags, versions, load average,
 the plans' full heads). ``tasks`` writes after each (task, length) group and skips the groups already
@@ -124,8 +125,16 @@ def part_import(a) -> None:
 
     data = load_results(a.tag)
     run = data.get("tasks")
-    if not run:
-        raise SystemExit(f"{path_of(a.tag).name} has no graded tasks: grade bhqk's configurations first")
+    if not run:  # a new tag: the groups and prompts of the first run of this script among the files, no entries
+        first = next((json.loads(p.read_text())["tasks"] for p in a.replies
+                      if "groups" in json.loads(p.read_text()).get("tasks", {})), None)
+        if first is None:
+            raise SystemExit(f"{path_of(a.tag).name} has no graded tasks: grade bhqk's configurations first")
+        run = data["tasks"] = {"configs": [], "sink": first["sink"], "window": first["window"], "seed": first["seed"],
+                               "plans": {}, "meta": [meta()],
+                               "groups": {k: {**{f: g[f] for f in ("task", "length", "trials", "prompts")}, "entries": {}}
+                                          for k, g in first["groups"].items()}}
+    only = set(a.only.split(",")) if a.only else None
     _, tok = pretrained(a.model)
     made = {key: [tasks.make(tok, g["task"], g["length"], t, run["seed"]) for t in range(g["trials"])]
             for key, g in run["groups"].items()}
@@ -137,8 +146,10 @@ def part_import(a) -> None:
         new = []
         if "groups" in src.get("tasks", {}):  # a run of this script
             other = src["tasks"]
+            if (other["sink"], other["window"], other["seed"]) != (run["sink"], run["window"], run["seed"]):
+                raise SystemExit(f"{path}: graded with another sink, window or seed than {path_of(a.tag).name}")
             for name in other["configs"]:
-                if name in run["configs"]:
+                if name in run["configs"] or (only is not None and name not in only):
                     continue
                 for key, g in run["groups"].items():
                     o = other["groups"].get(key)
@@ -156,7 +167,10 @@ def part_import(a) -> None:
                 raise SystemExit(f"{path} answers the groups {sorted(by_group)}, {path_of(a.tag).name} {sorted(run['groups'])}")
             for name, entries in got["entries"].items():
                 cname = f"hf:{name}"
-                if cname in run["configs"]:
+                if cname in run["configs"] or (only is not None and cname not in only):
+                    continue
+                if len(entries) != len(got["prompts"]):
+                    print(f"{path}: {name} answered {len(entries)} of {len(got['prompts'])} prompts: not imported")
                     continue
                 for key, idx in by_group.items():
                     g = run["groups"][key]
@@ -367,6 +381,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--replies", type=Path, nargs="+", help="import: benchmarks/hf_quantized.py's JSON, or another "
                    "tag's grade-<tag>.json graded on the same prompts")
+    p.add_argument("--only", help="import: only these configurations (comma-separated; hf:<name> for another library's)")
     a = p.parse_args()
     torch.set_grad_enabled(False)
     if a.part == "tasks":

@@ -29,7 +29,8 @@ positions (the mask hides the old ones); its configurations are named ``…-forc
 
 Parts (``--parts``):
 
-- ``bytes``: after a prefill of ``--n`` tokens of the text (one sequence), the bytes the cache holds: the
+- ``bytes``: after a prefill of ``--n`` tokens of the text (one sequence; one forward, whose keys and values
+  fill each configuration's cache through its ``update``: :func:`prefilled`), the bytes the cache holds: the
   storage of every tensor it keeps (quantized integers, scales, zero points, float residual keys and values;
   a tensor subclass counted through its inner tensors, each storage once), and the logical ``nbytes`` of the
   same tensors; the full cache's storage includes what a sliding layer's view keeps of the prefill.
@@ -39,7 +40,8 @@ Parts (``--parts``):
   prompts, ``bhqk.evaluate.tasks.make``), replies greedy on each cache as ``bhqk.evaluate.grade.reply`` gives
   them (bhqk's loop, stopped at the same end tokens), scored by ``Prompt.score``; ``grade.py --part import``
   adds them to a grade.py run on the same prompts for the paired intervals.
-- ``step``: the median of ``--steps`` decode steps after a prefill of ``--n`` tokens, and ``uptime``'s load
+- ``step``: the median of ``--steps`` decode steps after a prefill of ``--n`` tokens (filled as for ``bytes``),
+  each at its true position, and ``uptime``'s load
   (run it alone, under ``flock /tmp/bhqk-cpu.lock``).
 
 Writes ``benchmarks/results/hf-quantized-<tag>.json`` (merged part by part; CPU model and flags from
@@ -194,16 +196,38 @@ def perplexity(model, ids, cache, chunk: int) -> float:
     return math.exp(nll / count)
 
 
-def part_bytes(model, corpus, tok, names: list[str], n: int) -> dict:
+def prefilled(model, ids):
+    """One prefill of ``ids`` [1, n] into a cache that keeps every position of every layer: per layer (keys,
+    values), and the next token [1, 1]. Every configuration's cache is then filled from these (:func:`filled`)
+    instead of running the model again: the prefill's attention never reads the cache, so a cache's state
+    after the model's prefill is what its ``update`` makes of the same keys and values."""
     import torch
+    from transformers import Cache
+    from transformers.cache_utils import DynamicLayer
 
-    ids = text_ids(corpus, tok, n)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    cache = Cache(layers=[DynamicLayer() for _ in range(layers)])
+    with torch.no_grad():
+        o = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return [(la.keys, la.values) for la in cache.layers], o.logits[:, -1:].argmax(-1)
+
+
+def filled(model, name: str, kv):
+    """A fresh cache of ``name`` after :func:`prefilled`'s keys and values (one ``update`` per layer)."""
+    cache = make_cache(model, name)
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache
+
+
+def part_bytes(model, corpus, tok, names: list[str], n: int) -> dict:
+    t0 = time.perf_counter()
+    kv, _ = prefilled(model, text_ids(corpus, tok, n))
+    print(f"prefill {n}: {time.perf_counter() - t0:.0f} s", flush=True)
     rows = {}
     for name in names:
         t0 = time.perf_counter()
-        cache = make_cache(model, name)
-        with torch.no_grad():
-            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = filled(model, name, kv)
         rows[name] = {**cache_bytes(cache), "layers": [type(la).__name__ for la in cache.layers][:1] +
                       sorted({type(la).__name__ for la in cache.layers}), "seconds": time.perf_counter() - t0}
         print(f"bytes {name}: {rows[name]['storage']} storage, {rows[name]['logical']} logical", flush=True)
@@ -225,23 +249,26 @@ def part_ppl(model, corpus, tok, names: list[str], n: int, chunk: int) -> dict:
             "ratio": {k: v / rows["full"] for k, v in rows.items()} if "full" in rows else {}}
 
 
-def part_tasks(model, tasks, greedy, tok, names: list[str], old: dict | None) -> dict:
+def part_tasks(model, tasks, greedy, tok, names: list[str], old: dict | None, save=None) -> dict:
     prompts = [tasks.make(tok, t, LENGTH, i, SEED) for t in TASKS for i in range(TRIALS)]
     eos = greedy.eos_ids(model, tok)
     out = old or {"length": LENGTH, "seed": SEED, "prompts": [p.to_json() for p in prompts], "entries": {}}
     if out["prompts"] != [p.to_json() for p in prompts]:
         raise SystemExit("tasks: the stored prompts are not those made now: use another --tag")
     for name in names:
-        if name in out["entries"]:
+        if len(out["entries"].get(name, [])) == len(prompts):
             continue
-        t0, entries = time.perf_counter(), []
-        for p in prompts:
+        t0, entries = time.perf_counter(), out["entries"].get(name, [])  # a partial run resumes
+        for p in prompts[len(entries):]:
             r = greedy.greedy(model, p.ids, make_cache(model, name), max_new_tokens=p.max_new_tokens, eos=eos,
                               keyword="cache")
             text = tok.decode(r.tokens, skip_special_tokens=True).strip()
             entries.append({"task": p.task, "length": p.length, "trial": p.trial, "reply": text,
                             "correct": p.score(text), "new_tokens": len(r.tokens), "prefill_s": round(r.prefill_s, 4),
                             "decode_s": round(r.decode_s, 4)})
+            if save is not None and len(entries) % 10 == 0:  # every 10 replies: an interrupted run keeps them
+                out["entries"][name] = entries
+                save(out)
         out["entries"][name] = entries
         k = {t: sum(e["correct"] for e in entries if e["task"] == t) for t in TASKS}
         print(f"tasks {name}: " + ", ".join(f"{t} {k[t]}/{TRIALS}" for t in TASKS) +
@@ -252,14 +279,13 @@ def part_tasks(model, tasks, greedy, tok, names: list[str], old: dict | None) ->
 def part_step(model, corpus, tok, names: list[str], n: int, steps: int) -> dict:
     import torch
 
-    ids = text_ids(corpus, tok, n)
+    kv, first = prefilled(model, text_ids(corpus, tok, n))
     rows = {}
     for name in names:
-        cache = make_cache(model, name)
+        cache = filled(model, name, kv)
         times = []
+        nxt = first
         with torch.no_grad():
-            o = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            nxt = o.logits[:, -1:].argmax(-1)
             for i in range(steps):
                 t0 = time.perf_counter()
                 o = model(input_ids=nxt, cache=cache, use_cache=True,
@@ -345,7 +371,11 @@ def main() -> None:
         elif part == "ppl":
             data["ppl"] = {**data.get("ppl", {}), str(a.ppl): part_ppl(model, corpus, tok, run_names, a.ppl, a.chunk)}
         elif part == "tasks":
-            data["tasks"] = part_tasks(model, tasks, greedy, tok, run_names, data.get("tasks"))
+            def save_tasks(out: dict) -> None:
+                data["tasks"] = out
+                save("tasks")
+
+            data["tasks"] = part_tasks(model, tasks, greedy, tok, run_names, data.get("tasks"), save_tasks)
         elif part == "step":
             data.setdefault("step", []).append({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                                                 **part_step(model, corpus, tok, run_names, a.n, a.steps)})
