@@ -6,11 +6,22 @@
     python benchmarks/grade.py --part kl --lengths 4096 --chunks 8 --configs full,streaming,default@0.25,random0@0.25 --tag T
     python benchmarks/grade.py --part cost --lengths 1024,2048,4096 --repeats 3 --tag T   # one trial's seconds
     python benchmarks/grade.py --part table --tag T                                        # the tables again
+    python benchmarks/grade.py --part import --replies benchmarks/results/hf-quantized-T.json --tag T
 
 Configurations (sink ``--sink``, window ``--window``): ``full`` (the model as it is), ``streaming`` (every
 K/V head sink + window), ``<score>@<fraction>`` (``bhqk.budget.find(full=fraction, score=...)``;
-``default`` is find's default score), ``random<seed>@<fraction>`` (that many K/V heads drawn at random).
+``default`` is find's default score), ``random<seed>@<fraction>`` (that many K/V heads drawn at random);
+any of them but ``full`` with ``+bits8`` or ``+bits4`` (``fisher-stored@0.25+bits4``): that plan's cache with
+its full heads' keys and values quantized (``plan.cache(model, bits=b)``: group 32, a float window of 64), and
+``bits8`` / ``bits4`` alone: every head full, quantized (the all-full plan with ``bits``).
 Every configuration answers the same prompts (seeded: ``--seed``), so differences are paired.
+
+``--part import --replies FILE ...``: graded replies made elsewhere, added to the tag's groups after checking
+that they answered the same prompts, so the table pairs them with the rest: another library's caches
+(benchmarks/hf_quantized.py's JSON: Hugging Face's ``QuantizedCache``) as configurations ``hf:<name>``, each
+reply scored again by ``Prompt.score``; or another tag's run of this script (``grade-<tag>.json``: configurations
+graded in parallel processes, or an earlier run such as the curve's), under their own names; ``--only`` picks
+configurations. A tag without a run starts from the groups and prompts of the first such file.
 
 Results merge into ``benchmarks/results/grade-<tag>.json`` (CPU model and flags, versions, load average,
 the plans' full heads). ``tasks`` writes after each (task, length) group and skips the groups already
@@ -62,24 +73,120 @@ def meta() -> dict:
             "note": "shared 2-core machine (other agents running): timings are noisy"}
 
 
+def with_bits(plan, bits: int):
+    """``plan`` whose ``cache(model)`` quantizes (``plan.cache(model, bits=bits)``): a Plan still, so
+    ``bhqk.evaluate.grade`` checks and runs it as any other."""
+    import dataclasses
+
+    from bhqk.budget import Plan
+
+    global BitsPlan
+    if "BitsPlan" not in globals():
+        @dataclasses.dataclass
+        class BitsPlan(Plan):  # noqa: F811  # one class, made on first use (bhqk imported lazily)
+            bits: int | None = None
+
+            def cache(self, model=None, bits=None, group=None, residual=None, block=None):
+                return super().cache(model, self.bits if bits is None else bits, group, residual, block)
+
+    return BitsPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}, bits=bits)
+
+
 def plans_of(model, tok, names: list[str], sink: int, window: int) -> dict:
-    """name -> None (full) or a Plan."""
+    """name -> None (full) or a Plan (``…+bits<b>``, ``bits<b>``: quantized; module doc)."""
     out: dict = {}
     for name in names:
         if name == "full":
             out[name] = None
             continue
-        score, _, frac = name.partition("@")
+        base, _, bits = name.partition("+bits")
+        if base.startswith("bits") and not bits:  # bits8: every head full, quantized
+            base, bits = "full", base[len("bits"):]
+        score, _, frac = base.partition("@")
         if score == "default":
             score = budget_bench.default_score()
-        out[name] = budget_bench.make_plan(model, tok, score, float(frac or 0.0), sink, window)
+        plan = budget_bench.make_plan(model, tok, score, float(frac or (1.0 if score == "full" else 0.0)), sink, window)
+        out[name] = with_bits(plan, int(bits)) if bits else plan
     return out
 
 
 def describe_plans(plans: dict) -> dict:
     return {name: None if p is None else {"full_heads": int(p.full.sum()), "kv_heads": p.full.numel(),
-                                          "score": p.score, "plan": p.full.int().tolist()}
+                                          "score": p.score, "plan": p.full.int().tolist(),
+                                          "bits": getattr(p, "bits", None)}
             for name, p in plans.items()}
+
+
+def part_import(a) -> None:
+    """Graded replies from elsewhere into the tag's groups (module doc): another library's (benchmarks/hf_quantized.py's
+    JSON, as ``hf:<name>``) or another tag's run of this script on the same prompts (its configurations, as named)."""
+    from bhqk.evaluate import tasks
+    from bhqk.models import pretrained
+
+    data = load_results(a.tag)
+    run = data.get("tasks")
+    if not run:  # a new tag: the groups and prompts of the first run of this script among the files, no entries
+        first = next((json.loads(p.read_text())["tasks"] for p in a.replies
+                      if "groups" in json.loads(p.read_text()).get("tasks", {})), None)
+        if first is None:
+            raise SystemExit(f"{path_of(a.tag).name} has no graded tasks: grade bhqk's configurations first")
+        run = data["tasks"] = {"configs": [], "sink": first["sink"], "window": first["window"], "seed": first["seed"],
+                               "plans": {}, "meta": [meta()],
+                               "groups": {k: {**{f: g[f] for f in ("task", "length", "trials", "prompts")}, "entries": {}}
+                                          for k, g in first["groups"].items()}}
+    only = set(a.only.split(",")) if a.only else None
+    _, tok = pretrained(a.model)
+    made = {key: [tasks.make(tok, g["task"], g["length"], t, run["seed"]) for t in range(g["trials"])]
+            for key, g in run["groups"].items()}
+    for key, g in run["groups"].items():
+        if [p.to_json() for p in made[key]] != g["prompts"]:
+            raise SystemExit(f"{key}: the stored prompts are not those the seed makes now")
+    for path in a.replies:
+        src = json.loads(path.read_text())
+        new = []
+        if "groups" in src.get("tasks", {}):  # a run of this script
+            other = src["tasks"]
+            if (other["sink"], other["window"], other["seed"]) != (run["sink"], run["window"], run["seed"]):
+                raise SystemExit(f"{path}: graded with another sink, window or seed than {path_of(a.tag).name}")
+            for name in other["configs"]:
+                if name in run["configs"] or (only is not None and name not in only):
+                    continue
+                for key, g in run["groups"].items():
+                    o = other["groups"].get(key)
+                    if o is None or o["prompts"] != g["prompts"] or name not in o["entries"]:
+                        raise SystemExit(f"{key}: {path} did not grade {name} on {path_of(a.tag).name}'s prompts")
+                    g["entries"][name] = o["entries"][name]
+                run["plans"][name] = other["plans"].get(name)
+                new.append(name)
+        else:  # benchmarks/hf_quantized.py's replies
+            got = src["tasks"]
+            by_group: dict = {}
+            for i, p in enumerate(got["prompts"]):
+                by_group.setdefault(f"{p['task']}@{p['length']}", []).append(i)
+            if set(by_group) != set(run["groups"]):
+                raise SystemExit(f"{path} answers the groups {sorted(by_group)}, {path_of(a.tag).name} {sorted(run['groups'])}")
+            for name, entries in got["entries"].items():
+                cname = f"hf:{name}"
+                if cname in run["configs"] or (only is not None and cname not in only):
+                    continue
+                if len(entries) != len(got["prompts"]):
+                    print(f"{path}: {name} answered {len(entries)} of {len(got['prompts'])} prompts: not imported")
+                    continue
+                for key, idx in by_group.items():
+                    g = run["groups"][key]
+                    if [got["prompts"][i] for i in idx] != g["prompts"]:
+                        raise SystemExit(f"{key}: the replies in {path} answer other prompts than {path_of(a.tag).name}'s")
+                    rows = [dict(entries[i]) for i in idx]
+                    for r, p in zip(rows, made[key]):  # bhqk's rule, again, on the reply as decoded there
+                        r["correct"] = p.score(r["reply"])
+                    g["entries"][cname] = rows
+                new.append(cname)
+        run["configs"] = list(dict.fromkeys(run["configs"] + new))
+        run.setdefault("imported", []).append({"from": str(path), "configs": new, "meta": meta(),
+                                               "source_runs": src.get("runs", src.get("tasks", {}).get("meta", []))})
+        print(f"imported {', '.join(new) or 'nothing new'} from {path}", flush=True)
+    save_results(a.tag, data)
+    print(tasks_table(data))
 
 
 def part_tasks(a) -> None:
@@ -260,7 +367,7 @@ def cost_table(data: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["tasks", "kl", "cost", "table"], required=True)
+    p.add_argument("--part", choices=["tasks", "kl", "cost", "table", "import"], required=True)
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     p.add_argument("--model", default="smollm2-135m", help="a bhqk.models.pretrained name (default smollm2-135m)")
     p.add_argument("--tasks", default="needle,multikey,multivalue")
@@ -272,6 +379,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunks", default="8", help="text chunks per --lengths value (kl), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--replies", type=Path, nargs="+", help="import: benchmarks/hf_quantized.py's JSON, or another "
+                   "tag's grade-<tag>.json graded on the same prompts")
+    p.add_argument("--only", help="import: only these configurations (comma-separated; hf:<name> for another library's)")
     a = p.parse_args()
     torch.set_grad_enabled(False)
     if a.part == "tasks":
@@ -280,6 +390,8 @@ def main() -> None:
         part_kl(a)
     elif a.part == "cost":
         part_cost(a)
+    elif a.part == "import":
+        part_import(a)
     else:
         data = load_results(a.tag)
         for name, f in (("tasks", tasks_table), ("kl", kl_table), ("cost", cost_table)):

@@ -1,9 +1,12 @@
-"""Quantized keys and values in the budget cache on SmolLM2-135M-Instruct: bytes and chunked perplexity.
+"""Quantized keys and values in the budget cache on SmolLM2-135M-Instruct (or ``--model gemma3-270m``): bytes
+and chunked perplexity.
 
-    flock /tmp/bhqk-cpu.lock python benchmarks/quant.py [--n 8192] [--ppl 2048,4096] [--chunk 128] --tag T
+    flock /tmp/bhqk-cpu.lock python benchmarks/quant.py [--model M] [--n 8192] [--ppl 2048,4096] [--chunk 128] --tag T
 
 - bytes after ``--n`` tokens (one sequence), against the model's own fp32 cache (``DynamicCache``): the
-  full plan and the quarter plan (``fisher-stored`` at 0.25, sink 64, window 256: benchmarks/budget.py's),
+  full plan and the quarter plan (``--quarter`` at 0.25, sink 64, window 256: benchmarks/budget.py's; by
+  default ``fisher-stored`` for SmolLM2, the curve's stored scores, and ``fisher``, computed by ``find``,
+  for any other model),
   ``bits`` None / 8 / 4 (group 32, a float window of 64): ``Plan.nbytes`` predicted, and for ``--measure``
   configurations the cache's ``nbytes()`` after a prefill of ``--n`` tokens (they must agree).
 - perplexity of the first N tokens of ``pydoc_data.topics`` (``bhqk.corpus``) for each N of ``--ppl``,
@@ -33,9 +36,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SINK, WINDOW = 64, 256
 
 
-def plans(model, tok) -> dict:
+def plans(model, tok, quarter: str = "fisher-stored") -> dict:
     return {"full": make_plan(model, tok, "full", 1.0, SINK, WINDOW),
-            "quarter": make_plan(model, tok, "fisher-stored", 0.25, SINK, WINDOW)}
+            "quarter": make_plan(model, tok, quarter, 0.25, SINK, WINDOW)}
 
 
 @torch.no_grad()
@@ -61,16 +64,20 @@ def main() -> None:
                     "(own:0: the model's own cache)")
     ap.add_argument("--steps", type=int, default=0, help="decode steps timed after each measured prefill (median)")
     ap.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    ap.add_argument("--model", default="smollm2-135m", help="a bhqk.models.pretrained name")
+    ap.add_argument("--quarter", default=None, help="the quarter plan's score (default: fisher-stored for "
+                    "smollm2-135m, whose scores are stored; fisher otherwise)")
     a = ap.parse_args()
+    quarter = a.quarter or ("fisher-stored" if a.model == "smollm2-135m" else "fisher")
     from transformers import DynamicCache
 
     from bhqk import corpus
 
-    model, tok = load()
+    model, tok = load(a.model)
     text = corpus.prefix(tok) + corpus.filler(tok)  # the corpus's one rule: a text starts as its tokenizer starts one
-    ps = plans(model, tok)
+    ps = plans(model, tok, quarter)
     own = ps["full"].nbytes(a.n, model)[1]
-    out: dict = {"meta": {**machine.describe(), "model": "smollm2-135m (fp32)", "n": a.n, "chunk": a.chunk,
+    out: dict = {"meta": {**machine.describe(), "model": f"{a.model} (fp32)", "quarter": quarter, "n": a.n, "chunk": a.chunk,
                           "sink": SINK, "window": WINDOW, "group": 32, "residual": 64}, "bytes": {}, "ppl": {}}
     for pname, plan in ps.items():
         for bits in (None, 8, 4):
@@ -113,7 +120,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"quant-{a.tag}.json"
     path.write_text(json.dumps(out, indent=1))
-    print(f"\nSmolLM2-135M, {out['meta']['cpu_model']}; bytes after {a.n} tokens (fp32 own cache {own / 2**20:.1f} MiB):")
+    print(f"\n{a.model}, {out['meta']['cpu_model']}; bytes after {a.n} tokens (fp32 own cache {own / 2**20:.1f} MiB):")
     print(f"{'configuration':<22}{'bytes':>14}{'× own':>8}{'measured':>14}{'step ms':>10}")
     for k, v in out["bytes"].items():
         step = f"{1e3 * v['step_median_s']:.0f}" if "step_median_s" in v else ""
