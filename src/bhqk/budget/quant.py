@@ -246,18 +246,7 @@ def _factored(q: torch.Tensor, qk: Quantized, qv: Quantized, keys: torch.Tensor,
     s = (qi * ks[:, :, None]).sum(3) + torch.matmul(qr.view(B, h, R, J, qk.group).sum(-1), kz)  # [B, h, R, nq]
     s = torch.cat([s, torch.matmul(qr, keys.transpose(-1, -2))], -1)  # [B, h, R, K]: the float tail's columns last
     s = s.mul_(d ** -0.5 if scale is None else scale).view(B, h, G, Q, K)  # [B, h, G, Q, K]
-    if softcap is not None:
-        s = torch.tanh(s.div_(softcap)).mul_(softcap)
-    m, bias = masks_at(0, K)
-    b = _heads(bias, h, G)
-    if b is not None:
-        s = s + b.to(dt)
-    mk = _heads(m if isinstance(m, torch.Tensor) else None, h, G)
-    if mk is not None:
-        s = s.masked_fill(~mk, float("-inf"))
-    top = s.amax(-1)  # [B, h, G, Q]
-    p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None])  # [B, h, G, Q, K]
-    total = p.sum(-1)  # [B, h, G, Q]
+    p, top, total = _exp_scores(s, *masks_at(0, K), softcap)  # [B, h, G, Q, K], [B, h, G, Q] twice
     p = p.view(B, h, R, K)
     pq = p[..., :nq]  # [B, h, R, nq]
     vs = qv.scale.to(dt).transpose(-1, -2)  # [B, h, nq, Jv] -> [B, h, Jv, nq]
@@ -293,6 +282,18 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m, bias: torch.Ten
     G = H // h
     s = torch.matmul(q.reshape(B, h, G * Q, d), k.transpose(-1, -2))  # [B, h, G·Q, n]
     s = s.mul_(d ** -0.5 if scale is None else scale).view(B, h, G, Q, -1)  # [B, h, G, Q, n]
+    p, top, total = _exp_scores(s, m, bias, softcap)  # [B, h, G, Q, n], [B, h, G, Q] twice
+    o = torch.matmul(p.view(B, h, G * Q, -1), v).view(B, h, G, Q, -1)  # [B, h, G, Q, dv]
+    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return o.reshape(B, H, Q, -1), lse_of(top, total).reshape(B, H, Q)  # [B, H, Q, dv], [B, H, Q]
+
+
+def _exp_scores(s: torch.Tensor, m, bias: torch.Tensor | None,
+                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scaled scores s [B, h, G, Q, n] → (exp(s − row max) [B, h, G, Q, n], row max, row sum [B, h, G, Q]):
+    soft cap, then the additive bias and the mask [#B, #H, #Q, n] in the grouped layout; a row that sees
+    nothing has max −inf and sum 0."""
+    h, G = s.shape[1], s.shape[2]
     if softcap is not None:
         s = torch.tanh(s.div_(softcap)).mul_(softcap)
     b = _heads(bias, h, G)
@@ -303,10 +304,7 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m, bias: torch.Ten
         s = s.masked_fill(~mk, float("-inf"))
     top = s.amax(-1)  # [B, h, G, Q]
     p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None])  # [B, h, G, Q, n]
-    total = p.sum(-1)  # [B, h, G, Q]
-    o = torch.matmul(p.view(B, h, G * Q, -1), v).view(B, h, G, Q, -1)  # [B, h, G, Q, dv]
-    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    return o.reshape(B, H, Q, -1), lse_of(top, total).reshape(B, H, Q)  # [B, H, Q, dv], [B, H, Q]
+    return p, top, p.sum(-1)
 
 
 def _spoiled(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
