@@ -6,6 +6,8 @@ predicts; crop, assisted decoding, batch reorder and capture work on it; bad inp
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -272,66 +274,90 @@ def test_chunks_after_quantized_positions_equal_the_emulation(name):
 
 
 class _FakeQuantLayer(LayerCache):
-    """The emulation on bhqk's own models: an ordinary layer whose keys and values older than the last
-    ``residual`` before this call are read quantize→dequantize."""
+    """The emulation on bhqk's own models: an ordinary layer whose K/V heads ``heads`` read their keys and
+    values older than the last ``residual`` before this call quantize→dequantize."""
 
-    def __init__(self, bits: int, index: int) -> None:
+    def __init__(self, bits: int, index: int, heads: list[int]) -> None:
         super().__init__(None, None, index)
-        self.bits = bits
+        self.bits, self.heads = bits, heads
         self.until = 0  # positions read quantized whatever R says (a cache cropped back into its integers)
 
     def update(self, k, v):
         P = self.end
         keys, values = super().update(k, v)  # [B, Hkv, P + Q, ·]
         a = max(0, P - R, self.until)  # positions in integers when this call reads
-        return tuple(torch.cat([fake_quantize(t[..., :a, :], self.bits, GROUP), t[..., a:, :]], -2) for t in (keys, values))
+        out = []
+        for t in (keys, values):
+            t = t.clone()
+            t[:, self.heads, :a] = fake_quantize(t[:, self.heads, :a], self.bits, GROUP)  # [B, h, a, ·]
+            out.append(t)
+        return tuple(out)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("chunks", [[20], [7, 1, 12]])
-def test_own_model_quantized_cache_equals_the_emulation(bits, chunks):
+@pytest.mark.parametrize("which", ["all_full", "mixed"])
+def test_own_model_quantized_cache_equals_the_emulation(which, chunks, bits):
     """GPT-2 (bhqk's own) with ``plan.kv_cache(model, bits=...)``: prefill in chunks, then decode steps,
-    equal an ordinary cache reading the same quantize→dequantize positions; weights and capture read the
-    dequantized keys; crop is exact; bytes are the integers and the float tail."""
+    equal an ordinary cache reading the same quantize→dequantize positions of the full heads (the plan's
+    streaming mask edited in by ``plan.emulate``); an all-full plan's crop back into the integers is exact
+    and its bytes are the integers and the float tail."""
     from bhqk.budget.quant import QuantizedLayerCache
+    from bhqk.budget.ring import BudgetLayerCache
     from bhqk.nn import KVCache
     from test_budget_kvcache import _gpt2
+    from test_budget_kvcache import _mixed as _gpt2_mixed
     model = _gpt2()
     ids, am = _inputs()
-    plan = Plan(torch.ones(2, 4, dtype=torch.bool))
+    plan = Plan(torch.ones(2, 4, dtype=torch.bool)) if which == "all_full" else _gpt2_mixed()
+    full = [plan.full[li].nonzero().flatten().tolist() for li in range(2)]  # each layer's full K/V heads
+
+    def emulation():
+        return KVCache(layers=[_FakeQuantLayer(bits, li, full[li]) for li in range(2)])
+
     cache = plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK)
-    assert all(isinstance(layer, QuantizedLayerCache) for layer in cache)
+    kinds = {QuantizedLayerCache} if which == "all_full" else {BudgetLayerCache}
+    assert {type(layer) for layer in cache} == kinds
     seq = model.generate(ids, 10, attention_mask=am, cache=cache)  # [B, N + 10]
-    ref_seq = model.generate(ids, 10, attention_mask=am, cache=KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+    with plan.emulate(model):
+        ref_seq = model.generate(ids, 10, attention_mask=am, cache=emulation())
     assert torch.equal(seq, ref_seq)
     am2 = torch.cat([am, torch.ones(am.shape[0], 10, dtype=am.dtype)], 1)
     logits = {}
     with torch.no_grad():
-        for which in ("bits", "ref"):
-            c = (plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK) if which == "bits"
-                 else KVCache(layers=[_FakeQuantLayer(bits, i) for i in range(2)]))
+        for run in ("bits", "ref"):
+            c = plan.kv_cache(model, bits=bits, group=GROUP, residual=R, block=BLOCK) if run == "bits" else emulation()
             s, outs = 0, []
-            for n in chunks:
-                outs.append(model(seq[:, s:s + n], am2[:, :s + n], cache=c))  # [B, n, V]
-                s += n
-            for t in range(s, seq.shape[1] - 1):  # decode steps, Q = 1
-                outs.append(model(seq[:, t:t + 1], am2[:, :t + 1], cache=c))  # [B, 1, V]
-            if which == "bits":
-                assert c[0].qk is not None and c[0].qk.n == seq.shape[1] - 1 - R
-                B, Hkv, d = 2, 4, 8  # K and V: B·Hkv·(d·bits/8 + 2 float16 per group) a position, the tail in fp32
-                per, tail = 2 * B * Hkv * (d * bits // 8 + 2 * (d // GROUP) * 2), 2 * B * Hkv * R * d * 4
-                assert c.nbytes() == 2 * (c[0].qk.n * per + tail)
-            c.crop(15)  # back into the integers: they stay integers (the emulation reads them so), no float tail
-            if which == "bits":
-                assert c[0].qk.n == 15 and c[0].fk.shape[-2] == 0 and c.length == 15
-            else:
-                for layer in c:
-                    layer.until = 15
-            outs.append(model(seq[:, 15:16], am2[:, :16], cache=c))  # [B, 1, V]
-            logits[which] = torch.cat(outs, 1)  # [B, N + 10, V]
-    assert_models_close(logits["bits"], logits["ref"], width=64, layers=2, msg=f"own model bits={bits} chunks={chunks}")
-    with pytest.raises(ValueError, match="every head full"):
-        Plan(torch.tensor([[True, False, True, True]] * 2)).kv_cache(model, bits=4)
+            with plan.emulate(model) if run == "ref" else contextlib.nullcontext():
+                for n in chunks:
+                    outs.append(model(seq[:, s:s + n], am2[:, :s + n], cache=c))  # [B, n, V]
+                    s += n
+                for t in range(s, seq.shape[1] - 1):  # decode steps, Q = 1
+                    outs.append(model(seq[:, t:t + 1], am2[:, :t + 1], cache=c))  # [B, 1, V]
+                if which == "all_full":
+                    if run == "bits":
+                        assert c[0].qk is not None and c[0].qk.n == seq.shape[1] - 1 - R
+                        B, Hkv, d = 2, 4, 8  # K and V: B·Hkv·(d·bits/8 + 2 float16 a group) a position, the tail fp32
+                        per, tail = 2 * B * Hkv * (d * bits // 8 + 2 * (d // GROUP) * 2), 2 * B * Hkv * R * d * 4
+                        assert c.nbytes() == 2 * (c[0].qk.n * per + tail)
+                    c.crop(15)  # back into the integers: they stay integers (the emulation reads them so)
+                    if run == "bits":
+                        assert c[0].qk.n == 15 and c[0].fk.shape[-2] == 0 and c.length == 15
+                    else:
+                        for layer in c:
+                            layer.until = 15
+                    outs.append(model(seq[:, 15:16], am2[:, :16], cache=c))  # [B, 1, V]
+                elif run == "bits":  # the full heads' layer inside the budget layer holds integers
+                    assert c[0].full_cache.qk.n == seq.shape[1] - 1 - R
+            logits[run] = torch.cat(outs, 1)  # [B, N + 10 (+ 1), V]
+    assert_models_close(logits["bits"], logits["ref"], width=64, layers=2, msg=f"{which} bits={bits} chunks={chunks}")
+    if chunks == [20]:  # observed: each layer as one call over the dequantized keys, records the emulation's
+        with bhqk.capture(**KW) as got:
+            model.generate(ids, NEW, attention_mask=am, cache=plan.kv_cache(model, bits=bits, group=GROUP, residual=R))
+        with plan.emulate(model), bhqk.capture(**KW) as want:
+            model.generate(ids, NEW, attention_mask=am, cache=emulation())
+        assert len(got.records) == 2 * NEW
+        _same_records(got.records, want.records, layers=2, msg=f"own model {which} bits={bits}")
     with pytest.raises(ValueError, match="bits must be one of 8, 4"):
         plan.kv_cache(model, bits=3)
     with pytest.raises(ValueError, match="group=5 does not divide the head size d=8"):

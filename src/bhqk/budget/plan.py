@@ -231,7 +231,7 @@ class Plan:
         from ..nn import KVCache
         from .quant import BLOCK, RESIDUAL, QuantizedLayerCache
         from .quant import check as check_bits
-        from .ring import fits_plan, layer_cache
+        from .ring import layer_cache
 
         shape = self.model if model is None else self.check(model).shape
         d = None if shape is None else shape.head_dim
@@ -241,15 +241,9 @@ class Plan:
             return KVCache(layers=[layer_cache(self.full[li], self.sink, self.window, capacity, li, d)
                                    for li in range(self.num_layers)])
         check_bits(bits, group, d, "Plan.kv_cache")
-        mixed = [li for li in range(self.num_layers) if not bool(self.full[li].all())]
-        if mixed:
-            raise ValueError(f"Plan.kv_cache: bits on bhqk's own models needs every head full (layers {mixed} have "
-                             f"streaming heads); quantize an all-full plan, or use plan.cache(model, bits=...) on a "
-                             f"transformers model.")
-        Hkv = self.full.shape[1]
-        return KVCache(layers=[QuantizedLayerCache(bits, group, RESIDUAL if residual is None else residual,
-                                                   BLOCK if block is None else block, li,
-                                                   partial(fits_plan, Hkv=Hkv, d=d, where=f"KVCache layer {li}"))
+        quantized = partial(QuantizedLayerCache, bits, group, RESIDUAL if residual is None else residual,
+                            BLOCK if block is None else block)
+        return KVCache(layers=[layer_cache(self.full[li], self.sink, self.window, capacity, li, d, quantized)
                                for li in range(self.num_layers)])
 
     @contextlib.contextmanager

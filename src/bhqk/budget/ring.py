@@ -86,13 +86,17 @@ def fits_plan(k: torch.Tensor, v: torch.Tensor, Hkv: int, d: int | None, where: 
 
 
 def layer_cache(full: torch.Tensor, sink: int, window: int, capacity: int | None, index: int,
-                head_dim: int | None) -> CacheLayer:
+                head_dim: int | None, quantized: Callable[..., CacheLayer] | None = None) -> CacheLayer:
     """Layer ``index`` of a plan (``full`` bool [Hkv]: its full K/V heads): a :class:`BudgetLayerCache`,
-    or a plain ``LayerCache`` (checking the plan's sizes) when every head is full."""
+    or a plain ``LayerCache`` (checking the plan's sizes) when every head is full. ``quantized``: makes
+    the full heads' layer instead of a ``LayerCache`` (``quantized(index=, fits=)``: a
+    :class:`~bhqk.budget.quant.QuantizedLayerCache`)."""
     keep, stream = split_kv(full)
+    fits = partial(fits_plan, Hkv=len(full), d=head_dim, where=f"KVCache layer {index}")
     if stream:
-        return BudgetLayerCache(keep, stream, sink, window, capacity, index, head_dim)
-    return LayerCache(capacity, None, index, partial(fits_plan, Hkv=len(full), d=head_dim, where=f"KVCache layer {index}"))
+        inner = None if quantized is None or not keep else quantized(index=index, fits=None)
+        return BudgetLayerCache(keep, stream, sink, window, capacity, index, head_dim, inner)
+    return LayerCache(capacity, None, index, fits) if quantized is None else quantized(index=index, fits=fits)
 
 
 class BudgetLayerCache:
@@ -104,10 +108,12 @@ class BudgetLayerCache:
     position as for a plain cache ([Q, length + Q])."""
 
     def __init__(self, full: list[int], stream: list[int], sink: int, window: int,
-                 capacity: int | None = None, index: int = 0, head_dim: int | None = None) -> None:
+                 capacity: int | None = None, index: int = 0, head_dim: int | None = None,
+                 full_cache: CacheLayer | None = None) -> None:
         self.full, self.stream, self.sink, self.window, self.index = full, stream, sink, window, index
         self.head_dim = head_dim  # the plan's, where it records it (checked before anything is stored)
-        self.full_cache = LayerCache(capacity, None, index) if full else None
+        # the full heads' layer: a LayerCache, or one that attends itself (a quantized one, nn.cache.AttendingLayer)
+        self.full_cache = full_cache if full_cache is not None else (LayerCache(capacity, None, index) if full else None)
         self.slots = sink + window + 1  # R
         self.k: torch.Tensor | None = None  # [B, h_stream, R, d]
         self.v: torch.Tensor | None = None  # [B, h_stream, R, dv]
@@ -228,14 +234,19 @@ class BudgetLayerCache:
             raise MaskError(f"budget layer {self.index}: mask= is head-dependent ({m!r}); the streaming heads' "
                             f"held positions take one mask for every head.")
         self._fit(k, v)
-        parts: list[tuple[list[int], torch.Tensor, torch.Tensor, Any, torch.Tensor]] = []
+        parts: list[tuple[list[int], Any, Any, Any, torch.Tensor]] = []
+        observed = observe.active() or observe.editors()
         if self.full_cache is not None:  # [B, Hkv, Q, d] -> [B, h_full, Q, d] (views where the heads are a run)
-            kf, vf = self.full_cache.update(take_heads(k, 1, self.full), take_heads(v, 1, self.full))  # [B, h_full, K, d]
-            parts.append((self.full, kf, vf, mask, torch.arange(K)))
+            kn, vn = take_heads(k, 1, self.full), take_heads(v, 1, self.full)
+            if getattr(self.full_cache, "attention", None) is not None and not observed:
+                parts.append((self.full, kn, vn, self.full_cache, torch.arange(K)))  # it stores and attends (call)
+            else:
+                kf, vf = self.full_cache.update(kn, vn)  # [B, h_full, K, d] (a quantized layer's: dequantized)
+                parts.append((self.full, kf, vf, mask, torch.arange(K)))
         ks, vs = take_heads(k, 1, self.stream), take_heads(v, 1, self.stream)  # [B, Hkv, Q, ·] -> [B, h_stream, Q, ·]
         parts.append((self.stream, *self._stream_call(ks, vs, mask, P)))
         self.end = K
-        if observe.active() or observe.editors():  # seen as one call: heads and keys in the model's numbering
+        if observed:  # seen as one call: heads and keys in the model's numbering
             spread_k = spread([(kv, kk, pos) for kv, kk, _, _, pos in parts], Hkv, K)  # [B, Hkv, K, d]
             spread_v = spread([(kv, vv, pos) for kv, _, vv, _, pos in parts], Hkv, K)  # [B, Hkv, K, dv]
             m = one_call_mask(masks.as_mask(mask), self.sink, self.window, self.stream, H, Hkv)
@@ -246,6 +257,9 @@ class BudgetLayerCache:
             kk, vv, m = part
             qq = take_heads(q, 1, qh)  # [B, H, Q, d] -> [B, h, Q, d]
             sk = None if sinks is None else take_heads(sinks, 0, qh)  # [H] -> [h]
+            if getattr(m, "attention", None) is not None:  # the full heads' layer attends itself over its new kk, vv
+                return m.attention(qq, kk, vv, mask, dropout_p=dropout_p, backend=backend, sinks=sk,
+                                   return_weights=return_weights)  # [B, h, Q, dv], [B, h, Q, K] or None
             o = attention(qq, kk, vv, m, dropout_p=dropout_p, backend=backend, sinks=sk)  # [B, h, Q, dv]
             return o, (attention_weights(qq, kk, m, sinks=sk) if return_weights else None)  # [B, h, Q, K']
 
