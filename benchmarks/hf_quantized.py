@@ -54,7 +54,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -181,21 +180,6 @@ def text_ids(corpus, tok, n: int):
     return torch.tensor([ids[:n]])
 
 
-def perplexity(model, ids, cache, chunk: int) -> float:
-    """benchmarks/quant.py's perplexity: exp(mean NLL) of ids [1, N], fed ``chunk`` tokens at a time."""
-    import torch
-
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for s in range(0, ids.shape[1], chunk):
-            logits = model(input_ids=ids[:, s:s + chunk], cache=cache, use_cache=True).logits.float()  # [1, c, V]
-            nxt = ids[:, s + 1:s + chunk + 1]
-            lp = torch.log_softmax(logits[:, :nxt.shape[1]], -1).gather(-1, nxt[..., None])
-            nll -= float(lp.sum())
-            count += nxt.shape[1]
-    return math.exp(nll / count)
-
-
 def prefilled(model, ids):
     """One prefill of ``ids`` [1, n] into a cache that keeps every position of every layer: per layer (keys,
     values), and the next token [1, 1]. Every configuration's cache is then filled from these (:func:`filled`)
@@ -239,6 +223,8 @@ def part_bytes(model, corpus, tok, names: list[str], n: int) -> dict:
 
 
 def part_ppl(model, corpus, tok, names: list[str], n: int, chunk: int) -> dict:
+    from chunked import perplexity  # benchmarks/chunked.py: benchmarks/quant.py's rule (torch only)
+
     ids = text_ids(corpus, tok, n)
     rows = {}
     for name in names:

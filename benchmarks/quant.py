@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  # CPU model and flags for every JSON
 from budget import load, make_plan  # noqa: E402  # the model; the quarter plan of benchmarks/budget.py
+from chunked import perplexity  # noqa: E402  # the one chunked perplexity
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SINK, WINDOW = 64, 256
@@ -39,20 +39,6 @@ SINK, WINDOW = 64, 256
 def plans(model, tok, quarter: str = "fisher-stored") -> dict:
     return {"full": make_plan(model, tok, "full", 1.0, SINK, WINDOW),
             "quarter": make_plan(model, tok, quarter, 0.25, SINK, WINDOW)}
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache, chunk: int) -> float:
-    """exp(mean NLL) of ids [1, N] given the earlier tokens, fed ``chunk`` tokens at a time through ``cache``."""
-    nll, count = 0.0, 0
-    for s in range(0, ids.shape[1], chunk):
-        x = ids[:, s:s + chunk]  # [1, c]
-        logits = model(input_ids=x, cache=cache, use_cache=True).logits.float()  # [1, c, V]
-        nxt = ids[:, s + 1:s + chunk + 1]  # [1, c'] the tokens these logits predict
-        lp = torch.log_softmax(logits[:, :nxt.shape[1]], -1).gather(-1, nxt[..., None])  # [1, c', 1]
-        nll -= float(lp.sum())
-        count += nxt.shape[1]
-    return math.exp(nll / count)
 
 
 def main() -> None:
