@@ -11,26 +11,13 @@
 set -euo pipefail
 
 VENV="${1:-${KVPRESS_VENV:-/tmp/bhqk-kvpress-venv}}"
-PY="${PYTHON:-python3.11}"
-TORCH="${KVPRESS_TORCH:-torch==2.13.0}"
+TORCH="${KVPRESS_TORCH:-torch==2.13.0}"  # cpu_venv reads it
 KVPRESS="${KVPRESS_VERSION:-kvpress==0.5.5}"
 
-case "$(readlink -f "$VENV")" in
-  */work/main/.venv*|"$(readlink -f "$(dirname "$0")/..")/.venv") echo "kvpress_env: refusing to install into the project's venv ($VENV)" >&2; exit 2 ;;
-esac
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-
-# 1. torch, CPU build: a local +cpu wheel if there is one, else the pinned version from the index.
-wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
-if [ -n "$wheel" ]; then "${PIP[@]}" install "$wheel"; else "${PIP[@]}" install "$TORCH"; fi
-installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
-case "$installed" in
-  *+cu*) echo "kvpress_env: torch $installed is a CUDA build; expected the CPU build" >&2; exit 1 ;;
-esac
+# shellcheck source=benchmarks/cpu_venv.sh
+. "$(dirname "$0")/cpu_venv.sh"
+cpu_venv kvpress_env "$VENV"  # PIP, TORCH_INSTALLED
+installed="$TORCH_INSTALLED"
 
 # 2. kvpress and whatever transformers it accepts (< 5.3), with torch held where it is.
 cons=$(mktemp)

@@ -12,28 +12,15 @@
 set -euo pipefail
 
 VENV="${1:-${QUANTO_VENV:-/tmp/bhqk-quanto-venv}}"
-PY="${PYTHON:-python3.11}"
 ROOT="$(readlink -f "$(dirname "$0")/..")"
-TORCH="${QUANTO_TORCH:-torch==2.13.0}"
+TORCH="${QUANTO_TORCH:-torch==2.13.0}"  # cpu_venv reads it
 QUANTO="${QUANTO_VERSION:-optimum-quanto==0.2.7}"
 HQQ="${HQQ_VERSION:-hqq==0.2.8.post1}"
 
-case "$(readlink -f "$VENV")" in
-  */work/main/.venv*|"$ROOT/.venv"*) echo "quanto_env: refusing to install into the project's venv ($VENV)" >&2; exit 2 ;;
-esac
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-
-# 1. torch, CPU build: a local +cpu wheel if there is one, else the pinned version from the index.
-wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
-if [ -n "$wheel" ]; then "${PIP[@]}" install "$wheel"; else "${PIP[@]}" install "$TORCH"; fi
-installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
-case "$installed" in
-  *+cu*) echo "quanto_env: torch $installed is a CUDA build; expected the CPU build" >&2; exit 1 ;;
-esac
+# shellcheck source=benchmarks/cpu_venv.sh
+. "$(dirname "$0")/cpu_venv.sh"
+cpu_venv quanto_env "$VENV"  # PIP, TORCH_INSTALLED
+installed="$TORCH_INSTALLED"
 
 # 2. transformers at the project's lock, then optimum-quanto, torch and transformers held where they are.
 cons=$(mktemp)
