@@ -247,7 +247,7 @@ def _factored(q: torch.Tensor, qk: Quantized, qv: Quantized, keys: torch.Tensor,
     s = torch.cat([s, torch.matmul(qr, keys.transpose(-1, -2))], -1)  # [B, h, R, K]: the float tail's columns last
     s = s.mul_(d ** -0.5 if scale is None else scale).view(B, h, G, Q, K)  # [B, h, G, Q, K]
     p, top, total = _exp_scores(s, *masks_at(0, K), softcap)  # [B, h, G, Q, K], [B, h, G, Q] twice
-    p = p.view(B, h, R, K)
+    p = p.view(B, h, R, K)  # [B, h, G, Q, K] -> [B, h, G·Q, K]
     pq = p[..., :nq]  # [B, h, R, nq]
     vs = qv.scale.to(dt).transpose(-1, -2)  # [B, h, nq, Jv] -> [B, h, Jv, nq]
     pw = (pq[:, :, :, None, :] * vs[:, :, None]).reshape(B, h, R * Jv, nq)  # [B, h, R·Jv, nq]: p·s per value group
@@ -259,7 +259,8 @@ def _factored(q: torch.Tensor, qk: Quantized, qv: Quantized, keys: torch.Tensor,
     o = o.transpose(-1, -2).reshape(B, h, R, dv)  # [B, h, R, Jv, gv] -> [B, h, R, dv]
     o = o + torch.matmul(pq, qv.zero.to(dt)).repeat_interleave(qv.group, -1)  # Σ p·z per group, over its channels
     o = o + torch.matmul(p[..., nq:], values)  # [B, h, R, dv]: the float tail
-    o = o.view(B, h, G, Q, dv) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    o = o.view(B, h, G, Q, dv)  # [B, h, G·Q, dv] -> [B, h, G, Q, dv]
+    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
     return o.reshape(B, H, Q, dv), lse_of(top, total).reshape(B, H, Q)  # [B, H, Q, dv], [B, H, Q]
 
 
