@@ -34,6 +34,7 @@ reply's decoding, median of ``--repeats``) with nothing else of this script runn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,6 +43,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bhqk.budget import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget as budget_bench  # benchmarks/budget.py: make_plan, default_score  # noqa: E402
@@ -73,22 +76,18 @@ def meta() -> dict:
             "note": "shared 2-core machine (other agents running): timings are noisy"}
 
 
-def with_bits(plan, bits: int):
-    """``plan`` whose ``cache(model)`` quantizes (``plan.cache(model, bits=bits)``): a Plan still, so
+@dataclasses.dataclass
+class BitsPlan(Plan):
+    """A plan whose ``cache(model)`` quantizes (``plan.cache(model, bits=bits)``): a Plan still, so
     ``bhqk.evaluate.grade`` checks and runs it as any other."""
-    import dataclasses
 
-    from bhqk.budget import Plan
+    bits: int | None = None
 
-    global BitsPlan
-    if "BitsPlan" not in globals():
-        @dataclasses.dataclass
-        class BitsPlan(Plan):  # noqa: F811  # one class, made on first use (bhqk imported lazily)
-            bits: int | None = None
+    def cache(self, model=None, bits=None, group=None, residual=None, block=None):
+        return super().cache(model, self.bits if bits is None else bits, group, residual, block)
 
-            def cache(self, model=None, bits=None, group=None, residual=None, block=None):
-                return super().cache(model, self.bits if bits is None else bits, group, residual, block)
 
+def with_bits(plan: Plan, bits: int) -> BitsPlan:
     return BitsPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}, bits=bits)
 
 
