@@ -28,6 +28,7 @@ flags, torch/transformers versions, date and load average):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -120,18 +121,17 @@ def make_plan(model, tok, name: str, full: float, sink: int, window: int):
         return Plan(torch.ones(L, Hkv, dtype=torch.bool), sink, window, model=shape)
     if name == "streaming":
         return Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape)
-    free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
-    n = round(full * int((~free).sum()))
+    none = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape)
+    n = round(full * int((~none.free()).sum()))
     if name.startswith("random") or name.endswith("-stored"):
-        if name.startswith("random"):
+        if name.startswith("random"):  # a drawn order as scores: the first drawn highest
             g = torch.Generator().manual_seed(int(name[len("random"):]))
-            order = torch.randperm(L * Hkv, generator=g)  # [L·Hkv]
+            scores = torch.empty(L * Hkv, dtype=torch.float64)  # [L·Hkv]
+            scores[torch.randperm(L * Hkv, generator=g)] = -torch.arange(L * Hkv, dtype=torch.float64)
+            scores = scores.reshape(L, Hkv)  # [L·Hkv] -> [L, Hkv]
         else:
-            kind = name[: -len("-stored")]
-            order = torch.argsort(stored_scores(kind, sink, window).flatten().double(), descending=True, stable=True)
-        mask = free.clone()  # [L·Hkv]
-        mask[order[~free[order]][:n]] = True
-        return Plan(mask.reshape(L, Hkv), sink, window, score=name, model=shape)  # [L·Hkv] -> [L, Hkv]
+            scores = stored_scores(name[: -len("-stored")], sink, window).double()  # [L, Hkv]
+        return dataclasses.replace(none, scores=scores, score=name).top(n)
     if name == "retrieval-copy":  # retrieval, its ties by copy mass (find's default: by index, earlier layers first)
         return find(model, full=full, sink=sink, window=window, score="retrieval", tokenizer=tok, ties="copy mass")
     return find(model, full=full, sink=sink, window=window, score=name, tokenizer=tok)

@@ -44,8 +44,6 @@ from pathlib import Path
 
 import torch
 
-from bhqk.budget import Plan
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget as budget_bench  # benchmarks/budget.py: make_plan, default_score  # noqa: E402
 import machine  # noqa: E402
@@ -76,21 +74,6 @@ def meta() -> dict:
             "note": "shared 2-core machine (other agents running): timings are noisy"}
 
 
-@dataclasses.dataclass
-class BitsPlan(Plan):
-    """A plan whose ``cache(model)`` quantizes (``plan.cache(model, bits=bits)``): a Plan still, so
-    ``bhqk.evaluate.grade`` checks and runs it as any other."""
-
-    bits: int | None = None
-
-    def cache(self, model=None, bits=None, group=None, residual=None, block=None):
-        return super().cache(model, self.bits if bits is None else bits, group, residual, block)
-
-
-def with_bits(plan: Plan, bits: int) -> BitsPlan:
-    return BitsPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}, bits=bits)
-
-
 def plans_of(model, tok, names: list[str], sink: int, window: int) -> dict:
     """name -> None (full) or a Plan (``…+bits<b>``, ``bits<b>``: quantized; module doc)."""
     out: dict = {}
@@ -105,14 +88,14 @@ def plans_of(model, tok, names: list[str], sink: int, window: int) -> dict:
         if score == "default":
             score = budget_bench.default_score()
         plan = budget_bench.make_plan(model, tok, score, float(frac or (1.0 if score == "full" else 0.0)), sink, window)
-        out[name] = with_bits(plan, int(bits)) if bits else plan
+        out[name] = dataclasses.replace(plan, bits=int(bits)) if bits else plan
     return out
 
 
 def describe_plans(plans: dict) -> dict:
     return {name: None if p is None else {"full_heads": int(p.full.sum()), "kv_heads": p.full.numel(),
                                           "score": p.score, "plan": p.full.int().tolist(),
-                                          "bits": getattr(p, "bits", None)}
+                                          "bits": p.bits}
             for name, p in plans.items()}
 
 

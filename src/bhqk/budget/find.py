@@ -28,7 +28,7 @@ from ..inspect.capture import capture
 from ..inspect.heads import head_table
 from ..integrations.hf_attention import parse_implementation
 from ..integrations.model_map import ModelMap, model_map
-from .plan import Plan
+from .plan import Plan, rank
 from .scores import fisher_scores, kl_scores, text_ids
 
 
@@ -329,16 +329,6 @@ def score_keys(model: nn.Module | ModelMap, score: str | Score = "fisher", *, si
     return out
 
 
-def rank(keys: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The order of K/V heads, best first: by ``keys[0]`` [L, Hkv] descending, ties by ``keys[1]``
-    and so on, then by index (layer · Hkv + head) ascending → int64 [L·Hkv] flat indices."""
-    order = torch.arange(keys[0].numel())  # [L·Hkv]
-    for k in reversed(keys):  # a stable sort per key, last key first: the first key decides, then the next
-        flat = k.flatten()[order]  # [L·Hkv] in the current order
-        order = order[torch.argsort(flat, descending=True, stable=True)]
-    return order
-
-
 def find(model: nn.Module | ModelMap, full: float = 0.5, sink: int = 64, window: int = 256,
          score: str | Score = "fisher", *, tokenizer=None, texts: Sequence[str] | None = None, seed: int = 0,
          ties: str = "index", progress: Callable[[str], None] | None = None, **options: Any) -> Plan:
@@ -360,14 +350,10 @@ def find(model: nn.Module | ModelMap, full: float = 0.5, sink: int = 64, window:
     free = Plan(torch.zeros(L, Hkv, dtype=torch.bool), sink, window, model=shape).free().flatten()  # [L·Hkv]
     keys = score_keys(m, score, sink=sink, window=window, tokenizer=tokenizer, texts=texts, seed=seed, ties=ties,
                       progress=progress, **options)
-    n = round(full * int((~free).sum()))
-    order = rank([kv for _, kv, _ in keys])  # [L·Hkv] flat indices = layer·Hkv + head, best first
-    mask = free.clone()  # [L·Hkv]
-    mask[order[~free[order]][:n]] = True  # the best n of the heads whose choice matters
     tie = keys[1] if len(keys) > 1 else None
-    return Plan(mask.reshape(L, Hkv), sink, window, keys[0][1], keys[0][0], list(m.paths),  # [L·Hkv] -> [L, Hkv]
+    return Plan(free.reshape(L, Hkv), sink, window, keys[0][1], keys[0][0], list(m.paths),  # [L·Hkv] -> [L, Hkv]
                 {"fraction": full, "seed": seed, "ties": ties}, None if tie is None else tie[1],
-                None if tie is None else tie[0], shape)
+                None if tie is None else tie[0], shape).top(round(full * int((~free).sum())))
 
 
 __all__ = ["find", "score_keys", "rank", "make_score", "Score", "Probe", "SCORES", "TIE_ORDERS", "Induction",

@@ -14,7 +14,7 @@ import html
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +43,25 @@ def kept_streaming(length: int, window: int | None, sink: int, recent: int) -> i
     return (length - first) - max(0, length - recent - max(first, sink))  # minus the gap between sink and window
 
 
+def rank(keys: list[torch.Tensor]) -> torch.Tensor:
+    """The order of K/V heads, best first: by ``keys[0]`` [L, Hkv] descending, ties by ``keys[1]``
+    and so on, then by index (layer · Hkv + head) ascending → int64 [L·Hkv] flat indices."""
+    order = torch.arange(keys[0].numel())  # [L·Hkv]
+    for k in reversed(keys):  # a stable sort per key, last key first: the first key decides, then the next
+        flat = k.flatten()[order]  # [L·Hkv] in the current order
+        order = order[torch.argsort(flat, descending=True, stable=True)]
+    return order
+
+
 @dataclass
 class Plan:
     """Which K/V heads keep every key. ``full``: bool [layers, Hkv] (True = full, False = streaming:
     ``sink`` first keys + ``window`` recent keys). ``scores`` (float [layers, Hkv], optional) and
     ``score`` (its name) say how it was chosen, ``tie_scores`` and ``tie_score`` the second key that
     broke its ties (``find``; then the lower index); ``layers`` names the layers (module paths);
-    ``model`` (a :class:`ModelShape`, optional) what the plan was made for: every use checks it first."""
+    ``model`` (a :class:`ModelShape`, optional) what the plan was made for: every use checks it first;
+    ``bits`` (8, 4 or None) how its caches store the full heads' keys and values older than the last
+    ``residual`` (:mod:`bhqk.budget.quant`: integers in groups; None: floats, as the model's own cache)."""
 
     full: torch.Tensor
     sink: int = 64
@@ -61,6 +73,7 @@ class Plan:
     tie_scores: torch.Tensor | None = None
     tie_score: str | None = None
     model: ModelShape | None = None
+    bits: int | None = None
 
     def __post_init__(self) -> None:
         full = self.full
@@ -105,6 +118,10 @@ class Plan:
         if self.model is not None and (self.model.layers, self.model.kv_heads) != (L, Hkv):
             raise ShapeError(f"Plan: full is [layers={L}, Hkv={Hkv}] but the plan says "
                              f"it was made for {self.model.describe()}.")
+        if self.bits is not None:
+            from .quant import check as check_bits
+
+            check_bits(self.bits, None, None if self.model is None else self.model.head_dim, "Plan")
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -159,6 +176,21 @@ class Plan:
                 out[li] = w is not None and w <= self.window + 1
         return out
 
+    def top(self, n: int) -> Plan:
+        """This plan with its best ``n`` K/V heads whose choice matters full — by ``scores``, ties by
+        ``tie_scores``, then the lower index (:func:`rank`) — and the rest streaming; the heads of
+        :meth:`free` stay full besides (``find`` cuts this way)."""
+        if self.scores is None:
+            raise ValueError("Plan.top: the plan has no scores to rank its heads by (find(model) makes one).")
+        free = self.free().flatten()  # [L·Hkv]
+        _count("Plan.top", "n", n)
+        if n > int((~free).sum()):
+            raise ValueError(f"Plan.top: n={n} but only {int((~free).sum())} K/V heads' choice matters.")
+        order = rank([k for k in (self.scores, self.tie_scores) if k is not None])  # [L·Hkv] best first
+        full = free.clone()  # [L·Hkv]
+        full[order[~free[order]][:n]] = True  # the best n of the heads whose choice matters
+        return replace(self, full=full.reshape(self.full.shape))  # [L·Hkv] -> [L, Hkv]
+
     def held(self, length: int, shape: ModelShape | None = None) -> int:
         """K/V positions held over all layers and K/V heads after ``length`` tokens (per sequence), each
         layer as the model masks it (``shape``: the model's, default what the plan was made for; without
@@ -185,6 +217,8 @@ class Plan:
         from .quant import RESIDUAL, position_bytes
         from .quant import check as check_bits
 
+        bits = self.bits if bits is None else bits
+
         _count("Plan.nbytes", "length", length)
         _count("Plan.nbytes", "batch", batch, 1)
         m = self.check(model)
@@ -208,12 +242,14 @@ class Plan:
     # ---- use ------------------------------------------------------------------------------------
     def cache(self, model: nn.Module | ModelMap | None = None, bits: int | None = None, group: int | None = None,
               residual: int | None = None, block: int | None = None):
-        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`: ``bits``,
-        ``group``, ``residual`` (default 64), ``block`` (default 1024) are its). ``model``: checked against the
-        plan first; without it, the cache checks the first keys the model writes (K/V heads, and the head
+        """A transformers ``Cache`` holding only what this plan keeps (:class:`bhqk.budget.BudgetCache`: ``bits``
+        (default the plan's), ``group``, ``residual`` (default 64), ``block`` (default 1024) are its). ``model``:
+        checked against the plan first; without it, the cache checks the first keys the model writes (K/V heads, and the head
         size where the plan records it), and a plan of more layers than the model at its next forward."""
         from .cache import BudgetCache
         from .quant import BLOCK, RESIDUAL
+
+        bits = self.bits if bits is None else bits
 
         shape = None if model is None else self.check(model).shape  # a plan of another model: refused first
         return BudgetCache(self, shape, bits, group, RESIDUAL if residual is None else residual,
@@ -235,6 +271,7 @@ class Plan:
 
         shape = self.model if model is None else self.check(model).shape
         d = None if shape is None else shape.head_dim
+        bits = self.bits if bits is None else bits
         if bits is None:
             if group is not None or residual is not None or block is not None:
                 raise ValueError("Plan.kv_cache: group, residual and block are the quantization's; pass bits=8 or 4 with them.")
@@ -332,8 +369,10 @@ class Plan:
         free = int(self.free().sum())
         fits = f", {free} of them within their layer's own window" if free else ""
         made = "" if self.model is None else f"; made for {self.model.describe()}"
+        bits = "" if self.bits is None else f"; full heads' older keys and values in {self.bits}-bit integers"
         return (f"Plan: {n} of {total} K/V heads full{fits} ({self.num_layers} layers × "
-                f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}{made}")
+                f"{self.num_kv_heads} K/V heads); streaming heads keep sink={self.sink} + window={self.window}{by}"
+                f"{bits}{made}")
 
     def __str__(self) -> str:
         head = ["layer", "name", "kv head", self.score or "score"]
@@ -378,7 +417,7 @@ class Plan:
                 "tie_score": self.tie_score,
                 "tie_scores": None if self.tie_scores is None else
                 [[None if math.isnan(x) else float(x) for x in row] for row in self.tie_scores.tolist()],
-                "notes": self.notes, "model": None if self.model is None else self.model.to_dict()}
+                "notes": self.notes, "model": None if self.model is None else self.model.to_dict(), "bits": self.bits}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -411,6 +450,8 @@ class Plan:
         for name in ("score", "tie_score"):
             if d.get(name) is not None and not isinstance(d[name], str):
                 raise bad(f"{_json(name)} names a score: a string or null, got {_json(d[name])}.")
+        if d.get("bits") is not None and (isinstance(d["bits"], bool) or d["bits"] not in (8, 4)):
+            raise bad(f"\"bits\" must be 8, 4 or null (keys and values as floats), got {_json(d['bits'])}.")
         if d.get("notes") is not None and not isinstance(d["notes"], dict):
             raise bad(f"\"notes\" must be an object or null, got {_json(d['notes'])}.")
         try:
@@ -432,7 +473,7 @@ class Plan:
         return cls(torch.tensor(full, dtype=torch.bool), d["sink"], d["window"],
                    None if sc is None else torch.tensor(sc, dtype=torch.float64), d.get("score"), layers,
                    d.get("notes") or {}, None if tie is None else torch.tensor(tie, dtype=torch.float64),
-                   d.get("tie_score"), made_for)
+                   d.get("tie_score"), made_for, d.get("bits"))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -444,7 +485,7 @@ class Plan:
         return cls.from_dict(d, str(path))
 
 
-_FIELDS = ("format", "sink", "window", "score", "full", "layers", "scores", "tie_score", "tie_scores", "notes", "model")
+_FIELDS = ("format", "sink", "window", "score", "full", "layers", "scores", "tie_score", "tie_scores", "notes", "model", "bits")
 
 
 def _json(v: Any) -> str:
