@@ -320,14 +320,19 @@ def test_a_plan_file_of_true_false_and_of_1_0_loads_as_written(tmp_path):
 
 
 def test_every_plan_file_the_repo_stores_loads():
-    """Every saved plan in the repository (benchmarks/results and anywhere else) passes the strict loader."""
+    """Every saved plan in the repository (benchmarks/results and anywhere else), and every plan a board
+    (bhqk.evaluate.board) stores with its cells, passes the strict loader."""
     root = Path(__file__).resolve().parents[1]
     found = [p for d in ("benchmarks", "docs", "examples", "tests") for p in (root / d).rglob("*.json")
              if '"bhqk.budget.Plan/1"' in p.read_text(errors="replace")]
-    assert len(found) >= 2, found
-    for p in found:
-        plan = Plan.load(p)
-        assert plan.model is not None and plan.full.shape == (plan.model.layers, plan.model.kv_heads), p
+    files = [p for p in found if json.loads(p.read_text()).get("format") == "bhqk.budget.Plan/1"]
+    boards = [p for p in found if json.loads(p.read_text()).get("format") == "bhqk.evaluate.board/1"]
+    assert len(files) >= 2 and set(files) | set(boards) == set(found), found
+    plans = [(str(p), Plan.load(p)) for p in files] + [
+        (f"{p}: {k}", Plan.from_dict(c["plan"], str(p))) for p in boards
+        for k, c in json.loads(p.read_text())["cells"].items() if c.get("plan")]
+    for where, plan in plans:
+        assert plan.model is not None and plan.full.shape == (plan.model.layers, plan.model.kv_heads), where
 
 
 def test_a_plan_of_python_lists_names_the_row_that_is_wrong():

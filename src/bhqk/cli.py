@@ -205,6 +205,11 @@ def cmd_grade(a: argparse.Namespace) -> str:
 
     from .evaluate import grade, tasks
 
+    if a.ratio is not None:
+        return cmd_board(a)
+    if a.methods is not None:
+        raise ValueError("--methods are graded at compression ratios: give --ratio (e.g. --ratio 0.75).")
+    a.trials = a.trials or 1
     if a.plan is not None and a.compare is not None:
         raise ValueError("give --plan (one plan) or --compare (several), not both.")
     names = a.compare or ([a.plan] if a.plan is not None else ["full"])
@@ -227,13 +232,41 @@ def cmd_grade(a: argparse.Namespace) -> str:
             lines += [f"{a.trials} trial(s) per task and length", g.table(), f"median seconds per reply: {cost}"]
             data["tasks"] = g.to_json()
         for L in a.kl_lengths or []:
-            d = grade.divergence(model, tok, plans, L, a.chunks, seed=a.seed)
+            d = grade.divergence(model, tok, plans, L, a.chunks or 4, seed=a.seed)
             lines += ["", d.table()]
             data.setdefault("divergence", []).append(d.to_json())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grade.json").write_text(json.dumps(data, indent=1))
     return "\n".join(lines + [f"wrote {out / 'grade.json'}"])
+
+
+def cmd_board(a: argparse.Namespace) -> str:
+    """``bhqk grade --ratio``: the KV-compression table (bhqk.evaluate.board) into OUT/board.json, resumed."""
+    from pathlib import Path
+
+    from .evaluate import board
+
+    for flag, v in (("--plan", a.plan), ("--compare", a.compare), ("--kl-lengths", a.kl_lengths)):
+        if v is not None:
+            raise ValueError(f"{flag} is not part of the table (--ratio): grade plans without --ratio.")
+    if a.lengths is not None and len(a.lengths) != 1:
+        raise ValueError(f"--ratio grades at one prompt length, got --lengths {','.join(map(str, a.lengths))}.")
+    methods = a.methods or ["full", "bits8", "bits4", "fisher", "fisher+bits4", "best"]
+    for name in methods:  # every name and score checked before the model loads
+        board.parse(name)
+    board.check_scores(a.scores)
+    bad = [r for r in a.ratio if not 0 < r < 1]
+    if bad:
+        raise ValueError(f"--ratio: compression ratios are in (0, 1) (1 − bytes held ÷ the model's own), got {bad}.")
+    path = Path(a.out) / "board.json"
+    with lines_off_terminal():
+        model, tok = causal_lm(a, "bhqk grade")
+        b = board.Board(model, tok, length=(a.lengths or [2048])[0], tasks=a.task or list(board.TASKS),
+                        trials=a.trials or 30, seed=a.seed, sink=a.sink, window=a.window, scores=a.scores,
+                        kl_chunks=a.chunks or 2, path=path, log=lambda line: print(line, file=sys.stderr, flush=True))
+        b.run(methods, a.ratio)
+    return f"{a.model}\n{b.table()}\nwrote {path}"
 
 
 GRADED = {"task": "--task", "compare": "--compare", "kl_lengths": "--kl-lengths", "chunks": "--chunks",
@@ -316,7 +349,8 @@ def add_grade_parser(sub) -> argparse.ArgumentParser:
                         "--kl-lengths alone)")
     p.add_argument("--lengths", type=int_list(64), default=None,
                    help="prompt lengths in tokens, template included (default 1024,2048,4096)")
-    p.add_argument("--trials", type=int_at_least(1), default=1, help="prompts per task and length (default 1)")
+    p.add_argument("--trials", type=int_at_least(1), default=None,
+                   help="prompts per task and length (default 1; with --ratio 30)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts (default 0)")
     p.add_argument("--compare", nargs="+", default=None, metavar="PLAN",
                    help="configurations: full (the model as it is), streaming (every K/V head keeps --sink + --window) "
@@ -327,8 +361,19 @@ def add_grade_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kl-lengths", type=int_list(2), default=None, metavar="N[,N...]",
                    help="also the KL divergence from the model and the perplexity on --chunks pieces of N tokens "
                         "of real text, at the positions beyond sink + window")
-    p.add_argument("--chunks", type=int_at_least(1), default=4, help="text pieces per --kl-lengths length (default 4)")
-    p.add_argument("--out", default="bhqk-grade", help="folder for grade.json (default bhqk-grade)")
+    p.add_argument("--chunks", type=int_at_least(1), default=None,
+                   help="text pieces per --kl-lengths length (default 4), or of best's KL with --ratio (default 2)")
+    p.add_argument("--ratio", type=fraction_list, default=None, metavar="R[,R...]",
+                   help="the KV-compression table: grade --methods at these compression ratios (1 − bytes held ÷ "
+                        "the model's own cache's), one prompt length (default 2048), tasks needle,multikey, "
+                        "into OUT/board.json; a run resumes where it stopped (bhqk.evaluate.board)")
+    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                   help="with --ratio: full, bits8, bits4, streaming, a score of bhqk.budget.find (fisher, "
+                        "retrieval, ...) optionally +bits8 or +bits4, best (the lowest KL on real text among "
+                        "--scores × bits × streaming sizes) (default full bits8 bits4 fisher fisher+bits4 best)")
+    p.add_argument("--scores", type=lambda t: [x for x in t.split(",") if x], default=["fisher", "retrieval"],
+                   metavar="S[,S...]", help="with --ratio: the scores best chooses among (default fisher,retrieval)")
+    p.add_argument("--out", default="bhqk-grade", help="folder for grade.json or board.json (default bhqk-grade)")
     p.add_argument("--backend", type=backend_name, default="auto", help=BACKEND_HELP)
     p.set_defaults(func=cmd_grade)
     return p
