@@ -1,4 +1,4 @@
-"""kvpress (NVIDIA) side by side on bhqk's needle grid: StreamingLLM, SnapKV and AdaKV(SnapKV) presses.
+"""kvpress (NVIDIA) side by side on bhqk's needle grid: StreamingLLM, SnapKV, AdaKV(SnapKV) and more presses (``PRESSES``).
 
 Runs in kvpress's own environment (``bash benchmarks/kvpress_env.sh``; kvpress 0.5.5 pins
 transformers < 5.3), never the project's:
@@ -18,8 +18,9 @@ cache does, then decodes greedily at the true positions (N, N+1, ...) like kvpre
 loop passes ``position_ids``), up to ``--max-new-tokens`` (16, as bhqk's grid) or an end token
 (``eos_ids``: the model's and the tokenizer's, as bhqk's grader stops). Per trial: found, the KV bytes the cache stores after
 prefill (the sum of its key and value tensors' nbytes) and the bytes that are effectively kept
-(AdaKV only masks: it keeps every key and overwrites the evicted ones with a "fake key" at decode,
-so its stored bytes are the full cache's and its effective bytes count only the unmasked keys),
+(AdaKV, KVzip and DuoAttention only mask: they keep every key and overwrite the evicted ones with a
+"fake key" at decode, so their stored bytes are the full cache's and their effective bytes count only
+the unmasked keys),
 prefill and decode time. Each (press, ratio, length) runs in a fresh subprocess, so its peak RSS
 (``ru_maxrss``) is that configuration's alone.
 """
@@ -40,7 +41,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src" / "bhqk"
-PRESSES = ("none", "streaming_llm", "snapkv", "adakv_snapkv")
+PRESSES = ("none", "streaming_llm", "snapkv", "adakv_snapkv", "tova", "keydiff", "expected_attention", "pyramidkv",
+           "duo_attention", "kvzip")
+# What each press leaves in the cache after the prefill (a board's "cache" column)
+CACHES = {"none": "whole cache, no press", "streaming_llm": "pruned cache (4 sinks + recent window)",
+          "snapkv": "pruned cache", "adakv_snapkv": "whole cache, masked (head-wise budgets)",
+          "tova": "pruned cache", "keydiff": "pruned cache", "expected_attention": "pruned cache",
+          "pyramidkv": "pruned cache (per-layer budgets)",
+          "duo_attention": "whole cache, masked (streaming heads keep 128 sinks + 256 recent)",
+          "kvzip": "whole cache, masked (budgets across layers and heads)"}
 
 
 def load_file(path: Path, name: str) -> types.ModuleType:
@@ -59,16 +68,31 @@ def digest(ids: list[int]) -> str:
 
 
 def make_press(name: str, ratio: float):
-    from kvpress import AdaKVPress, SnapKVPress, StreamingLLMPress
+    """kvpress's press ``name`` at compression ratio ``ratio`` (the fraction of KV pairs to drop; for
+    DuoAttention the fraction of KV heads made streaming heads), its other arguments kvpress's defaults."""
+    import kvpress as kp
 
     if name == "none":
         return None
     if name == "streaming_llm":
-        return StreamingLLMPress(compression_ratio=ratio)  # n_sink=4, the rest a recent window
+        return kp.StreamingLLMPress(compression_ratio=ratio)  # n_sink=4, the rest a recent window
     if name == "snapkv":
-        return SnapKVPress(compression_ratio=ratio)  # window 64, kernel 5, scores per KV head
+        return kp.SnapKVPress(compression_ratio=ratio)  # window 64, kernel 5, scores per KV head
     if name == "adakv_snapkv":
-        return AdaKVPress(SnapKVPress(compression_ratio=ratio))  # head-wise budgets, alpha_safeguard 0.2
+        return kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio))  # head-wise budgets, alpha_safeguard 0.2
+    if name == "tova":
+        return kp.TOVAPress(compression_ratio=ratio)  # the last token's attention, averaged over heads
+    if name == "keydiff":
+        return kp.KeyDiffPress(compression_ratio=ratio)  # keys least like the mean key kept
+    if name == "expected_attention":
+        return kp.ExpectedAttentionPress(compression_ratio=ratio)  # 512 future positions, n_sink 4, covariance, ||v||
+    if name == "pyramidkv":
+        return kp.PyramidKVPress(compression_ratio=ratio)  # SnapKV scores, budgets falling with depth (beta 20)
+    if name == "duo_attention":
+        # no pattern of DuoAttention's repo for this model: kvpress's on-the-fly head scores (BookSum samples)
+        return kp.DuoAttentionPress(head_compression_ratio=ratio, on_the_fly_scoring=True)
+    if name == "kvzip":
+        return kp.KVzipPress(compression_ratio=ratio)  # context reconstruction; masks (no pruning) after the prefill
     raise ValueError(f"unknown press {name!r}; one of {PRESSES}")
 
 
