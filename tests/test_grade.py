@@ -293,6 +293,40 @@ def test_kl_of_a_plan_that_keeps_everything_is_zero(smollm2):
         grade.text_chunks(tok, 8192, 100)
 
 
+def test_kl_reads_a_quantized_plan_as_decoding_does(smollm2):
+    """A plan with bits is read in pieces (``grade.PIECE`` tokens a call): in one call its queries would see
+    only floats (what a call writes is quantized after it) and its KL would be 0. Read in pieces, a float
+    plan with streaming heads gives the one call's hidden states (the cache across calls is exact); a 4-bit
+    plan gives them exactly where no older position is an integer yet, and differs after."""
+    from dataclasses import replace
+
+    from bhqk.budget import Plan
+    from bhqk.budget.quant import RESIDUAL
+
+    model, tok = smollm2
+    L, Hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    ids = grade.text_chunks(tok, 192, 1)  # [1, 192]
+    full = torch.zeros(L, Hkv, dtype=torch.bool)
+    full[::2] = True  # every other layer full, the rest streaming
+    mixed = Plan(full, 4, 16)
+    tol = bound(torch.float32, n=model.config.intermediate_size * L**2, magnitude=30.0, factor=16.0)
+    with torch.no_grad():
+        once = grade._hidden(model, ids, mixed)  # [192, D]
+        pieces = grade._hidden(model, ids, mixed, step=grade.PIECE)
+        quant = grade._hidden(model, ids, replace(mixed, bits=4))  # in pieces by default
+        quant_once = grade._hidden(model, ids, replace(mixed, bits=4), step=192)
+    scale = once.abs().max()
+    assert (pieces - once).abs().max() <= tol * scale
+    assert (quant_once - once).abs().max() <= tol * scale  # one call: the integers are never read
+    first = RESIDUAL + grade.PIECE  # the first call that finds positions older than the float window
+    early = (quant[:first] - once[:first]).abs().max()  # rounding of other call sizes only
+    later = (quant[first:] - once[first:]).abs().amax(-1)  # [192 − first] every later row reads integers
+    assert early <= tol * scale and later.min() > 100 * early and later.min() > 0
+    d = grade.divergence(model, tok, {"bits4": replace(mixed, bits=4), "floats": mixed}, length=192, chunks=1,
+                         progress=False)
+    assert d.kl["bits4"][0] > d.kl["floats"][0] > 0
+
+
 def test_cli_grade_options_are_checked(tmp_path):
     for argv, msg in [(["--task", "sum"], "expected tasks among"),
                       (["--compare", "full", "--depths", "0.5"], "unrecognized arguments: --depths"),

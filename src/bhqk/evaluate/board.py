@@ -228,7 +228,7 @@ class Board:
         self.data["best"][k] = {"pick": pick, "plan": cands[pick].to_dict(), "seconds": time.perf_counter() - t0,
                                 "kl": {n: s[n]["kl"] for n in cands}, "start": d.start}
         self._save()
-        self.log(f"best at {k}: {pick} (KL {s[pick]['kl']:.4f} of {len(cands)} candidates, "
+        self.log(f"best at {k}: {pick} (KL {s[pick]['kl']:.3g} of {len(cands)} candidates, "
                  f"{time.perf_counter() - t0:.0f} s)")
         return cands[pick]
 
@@ -372,7 +372,7 @@ def table(data: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(cell(at.get((m, x))) for x in ratios) + " |")
     if data.get("best"):
         lines += ["", "best's picks (lowest KL on real text): " + ", ".join(
-            f"{k}: {b['pick']} (KL {b['kl'][b['pick']]:.4f}, {len(b['kl'])} candidates, {b['seconds']:.0f} s)"
+            f"{k}: {b['pick']} (KL {b['kl'][b['pick']]:.3g}, {len(b['kl'])} candidates, {b['seconds']:.0f} s)"
             for k, b in data["best"].items())]
     return "\n".join(lines)
 

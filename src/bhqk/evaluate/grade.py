@@ -303,13 +303,22 @@ def text_chunks(tok, length: int, chunks: int) -> torch.Tensor:
     return text(tok, length, chunks, who="divergence")
 
 
-def _hidden(model, ids: torch.Tensor, plan: Plan | None) -> torch.Tensor:
-    """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache)."""
+PIECE = 16  # tokens a call when a quantized plan reads text (:func:`_hidden`)
+
+
+def _hidden(model, ids: torch.Tensor, plan: Plan | None, step: int | None = None) -> torch.Tensor:
+    """The decoder's final hidden states [N, D] for ``ids`` [1, N] on ``plan``'s cache (None: no cache),
+    ``step`` tokens a call at their true positions (default: one call; ``PIECE`` for a plan with bits: the
+    positions a call writes stay float until the next, so in one call every query would see floats only;
+    in pieces each sees the integers a decode step reads, all but the last ``residual`` + < ``PIECE``)."""
     dec = model_map(model).stack()
-    kw: dict[str, Any] = {"use_cache": False}
-    if plan is not None:
-        kw = {"use_cache": True, cache_keyword(dec): _cache(model, plan)}
-    return dec(input_ids=ids, **kw).last_hidden_state[0]  # [1, N, D] -> [N, D]
+    if plan is None:
+        return dec(input_ids=ids, use_cache=False).last_hidden_state[0]  # [1, N, D] -> [N, D]
+    cache, n = _cache(model, plan), ids.shape[1]
+    step = step or (n if plan.bits is None else PIECE)
+    return torch.cat([dec(input_ids=ids[:, i : i + step], position_ids=torch.arange(i, min(i + step, n))[None],
+                          use_cache=True, **{cache_keyword(dec): cache}).last_hidden_state[0]  # [1, step, D] -> [step, D]
+                      for i in range(0, n, step)])  # [N, D]
 
 
 def start_of(plans: Iterable[Plan | None]) -> int:
@@ -383,7 +392,8 @@ def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, ch
     """KL(the model's next-token distribution ‖ each configuration's) and each configuration's perplexity on
     ``chunks`` pieces of ``length`` tokens of real text (:func:`text_chunks`), at the positions
     :func:`start_of` the plans (where streaming changes anything) … length − 2. One forward per chunk
-    and configuration, the model's own (no plan) first; the log-probabilities are taken from the final
+    and configuration (a quantized plan's in pieces, as decoding reads it: :func:`_hidden`), the model's
+    own (no plan) first; the log-probabilities are taken from the final
     hidden states ``BLOCK`` positions at a time (never [length, vocabulary] at once)."""
     from ..console import progress_bar as tqdm  # tqdm, or a line per step off a terminal (bhqk grade)
 
