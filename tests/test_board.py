@@ -7,6 +7,7 @@ file of other settings; ``bhqk grade --ratio``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -183,6 +184,10 @@ def test_a_board_grades_stores_every_reply_and_resumes(smollm2, tmp_path, monkey
     b.run(["retrieval+bits4"], ratios=(0.25,))  # keeps every head at 4 bits: bits4's cache, its replies
     twin = b.data["cells"]["retrieval+bits4@0.25"]
     assert calls == [] and twin["same_as"] == "bits4@0.5" and twin["entries"] == q["entries"]
+    cands = b.candidates(0.5)  # best's: each cache once (every head full at 4 bits under one name)
+    assert len({board.same_cache(c) for c in cands.values()}) == len(cands)
+    assert sum(bool(c.full.all()) and c.bits == 4 for c in cands.values()) == 1
+    assert board.same_cache(replace(r, sink=4, window=8)) != board.same_cache(r)
     del b.data["cells"]["retrieval+bits4@0.25"]
     b._save()
     again = board.Board(model, tok, length=288, trials=1, scores=["retrieval"], path=path, log=lambda s: None)

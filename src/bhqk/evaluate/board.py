@@ -119,6 +119,13 @@ def parse(name: str) -> Method:
                      f"({', '.join(SCORES)}), each score optionally +bits8 or +bits4.")
 
 
+def same_cache(plan: Plan) -> tuple:
+    """What decides ``plan``'s cache: its full heads and bits, and its streaming size where a head streams
+    (every head full at 4 bits is one cache, whatever sink and window it names)."""
+    full = tuple(plan.full.flatten().tolist())
+    return (full, plan.bits) + (() if all(full) else (plan.sink, plan.window))
+
+
 def check_scores(scores: Sequence[str]) -> None:
     """``best``'s candidate scores: names of :data:`bhqk.budget.SCORES`, at least one."""
     from ..budget import SCORES
@@ -205,9 +212,8 @@ class Board:
                 base = replace(self.scored(score), sink=sink, window=window)
                 for bits in (None, *BITS):
                     p = fit(replace(base, bits=bits), self.model, self.length, target)
-                    same = None if p is None else (tuple(p.full.flatten().tolist()), p.sink, p.window, p.bits)
-                    if p is not None and same not in seen:
-                        seen.add(same)
+                    if p is not None and same_cache(p) not in seen:
+                        seen.add(same_cache(p))
                         out[f"{score} s{sink}w{window}" + ("" if bits is None else f" bits{bits}")] = p
         return out
 
@@ -273,7 +279,7 @@ class Board:
         """A fully answered cell whose cache is this one's (the same heads, streaming size and bits)."""
         def cache_of(cell: dict):
             p = cell.get("plan")
-            return None if p is None else (p["full"], p["sink"], p["window"], p.get("bits"))
+            return None if p is None else same_cache(Plan.from_dict(p, f"{self.path}: {key}"))
 
         mine = cache_of(c)
         for other, o in self.data["cells"].items():
@@ -377,4 +383,5 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Board", "Method", "RATIOS", "TASKS", "describe", "fit", "held", "own_nbytes", "parse", "ratio", "rows", "table"]
+__all__ = ["Board", "Method", "RATIOS", "TASKS", "describe", "fit", "held", "own_nbytes", "parse", "ratio", "rows",
+           "same_cache", "table"]
