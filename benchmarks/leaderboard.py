@@ -126,7 +126,7 @@ def import_kvpress(a) -> None:
                 "source": {"file": a.kvpress, "runs": src.get("runs")}}
         if "error" in c:
             why = c["error"].strip().splitlines()[-1]
-            b.data["cells"][f"kvpress:{press}@{float(r):g}"] = {**cell, "reached": False, "why": f"fails: {why}",
+            b.data["cells"][f"kvpress:{press}@{float(r):g}"] = {**cell, "reached": False, "failed": True, "why": why,
                                                                "entries": []}
             print(f"{key}: fails ({why})")
             continue

@@ -218,3 +218,23 @@ def test_cli_grade_ratio_prints_the_table_and_resumes(cli_model, tmp_path):
         assert code == 2 and msg in err and "Traceback" not in err, err
     code, out, err = run(["grade", "--methods", "full", "--out", str(tmp_path / "y")])
     assert code == 2 and "give --ratio" in err, err
+
+
+def test_the_table_of_stored_cells_says_what_failed_and_what_cannot_reach():
+    """``board.table`` of a stored board: accuracies with intervals and the paired difference, a method that
+    did not run ("fails") told apart from one whose cache cannot reach the ratio, a cell still running."""
+    e = [{"correct": c} for c in (True, True, False, True)]
+    data = {"prompts": [{}] * 4, "tasks": ["needle"], "length": 64, "seed": 0, "best": {}, "cells": {
+        "full@0": {"method": "full", "ratio": 0.0, "reached": True, "entries": e, "held": 8, "ratio_reached": 0.0},
+        "x@0.5": {"method": "x", "ratio": 0.5, "reached": True, "entries": e[:2] + [{"correct": False}] * 2,
+                  "held": 4, "ratio_reached": 0.5},
+        "x@0.75": {"method": "x", "ratio": 0.75, "reached": False, "why": "holds 0.300 of the bytes", "entries": []},
+        "kvpress:duo@0.5": {"method": "kvpress:duo", "ratio": 0.5, "reached": False, "failed": True,
+                            "why": "ConnectionError: no Hub", "entries": []},
+        "kvpress:duo@0.75": {"method": "kvpress:duo", "ratio": 0.75, "reached": True, "entries": e[:1], "held": 2,
+                             "ratio_reached": 0.75}}}
+    t = board.table(data)
+    lo, hi = grade.wilson(2, 4)
+    assert f"| x | 2/4 [{lo:.2f}, {hi:.2f}] at 0.500; -0.25 [" in t
+    assert "cannot reach: holds 0.300 of the bytes" in t and "fails: ConnectionError: no Hub" in t
+    assert "cannot reach: ConnectionError" not in t and "running (1/4)" in t and "full attention: 3/4" in t

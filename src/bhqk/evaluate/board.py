@@ -332,7 +332,7 @@ def rows(data: dict) -> list[dict]:
     for key, c in data["cells"].items():
         row: dict[str, Any] = {"cell": key, "method": c["method"], "ratio": c["ratio"], "reached": c["reached"]}
         if not c["reached"]:
-            row["why"] = c["why"]
+            row["why"], row["failed"] = c["why"], c.get("failed", False)  # failed: the method itself did not run
         elif len(c["entries"]) == n:
             got = [e["correct"] for e in c["entries"]]
             k = sum(got)
@@ -359,7 +359,7 @@ def table(data: dict) -> str:
         if r is None:
             return "–"
         if not r["reached"]:
-            return f"cannot reach: {r['why']}"
+            return f"{'fails' if r['failed'] else 'cannot reach'}: {r['why']}"
         if "partial" in r:
             return f"running ({r['partial']}/{len(data['prompts'])})"
         s = f"{r['correct']}/{r['n']} [{r['lo']:.2f}, {r['hi']:.2f}] at {r['ratio_reached']:.3f}"
