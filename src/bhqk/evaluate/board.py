@@ -148,7 +148,7 @@ class Board:
         check_scores(scores)
         self.model, self.tok, self.length, self.log = model, tok, length, log
         self.shape = model_map(model).shape
-        self.settings = {"format": FORMAT, "model": self.shape.to_dict(), "length": length, "tasks": list(tasks),
+        self.settings: dict[str, Any] = {"format": FORMAT, "model": self.shape.to_dict(), "length": length, "tasks": list(tasks),
                          "trials": trials, "seed": seed, "sink": sink, "window": window, "scores": list(scores),
                          "kl_chunks": kl_chunks}
         self.prompts = make_set(tok, tasks, [length], trials, seed)
@@ -187,12 +187,13 @@ class Board:
             return p if r >= target - 1e-12 else f"holds {1 - r:.3f} of the bytes (ratio {r:.3f})"
         if method.score == "best":
             return self.best(target)
+        assert method.score is not None  # not fixed: a score's plan
+        scored = self.scored(method.score)
         for sink, window in self.sizes():  # the board's streaming size, else a quarter of it
-            p = fit(replace(self.scored(method.score), sink=sink, window=window, bits=method.bits), self.model,
-                    self.length, target)
-            if p is not None:
-                return p
-        stream = replace(self.scored(method.score).top(0), sink=sink, window=window, bits=method.bits)
+            got = fit(replace(scored, sink=sink, window=window, bits=method.bits), self.model, self.length, target)
+            if got is not None:
+                return got
+        stream = replace(scored.top(0), sink=sink, window=window, bits=method.bits)
         share = 1 - ratio(stream, self.model, self.length)
         return f"every head streaming (sink {sink}, window {window}) holds {share:.3f} of the bytes"
 
@@ -265,8 +266,8 @@ class Board:
             self.log(f"{key}: the cache of {twin}, its replies")
         todo = self.prompts[len(c["entries"]):]
         t0 = time.perf_counter()
-        for p in todo:
-            c["entries"].append(grade.reply(self.model, self.tok, p, plan))
+        for prompt in todo:
+            c["entries"].append(grade.reply(self.model, self.tok, prompt, plan))
             self._save()
         if todo:
             k = sum(e["correct"] for e in c["entries"])

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,7 +165,7 @@ def reply(model, tok, prompt: Prompt, plan: Plan | None = None) -> dict:
             "decode_s": round(r.decode_s, 4)}
 
 
-def _check(model, plans: dict[str, Plan | None]) -> None:
+def _check(model, plans: Mapping[str, Plan | None]) -> None:
     if not plans:
         raise ValueError("grade: no configurations to grade (give {'full': None, ...}).")
     for name, plan in plans.items():
@@ -387,7 +387,7 @@ class Divergence:
 BLOCK = 512  # positions of log-probabilities at a time: [512, V]
 
 
-def divergence(model, tok, plans: dict[str, Plan | None], length: int = 4096, chunks: int = 4, *, draws: int = 2000,
+def divergence(model, tok, plans: Mapping[str, Plan | None], length: int = 4096, chunks: int = 4, *, draws: int = 2000,
                seed: int = 0, progress: bool = True) -> Divergence:
     """KL(the model's next-token distribution ‖ each configuration's) and each configuration's perplexity on
     ``chunks`` pieces of ``length`` tokens of real text (:func:`text_chunks`), at the positions
