@@ -155,25 +155,30 @@ def plot(a) -> None:
     data = json.loads(path_of(a.model).read_text())
     rows = [r for r in board.rows(data) if r.get("n")]
     full = next(r for r in rows if r["cell"] == "full@0")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     ax.axhspan(full["lo"], full["hi"], color="0.85", label=f"full attention {full['correct']}/{full['n']} (95 %)")
     by: dict = {}
     for r in rows:
         if r["cell"] != "full@0":
             by.setdefault(r["method"], []).append(r)
-    for name, rs in by.items():
+    for i, (name, rs) in enumerate(by.items()):
         rs.sort(key=lambda r: r["ratio_reached"])
-        x = [1 - r["ratio_reached"] for r in rs]  # bytes held ÷ the model's own
+        nudge = 1.015 ** (i - len(by) / 2)  # methods at the same bytes side by side (log axis)
+        x = [(1 - r["ratio_reached"]) * nudge for r in rs]  # bytes held ÷ the model's own
         y = [r["acc"] for r in rs]
         err = [[r["acc"] - r["lo"] for r in rs], [r["hi"] - r["acc"] for r in rs]]
-        ax.errorbar(x, y, yerr=err, marker="o" if not name.startswith("kvpress") else "s", capsize=3,
-                    linestyle="--" if name.startswith("kvpress") else "-", label=name)
+        kv = name.startswith("kvpress")
+        ax.errorbar(x, y, yerr=err, marker="s" if kv else "o", capsize=3, linestyle="--" if kv else "-", label=name)
+    ticks = [1 / 16, 1 / 8, 1 / 4, 1 / 2, 1]
     ax.set_xscale("log")
-    ax.set_xlabel("bytes held ÷ the model's own cache (log)")
+    ax.set_xticks(ticks, ["1/16", "1/8", "1/4", "1/2", "1"])
+    ax.minorticks_off()
+    ax.set_xlim(1 / 20, 1.2)
+    ax.set_xlabel("bytes of keys and values held ÷ the model's own cache (log)")
     ax.set_ylabel(f"accuracy on {full['n']} prompts (Wilson 95 %)")
     ax.set_title(f"{Path(a.model).name}: {', '.join(data['tasks'])} at {data['length']} tokens")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(a.plot, dpi=120)
     print(f"wrote {a.plot}")
