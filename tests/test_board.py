@@ -154,7 +154,7 @@ def test_method_names_are_parsed_or_refused():
 
 
 def test_a_board_grades_stores_every_reply_and_resumes(smollm2, tmp_path, monkeypatch):
-    """Full attention, every head quantized, and a fisher plan at ratio 0.5 on 2 prompts of 288 tokens:
+    """Full attention, every head quantized, and a retrieval plan at ratio 0.5 on a prompt of 288 tokens:
     each cell's replies are what ``grade.reply`` gives for its cache; a board opened again on the file
     answers nothing again; other settings on that file are refused; a cell that cannot reach a ratio says
     why; the table has every cell."""
@@ -163,11 +163,12 @@ def test_a_board_grades_stores_every_reply_and_resumes(smollm2, tmp_path, monkey
     calls = []
     real = grade.reply
     monkeypatch.setattr(grade, "reply", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    b = board.Board(model, tok, length=288, trials=1, scores=["retrieval"], path=path, log=lambda s: None)
+    b = board.Board(model, tok, length=288, tasks=["needle"], trials=1, scores=["retrieval"], path=path,
+                    log=lambda s: None)
     b.run(["full", "bits4", "streaming", "retrieval"], ratios=(0.5,))
     data = json.loads(path.read_text())
     assert set(data["cells"]) == {"full@0", "bits4@0.5", "streaming@0.5", "retrieval@0.5"}
-    assert len(calls) == 3 * 2  # streaming (sink 64 + window 256 of 288) cannot reach 0.5: not graded
+    assert len(calls) == 3  # streaming (sink 64 + window 256 of 288) cannot reach 0.5: not graded
     st = data["cells"]["streaming@0.5"]
     assert not st["reached"] and "ratio" in st["why"] and st["entries"] == []
     q = data["cells"]["bits4@0.5"]
@@ -177,7 +178,7 @@ def test_a_board_grades_stores_every_reply_and_resumes(smollm2, tmp_path, monkey
     assert (r.sink, r.window) == (16, 64) and q["held"] > 0  # the board's 64 + 256 cannot reach 0.5 at 288 tokens
     assert 1 - r.nbytes(288, model)[0] / data["own_bytes"] >= 0.5
     for c in ("full@0", "bits4@0.5", "retrieval@0.5"):
-        assert len(data["cells"][c]["entries"]) == 2
+        assert len(data["cells"][c]["entries"]) == 1
     assert [e["correct"] for e in data["cells"]["full@0"]["entries"]] == [
         p.score(e["reply"]) for p, e in zip(b.prompts, data["cells"]["full@0"]["entries"])]
     calls.clear()
@@ -190,13 +191,14 @@ def test_a_board_grades_stores_every_reply_and_resumes(smollm2, tmp_path, monkey
     assert board.same_cache(replace(r, sink=4, window=8)) != board.same_cache(r)
     del b.data["cells"]["retrieval+bits4@0.25"]
     b._save()
-    again = board.Board(model, tok, length=288, trials=1, scores=["retrieval"], path=path, log=lambda s: None)
+    again = board.Board(model, tok, length=288, tasks=["needle"], trials=1, scores=["retrieval"], path=path,
+                        log=lambda s: None)
     again.run(["full", "bits4", "streaming", "retrieval"], ratios=(0.5,))
     assert calls == [] and json.loads(path.read_text())["cells"] == data["cells"]
     t = again.table()
-    assert "2/2 [" in t and "cannot reach" in t and "| retrieval |" in t and "ratio 0.5" in t
+    assert "full attention: 1/1 [" in t and "cannot reach" in t and "| retrieval |" in t and "ratio 0.5" in t
     with pytest.raises(ValueError, match="other trials"):
-        board.Board(model, tok, length=288, trials=2, scores=["retrieval"], path=path)
+        board.Board(model, tok, length=288, tasks=["needle"], trials=2, scores=["retrieval"], path=path)
     with pytest.raises(ValueError, match="scores are among"):
         board.Board(model, tok, length=288, scores=["nope"])
 
