@@ -102,13 +102,13 @@ def parse(name: str) -> Method:
     base, plus, b = name.partition("+bits")
     bits = None
     if plus:
-        if b not in ("8", "4"):
+        if b not in [str(x) for x in BITS]:
             raise ValueError(f"method {name!r}: +bits takes 8 or 4, got {b!r}.")
         bits = int(b)
     if base == "full":
         return Method(name, None, None)
     if base.startswith("bits") and not plus:
-        if base[4:] not in ("8", "4"):
+        if base[4:] not in [str(x) for x in BITS]:
             raise ValueError(f"method {name!r}: bits8 or bits4 (every head full, quantized).")
         return Method(name, None, int(base[4:]))
     if base in ("streaming", "best") or base in SCORES:
@@ -278,14 +278,14 @@ class Board:
 
     def _twin(self, key: str, c: dict) -> str | None:
         """A fully answered cell whose cache is this one's (the same heads, streaming size and bits)."""
-        def cache_of(cell: dict):
+        def cache_of(name: str, cell: dict):
             p = cell.get("plan")
-            return None if p is None else same_cache(Plan.from_dict(p, f"{self.path}: {key}"))
+            return None if p is None else same_cache(Plan.from_dict(p, f"{self.path}: {name}"))
 
-        mine = cache_of(c)
+        mine = cache_of(key, c)
         for other, o in self.data["cells"].items():
             if (other != key and o.get("reached") and len(o["entries"]) == len(self.prompts) and mine is not None
-                    and cache_of(o) == mine):
+                    and cache_of(other, o) == mine):
                 return other
         return None
 
